@@ -51,7 +51,7 @@ def logit_qmax_from_logits(
     with np.errstate(divide="ignore"):
         log_rest = np.log(np.sum(np.exp(shifted), axis=-1))
     x = -log_rest
-    return np.clip(x, -MAX_LOG_ODDS, MAX_LOG_ODDS)
+    return np.asarray(np.clip(x, -MAX_LOG_ODDS, MAX_LOG_ODDS), dtype=np.float64)
 
 
 def logit_qmax_from_probs(probs: npt.ArrayLike) -> FloatArray:
@@ -72,7 +72,9 @@ def logit_qmax_from_probs(probs: npt.ArrayLike) -> FloatArray:
     other = np.sum(rest, axis=-1)
     with np.errstate(divide="ignore"):
         x = np.log(qmax) - np.log(other)
-    return np.clip(np.nan_to_num(x, nan=-MAX_LOG_ODDS), -MAX_LOG_ODDS, MAX_LOG_ODDS)
+    return np.asarray(
+        np.clip(np.nan_to_num(x, nan=-MAX_LOG_ODDS), -MAX_LOG_ODDS, MAX_LOG_ODDS), dtype=np.float64
+    )
 
 
 def check_features(features: npt.ArrayLike, k: int | None = None) -> FloatArray:

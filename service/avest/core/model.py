@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-
 from avest.core.errors import InvalidInput
 from avest.core.numeric import sigmoid
 
@@ -87,4 +86,4 @@ def survival(confidences: npt.ArrayLike) -> FloatArray:
     are all accepted: the expected contribution of slot ``(r, k)``.
     """
     p = np.asarray(confidences, dtype=np.float64)
-    return np.cumprod(p, axis=-1)
+    return np.asarray(np.cumprod(p, axis=-1), dtype=np.float64)
