@@ -1,0 +1,1 @@
+"""Subcommands of the ``avest`` command line, one module each."""
