@@ -1,0 +1,36 @@
+"""``avest serve``: the sidecar on embedded defaults (SQLite in --data-dir)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from avest import settings
+
+    p = subparsers.add_parser(
+        "serve",
+        help="run the estimator service (gRPC + admin HTTP)",
+        description="Run the avest service. Every setting is also read from the "
+        "environment variable shown in brackets; a flag wins over the environment.",
+    )
+    settings.add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from avest import settings
+    from avest.server import serve
+
+    try:
+        s = settings.from_sources(args)
+    except ValueError as exc:
+        print(f"avest serve: {exc}")
+        return 2
+    logging.basicConfig(
+        level=s.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    asyncio.run(serve(s))
+    return 0

@@ -1,0 +1,173 @@
+"""The online estimator: predict, fold verified drafts into a round, refit.
+
+One :class:`OnlineEstimator` is the whole learning state of one model pair:
+the coefficients in force, the open round's statistics, the update rule's
+carried information and the calibration measured so far. The service keeps
+one per pair and feeds it the batches every worker streams; the offline
+evaluation replays a trace through the same object, so both produce the same
+coefficients from the same steps.
+
+Each batch is validated completely before anything changes: a refused batch
+leaves the estimator exactly as it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from avest.core.features import check_features
+from avest.core.labels import check_counts, check_exclude, labels
+from avest.core.metrics import CalibrationState
+from avest.core.model import Coefficients, check_k, linear_predictor
+from avest.core.rules import REJECTED, Refit, UpdateRule, VllmRule
+from avest.core.stats import RoundStats, fold
+
+FloatArray = npt.NDArray[np.float64]
+BoolArray = npt.NDArray[np.bool_]
+
+#: vLLM refits every this many decode steps.
+DEFAULT_REFIT_INTERVAL = 100
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One decode step's validated drafts and verdicts."""
+
+    features: FloatArray  # [R, K]
+    observed: BoolArray  # [R, K]
+    accepted: BoolArray  # [R, K]
+
+    @property
+    def labelled(self) -> int:
+        return int(np.count_nonzero(self.observed))
+
+
+def make_batch(
+    features: npt.ArrayLike,
+    num_verified: npt.ArrayLike,
+    num_accepted: npt.ArrayLike,
+    k: int,
+    exclude: npt.ArrayLike | None = None,
+) -> Batch:
+    """Validate one step (features ``[R, K]``, counts ``[R]``) into a :class:`Batch`."""
+    x = check_features(features, k)
+    d, a = check_counts(num_verified, num_accepted, x.shape[0], k)
+    observed, accepted = labels(d, a, k, check_exclude(exclude, x.shape[0]))
+    return Batch(x, observed, accepted)
+
+
+class OnlineEstimator:
+    """Coefficients, the open round, the update rule and calibration of one pair."""
+
+    def __init__(
+        self,
+        k: int,
+        rule: UpdateRule | None = None,
+        refit_interval: int = DEFAULT_REFIT_INTERVAL,
+        start: Coefficients | None = None,
+    ) -> None:
+        check_k(k)
+        if refit_interval < 1:
+            raise ValueError("refit_interval must be >= 1")
+        self.k = k
+        self.rule: UpdateRule = rule if rule is not None else VllmRule()
+        self.refit_interval = refit_interval
+        self.start = start if start is not None else Coefficients.cold_start(k)
+        if self.start.k != k:
+            raise ValueError(f"start coefficients have K={self.start.k}, expected {k}")
+        self.reset(self.start)
+
+    def reset(self, start: Coefficients | None = None) -> None:
+        """Forget everything learned; start again from ``start`` (default: as built)."""
+        self.coefficients = start if start is not None else self.start
+        self.rule.reset(self.coefficients)
+        self.round_stats = RoundStats.zeros(self.k)
+        self.calibration = CalibrationState.empty(self.k)
+        self.version = 0
+        self.round = 0
+        self.steps = 0
+        self.steps_in_round = 0
+        self.drafts = 0
+        self.last_outcome = ""
+
+    # -- learning ---------------------------------------------------------
+
+    def observe(
+        self,
+        features: npt.ArrayLike,
+        num_verified: npt.ArrayLike,
+        num_accepted: npt.ArrayLike,
+        exclude: npt.ArrayLike | None = None,
+    ) -> Refit | None:
+        """Validate and fold one decode step; refit when the round is full."""
+        return self.apply(make_batch(features, num_verified, num_accepted, self.k, exclude))
+
+    def apply(self, batch: Batch) -> Refit | None:
+        """Fold a validated batch scored at the coefficients in force."""
+        eta = linear_predictor(self.coefficients, batch.features)
+        self.round_stats.add_(fold(batch.features, eta, batch.observed, batch.accepted))
+        self.calibration.update(eta, batch.observed, batch.accepted)
+        self.drafts += batch.labelled
+        self.steps += 1
+        self.steps_in_round += 1
+        if self.steps_in_round >= self.refit_interval:
+            return self.refit()
+        return None
+
+    def refit(self) -> Refit:
+        """Close the round now: one update-rule step, then a fresh round."""
+        result = self.rule.refit(self.coefficients, self.round_stats)
+        self.round += 1
+        self.last_outcome = result.outcome
+        if result.outcome != REJECTED:
+            self.coefficients = result.coefficients
+            self.version += 1
+        self.round_stats = RoundStats.zeros(self.k)
+        self.steps_in_round = 0
+        return result
+
+    # -- scoring ----------------------------------------------------------
+
+    def predict(self, features: npt.ArrayLike) -> FloatArray:
+        """Acceptance probability of each draft ``[R, K]`` at the coefficients in force."""
+        from avest.core.numeric import sigmoid
+
+        return sigmoid(linear_predictor(self.coefficients, check_features(features, self.k)))
+
+    # -- persistence ------------------------------------------------------
+
+    def snapshot(self) -> dict[str, FloatArray]:
+        """Everything needed to resume exactly, as named float64 arrays."""
+        out: dict[str, FloatArray] = {
+            "coefficients": self.coefficients.as_vector(),
+            "start": self.start.as_vector(),
+            "counters": np.array(
+                [self.version, self.round, self.steps, self.steps_in_round, self.drafts],
+                dtype=np.float64,
+            ),
+        }
+        out.update({f"round.{n}": v for n, v in self.round_stats.to_arrays().items()})
+        out.update({f"calibration.{n}": v for n, v in self.calibration.to_arrays().items()})
+        out.update({f"rule.{n}": v for n, v in self.rule.state().items()})
+        return out
+
+    def restore(self, arrays: dict[str, FloatArray]) -> None:
+        """Resume from :meth:`snapshot` output (same K and rule)."""
+
+        def part(prefix: str) -> dict[str, FloatArray]:
+            return {n[len(prefix) :]: v for n, v in arrays.items() if n.startswith(prefix)}
+
+        coef = Coefficients.from_vector(arrays["coefficients"])
+        if coef.k != self.k:
+            raise ValueError(f"snapshot has K={coef.k}, estimator has K={self.k}")
+        self.coefficients = coef
+        self.start = Coefficients.from_vector(arrays["start"])
+        counters = [int(v) for v in arrays["counters"]]
+        self.version, self.round, self.steps, self.steps_in_round, self.drafts = counters
+        self.round_stats = RoundStats.from_arrays(part("round."))
+        self.calibration = CalibrationState.from_arrays(part("calibration."))
+        self.rule.reset(self.start)
+        self.rule.load_state(part("rule."))

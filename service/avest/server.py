@@ -1,0 +1,161 @@
+"""``avest serve``: grpc.aio and the admin HTTP API in one asyncio process.
+
+:class:`Server` starts everything on the running loop, reports the bound
+addresses (port 0 picks free ports), and :meth:`Server.stop` drains: health
+NOT_SERVING, a final durable snapshot whose acknowledgements reach the open
+Observe streams, streams closed, then the store closed — all within
+``grace_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import Iterator
+
+import grpc
+import uvicorn
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from avest.app import Avest
+from avest.grpc_service import EstimatorService
+from avest.http import build_http
+from avest.metrics import Metrics
+from avest.settings import Settings, split_address
+from avest.v1 import estimator_pb2 as pb
+from avest.v1 import estimator_pb2_grpc as pb_grpc
+
+log = logging.getLogger("avest")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EstimatorService"].full_name
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: the service handles SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class Server:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.app = Avest(settings)
+        self.metrics = Metrics(self.app)
+        self.service = EstimatorService(self.app, on_refused=self.metrics.refused)
+        self.metrics.set_open_streams(lambda: self.service.open_streams)
+        self.health = health.aio.HealthServicer()
+        self.grpc_port = 0
+        self.http_port = 0
+        self._grpc: grpc.aio.Server | None = None
+        self._http: _EmbeddedUvicorn | None = None
+        self._http_task: asyncio.Task[None] | None = None
+        self._stopped = asyncio.Event()
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{split_address(self.settings.grpc_address)[0]}:{self.grpc_port}"
+
+    @property
+    def http_address(self) -> str:
+        return f"{split_address(self.settings.http_address)[0]}:{self.http_port}"
+
+    async def start(self) -> None:
+        await self.app.start()
+        limit = self.settings.max_message_bytes
+        self._grpc = grpc.aio.server(
+            interceptors=[self.metrics.interceptor()],
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        pb_grpc.add_EstimatorServiceServicer_to_server(self.service, self._grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
+        reflection.enable_server_reflection(
+            (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            self._grpc,
+        )
+        host, port = split_address(self.settings.grpc_address)
+        self.grpc_port = self._grpc.add_insecure_port(f"{host}:{port}")
+        if self.grpc_port == 0:
+            raise OSError(f"cannot bind gRPC to {self.settings.grpc_address}")
+        await self._grpc.start()
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+
+        http_host, http_port = split_address(self.settings.http_address)
+        sock = socket.socket(socket.AF_INET6 if ":" in http_host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((http_host, http_port))
+        self.http_port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            build_http(self.app, self.metrics, self.settings),
+            log_level=self.settings.log_level if self.settings.log_level != "info" else "warning",
+            lifespan="off",
+            access_log=False,
+        )
+        self._http = _EmbeddedUvicorn(config)
+        self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]), name="avest-http")
+        while not self._http.started:
+            if self._http_task.done():
+                self._http_task.result()
+            await asyncio.sleep(0.01)
+        log.info(
+            "avest serving grpc=%s http=%s data=%s",
+            self.grpc_address,
+            self.http_address,
+            self.settings.database,
+        )
+
+    async def stop(self) -> None:
+        """Drain within the grace period; idempotent."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        grace = self.settings.grace_s
+        await self.health.enter_graceful_shutdown()
+        try:
+            # Make every applied step durable so its acknowledgement goes out
+            # on the streams before they close.
+            await asyncio.wait_for(self.app.flush(), timeout=grace)
+        except asyncio.TimeoutError:
+            log.warning("final flush before draining timed out")
+        await self.service.drain()
+        if self._grpc is not None:
+            await self._grpc.stop(grace)
+        await self.app.close()
+        if self._http is not None and self._http_task is not None:
+            self._http.should_exit = True
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(self._http_task, timeout=grace)
+        log.info("avest stopped")
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+
+
+async def serve(settings: Settings, announce: bool = True) -> None:
+    """Run until SIGTERM or SIGINT, then drain."""
+    server = Server(settings)
+    await server.start()
+    if announce:
+        print(
+            f"avest serving grpc={server.grpc_address} http=http://{server.http_address}",
+            flush=True,
+        )
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop()

@@ -1,0 +1,281 @@
+"""Per-pair estimator state: the registry the gRPC and HTTP adapters share.
+
+All mutation happens on the service's event loop thread, one call at a
+time, so no locks are needed; persistence reads immutable snapshots taken
+here and writes them on a thread of its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from avest.core.costs import CostTable
+from avest.core.errors import InvalidInput
+from avest.core.estimator import Batch, OnlineEstimator
+from avest.core.model import Coefficients, check_k
+from avest.core.rules import Refit, make_rule
+
+
+class NotFound(LookupError):
+    """No pair with that id."""
+
+
+class Exhausted(RuntimeError):
+    """A configured limit (pairs, rows, message size) would be exceeded."""
+
+    def __init__(self, field_name: str, problem: str) -> None:
+        super().__init__(f"{field_name}: {problem}")
+        self.field = field_name
+
+
+@dataclass(frozen=True)
+class PairKey:
+    """What identifies a pair: models, method, K and free-form labels."""
+
+    target: str
+    draft: str
+    method: str
+    k: int
+    labels: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def of(
+        cls, target: str, draft: str, method: str, k: int, labels: dict[str, str] | None = None
+    ) -> PairKey:
+        if not target:
+            raise InvalidInput("target_model", "must not be empty")
+        if not draft:
+            raise InvalidInput("draft_model", "must not be empty")
+        check_k(k, "num_speculative_tokens")
+        return cls(target, draft, method or "", int(k), tuple(sorted((labels or {}).items())))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "draft": self.draft,
+            "method": self.method,
+            "k": self.k,
+            "labels": dict(self.labels),
+        }
+
+    @property
+    def pair_id(self) -> str:
+        """Stable id: the same key gives the same id in every process, forever."""
+        blob = json.dumps(self.as_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class CostCurves:
+    hardware: str
+    draft: tuple[tuple[int, float], ...]
+    verify: tuple[tuple[int, float], ...]
+    cudagraph_limit: int
+
+    def table(self) -> CostTable:
+        return CostTable.from_curves(
+            list(self.draft), list(self.verify), cudagraph_limit=self.cudagraph_limit
+        )
+
+
+@dataclass
+class HistoryEntry:
+    version: int
+    round: int
+    time: float
+    slope: float
+    intercepts: tuple[float, ...]
+    outcome: str
+
+
+@dataclass
+class Pair:
+    """One model pair: its estimator and everything the service tracks about it."""
+
+    key: PairKey
+    rule_name: str
+    estimator: OnlineEstimator
+    created: float = field(default_factory=time.time)
+    updated: float = field(default_factory=time.time)
+    #: Highest sequence number applied, per worker (for deduplication).
+    applied: dict[str, int] = field(default_factory=dict)
+    #: Highest sequence number made durable, per worker (what is acknowledged).
+    durable: dict[str, int] = field(default_factory=dict)
+    costs: dict[str, CostCurves] = field(default_factory=dict)
+    _tables: dict[str, CostTable] = field(default_factory=dict)
+    history: list[HistoryEntry] = field(default_factory=list)
+    #: Changed since the last snapshot was written.
+    dirty: bool = False
+    watchers: list[Callable[[Pair], None]] = field(default_factory=list)
+
+    @property
+    def id(self) -> str:
+        return self.key.pair_id
+
+    @property
+    def k(self) -> int:
+        return self.key.k
+
+    @property
+    def coefficients(self) -> Coefficients:
+        return self.estimator.coefficients
+
+    def cost_table(self, hardware: str) -> CostTable:
+        if hardware not in self.costs:
+            known = ", ".join(sorted(self.costs)) or "none"
+            raise NotFound(
+                f"pair {self.id} has no cost curves for hardware {hardware!r} (known: {known})"
+            )
+        if hardware not in self._tables:
+            self._tables[hardware] = self.costs[hardware].table()
+        return self._tables[hardware]
+
+    def set_costs(self, curves: CostCurves) -> None:
+        table = curves.table()  # validates before anything changes
+        self.costs[curves.hardware] = curves
+        self._tables[curves.hardware] = table
+        self.dirty = True
+
+    def observe(self, worker: str, seq: int, batch: Batch) -> tuple[bool, Refit | None]:
+        """Apply a validated batch unless ``(worker, seq)`` was applied already.
+
+        Returns ``(applied, refit)``.
+        """
+        if seq <= self.applied.get(worker, -1):
+            return False, None
+        refit = self.estimator.apply(batch)
+        self.applied[worker] = seq
+        self.updated = time.time()
+        self.dirty = True
+        if refit is not None:
+            self._record(refit.outcome)
+        return True, refit
+
+    def reset(self) -> None:
+        self.estimator.reset()
+        self.history.clear()
+        self._record("reset")
+
+    def _record(self, outcome: str) -> None:
+        c = self.estimator.coefficients
+        self.history.append(
+            HistoryEntry(
+                self.estimator.version,
+                self.estimator.round,
+                time.time(),
+                c.slope,
+                c.intercepts,
+                outcome,
+            )
+        )
+        del self.history[:-256]
+        self.dirty = True
+        for notify in list(self.watchers):
+            notify(self)
+
+
+@dataclass(frozen=True)
+class RuleConfig:
+    default_rule: str = "recursive"
+    refit_interval: int = 100
+    forgetting: float = 0.95
+    prior: float = 1.0
+
+
+class Registry:
+    """All pairs by id, with registration limits."""
+
+    def __init__(self, rules: RuleConfig | None = None, max_pairs: int = 1024) -> None:
+        self.rules = rules or RuleConfig()
+        self.max_pairs = max_pairs
+        self.pairs: dict[str, Pair] = {}
+        self.on_register: list[Callable[[Pair], None]] = []
+
+    def get(self, pair_id: str) -> Pair:
+        try:
+            return self.pairs[pair_id]
+        except KeyError:
+            raise NotFound(f"unknown pair_id {pair_id!r}") from None
+
+    def register(self, key: PairKey, rule: str = "", refit_interval: int = 0) -> tuple[Pair, bool]:
+        """Idempotent: an existing key returns its pair unchanged. ``(pair, created)``."""
+        existing = self.pairs.get(key.pair_id)
+        if existing is not None:
+            return existing, False
+        if rule and rule not in ("vllm", "recursive"):
+            raise InvalidInput("rule", f"must be vllm or recursive, got {rule!r}")
+        if refit_interval < 0 or refit_interval > 1_000_000:
+            raise InvalidInput("refit_interval", "must lie in [0, 1000000] (0 = server default)")
+        if len(self.pairs) >= self.max_pairs:
+            raise Exhausted("pairs", f"the service holds its limit of {self.max_pairs} pairs")
+        pair = self.build(
+            key, rule or self.rules.default_rule, refit_interval or self.rules.refit_interval
+        )
+        self.pairs[pair.id] = pair
+        pair._record("registered")
+        for hook in self.on_register:
+            hook(pair)
+        return pair, True
+
+    def build(self, key: PairKey, rule: str, refit_interval: int) -> Pair:
+        estimator = OnlineEstimator(
+            key.k,
+            make_rule(rule, forgetting=self.rules.forgetting, prior=self.rules.prior),
+            refit_interval=refit_interval,
+        )
+        return Pair(key=key, rule_name=rule, estimator=estimator)
+
+    def snapshot(self, pair: Pair) -> dict[str, Any]:
+        """An immutable picture of a pair for the store (arrays copied)."""
+        return {
+            "id": pair.id,
+            "key": pair.key.as_dict(),
+            "rule": pair.rule_name,
+            "refit_interval": pair.estimator.refit_interval,
+            "arrays": {n: np.array(v, copy=True) for n, v in pair.estimator.snapshot().items()},
+            "applied": dict(pair.applied),
+            "costs": [
+                {
+                    "hardware": c.hardware,
+                    "draft": list(c.draft),
+                    "verify": list(c.verify),
+                    "cudagraph_limit": c.cudagraph_limit,
+                }
+                for c in pair.costs.values()
+            ],
+            "history": [vars(h).copy() for h in pair.history],
+            "updated": pair.updated,
+        }
+
+    def restore(self, record: dict[str, Any]) -> Pair:
+        key_d = record["key"]
+        key = PairKey.of(
+            key_d["target"], key_d["draft"], key_d["method"], key_d["k"], key_d["labels"]
+        )
+        pair = self.build(key, record["rule"], int(record["refit_interval"]))
+        pair.estimator.restore(record["arrays"])
+        pair.applied = {w: int(s) for w, s in record["applied"].items()}
+        pair.durable = dict(pair.applied)
+        for c in record["costs"]:
+            pair.set_costs(
+                CostCurves(
+                    c["hardware"],
+                    tuple(map(tuple, c["draft"])),
+                    tuple(map(tuple, c["verify"])),
+                    int(c["cudagraph_limit"]),
+                )
+            )
+        pair.history = [
+            HistoryEntry(**{**h, "intercepts": tuple(h["intercepts"])}) for h in record["history"]
+        ]
+        pair.updated = float(record["updated"])
+        pair.dirty = False
+        self.pairs[pair.id] = pair
+        return pair
