@@ -1,0 +1,334 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class UpdateRule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    UPDATE_RULE_UNSPECIFIED: _ClassVar[UpdateRule]
+    UPDATE_RULE_VLLM: _ClassVar[UpdateRule]
+    UPDATE_RULE_RECURSIVE: _ClassVar[UpdateRule]
+
+class BudgetRule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BUDGET_RULE_UNSPECIFIED: _ClassVar[BudgetRule]
+    BUDGET_RULE_STALE: _ClassVar[BudgetRule]
+    BUDGET_RULE_LOSSLESS_WALK: _ClassVar[BudgetRule]
+    BUDGET_RULE_ARGMAX: _ClassVar[BudgetRule]
+    BUDGET_RULE_FULL: _ClassVar[BudgetRule]
+UPDATE_RULE_UNSPECIFIED: UpdateRule
+UPDATE_RULE_VLLM: UpdateRule
+UPDATE_RULE_RECURSIVE: UpdateRule
+BUDGET_RULE_UNSPECIFIED: BudgetRule
+BUDGET_RULE_STALE: BudgetRule
+BUDGET_RULE_LOSSLESS_WALK: BudgetRule
+BUDGET_RULE_ARGMAX: BudgetRule
+BUDGET_RULE_FULL: BudgetRule
+
+class PairKey(_message.Message):
+    __slots__ = ("target_model", "draft_model", "method", "num_speculative_tokens", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    target_model: str
+    draft_model: str
+    method: str
+    num_speculative_tokens: int
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class Coefficients(_message.Message):
+    __slots__ = ("pair_id", "version", "round", "slope", "intercepts", "update_time")
+    PAIR_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SLOPE_FIELD_NUMBER: _ClassVar[int]
+    INTERCEPTS_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    pair_id: str
+    version: int
+    round: int
+    slope: float
+    intercepts: _containers.RepeatedScalarFieldContainer[float]
+    update_time: _timestamp_pb2.Timestamp
+    def __init__(self, pair_id: _Optional[str] = ..., version: _Optional[int] = ..., round: _Optional[int] = ..., slope: _Optional[float] = ..., intercepts: _Optional[_Iterable[float]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class RegisterPairRequest(_message.Message):
+    __slots__ = ("key", "update_rule", "refit_interval")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_RULE_FIELD_NUMBER: _ClassVar[int]
+    REFIT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    key: PairKey
+    update_rule: UpdateRule
+    refit_interval: int
+    def __init__(self, key: _Optional[_Union[PairKey, _Mapping]] = ..., update_rule: _Optional[_Union[UpdateRule, str]] = ..., refit_interval: _Optional[int] = ...) -> None: ...
+
+class RegisterPairResponse(_message.Message):
+    __slots__ = ("pair_id", "update_rule", "refit_interval", "coefficients", "created")
+    PAIR_ID_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_RULE_FIELD_NUMBER: _ClassVar[int]
+    REFIT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    COEFFICIENTS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    pair_id: str
+    update_rule: UpdateRule
+    refit_interval: int
+    coefficients: Coefficients
+    created: bool
+    def __init__(self, pair_id: _Optional[str] = ..., update_rule: _Optional[_Union[UpdateRule, str]] = ..., refit_interval: _Optional[int] = ..., coefficients: _Optional[_Union[Coefficients, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
+
+class ObserveRequest(_message.Message):
+    __slots__ = ("pair_id", "worker_id", "sequence", "features", "rows", "k", "num_verified", "num_accepted", "exclude", "coefficients_version")
+    PAIR_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    NUM_VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_FIELD_NUMBER: _ClassVar[int]
+    COEFFICIENTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    pair_id: str
+    worker_id: str
+    sequence: int
+    features: bytes
+    rows: int
+    k: int
+    num_verified: _containers.RepeatedScalarFieldContainer[int]
+    num_accepted: _containers.RepeatedScalarFieldContainer[int]
+    exclude: _containers.RepeatedScalarFieldContainer[bool]
+    coefficients_version: int
+    def __init__(self, pair_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., sequence: _Optional[int] = ..., features: _Optional[bytes] = ..., rows: _Optional[int] = ..., k: _Optional[int] = ..., num_verified: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., exclude: _Optional[_Iterable[bool]] = ..., coefficients_version: _Optional[int] = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ("pair_id", "worker_id", "acked_sequence")
+    PAIR_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ACKED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    pair_id: str
+    worker_id: str
+    acked_sequence: int
+    def __init__(self, pair_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., acked_sequence: _Optional[int] = ...) -> None: ...
+
+class CoefficientsUpdate(_message.Message):
+    __slots__ = ("coefficients",)
+    COEFFICIENTS_FIELD_NUMBER: _ClassVar[int]
+    coefficients: Coefficients
+    def __init__(self, coefficients: _Optional[_Union[Coefficients, _Mapping]] = ...) -> None: ...
+
+class ObserveResponse(_message.Message):
+    __slots__ = ("ack", "coefficients_update")
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    COEFFICIENTS_UPDATE_FIELD_NUMBER: _ClassVar[int]
+    ack: Ack
+    coefficients_update: CoefficientsUpdate
+    def __init__(self, ack: _Optional[_Union[Ack, _Mapping]] = ..., coefficients_update: _Optional[_Union[CoefficientsUpdate, _Mapping]] = ...) -> None: ...
+
+class GetCoefficientsRequest(_message.Message):
+    __slots__ = ("pair_id",)
+    PAIR_ID_FIELD_NUMBER: _ClassVar[int]
+    pair_id: str
+    def __init__(self, pair_id: _Optional[str] = ...) -> None: ...
+
+class GetCoefficientsResponse(_message.Message):
+    __slots__ = ("coefficients",)
+    COEFFICIENTS_FIELD_NUMBER: _ClassVar[int]
+    coefficients: Coefficients
+    def __init__(self, coefficients: _Optional[_Union[Coefficients, _Mapping]] = ...) -> None: ...
+
+class WatchCoefficientsRequest(_message.Message):
+    __slots__ = ("pair_id",)
+    PAIR_ID_FIELD_NUMBER: _ClassVar[int]
+    pair_id: str
+    def __init__(self, pair_id: _Optional[str] = ...) -> None: ...
+
+class WatchCoefficientsResponse(_message.Message):
+    __slots__ = ("coefficients",)
+    COEFFICIENTS_FIELD_NUMBER: _ClassVar[int]
+    coefficients: Coefficients
+    def __init__(self, coefficients: _Optional[_Union[Coefficients, _Mapping]] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("pair_id", "features", "rows", "k")
+    PAIR_ID_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    pair_id: str
+    features: bytes
+    rows: int
+    k: int
+    def __init__(self, pair_id: _Optional[str] = ..., features: _Optional[bytes] = ..., rows: _Optional[int] = ..., k: _Optional[int] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("confidences", "survival", "coefficients_version")
+    CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
+    SURVIVAL_FIELD_NUMBER: _ClassVar[int]
+    COEFFICIENTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    confidences: bytes
+    survival: bytes
+    coefficients_version: int
+    def __init__(self, confidences: _Optional[bytes] = ..., survival: _Optional[bytes] = ..., coefficients_version: _Optional[int] = ...) -> None: ...
+
+class BudgetRequest(_message.Message):
+    __slots__ = ("pair_id", "confidences", "rows", "k", "stale_confidences", "scheduled_drafts", "num_non_draft_tokens", "num_sampling_requests", "hardware", "rule", "min_drafts_per_request")
+    PAIR_ID_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    STALE_CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NON_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    HARDWARE_FIELD_NUMBER: _ClassVar[int]
+    RULE_FIELD_NUMBER: _ClassVar[int]
+    MIN_DRAFTS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    pair_id: str
+    confidences: bytes
+    rows: int
+    k: int
+    stale_confidences: bytes
+    scheduled_drafts: _containers.RepeatedScalarFieldContainer[int]
+    num_non_draft_tokens: int
+    num_sampling_requests: int
+    hardware: str
+    rule: BudgetRule
+    min_drafts_per_request: int
+    def __init__(self, pair_id: _Optional[str] = ..., confidences: _Optional[bytes] = ..., rows: _Optional[int] = ..., k: _Optional[int] = ..., stale_confidences: _Optional[bytes] = ..., scheduled_drafts: _Optional[_Iterable[int]] = ..., num_non_draft_tokens: _Optional[int] = ..., num_sampling_requests: _Optional[int] = ..., hardware: _Optional[str] = ..., rule: _Optional[_Union[BudgetRule, str]] = ..., min_drafts_per_request: _Optional[int] = ...) -> None: ...
+
+class BudgetResponse(_message.Message):
+    __slots__ = ("budget", "verify_lengths", "expected_tokens", "cost_ms", "rule", "lossless")
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COST_MS_FIELD_NUMBER: _ClassVar[int]
+    RULE_FIELD_NUMBER: _ClassVar[int]
+    LOSSLESS_FIELD_NUMBER: _ClassVar[int]
+    budget: int
+    verify_lengths: _containers.RepeatedScalarFieldContainer[int]
+    expected_tokens: float
+    cost_ms: float
+    rule: BudgetRule
+    lossless: bool
+    def __init__(self, budget: _Optional[int] = ..., verify_lengths: _Optional[_Iterable[int]] = ..., expected_tokens: _Optional[float] = ..., cost_ms: _Optional[float] = ..., rule: _Optional[_Union[BudgetRule, str]] = ..., lossless: _Optional[bool] = ...) -> None: ...
+
+class CostPoint(_message.Message):
+    __slots__ = ("size", "ms")
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    MS_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    ms: float
+    def __init__(self, size: _Optional[int] = ..., ms: _Optional[float] = ...) -> None: ...
+
+class SetCostCurvesRequest(_message.Message):
+    __slots__ = ("pair_id", "hardware", "draft_curve", "verify_curve", "cudagraph_capture_limit")
+    PAIR_ID_FIELD_NUMBER: _ClassVar[int]
+    HARDWARE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_CURVE_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_CURVE_FIELD_NUMBER: _ClassVar[int]
+    CUDAGRAPH_CAPTURE_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    pair_id: str
+    hardware: str
+    draft_curve: _containers.RepeatedCompositeFieldContainer[CostPoint]
+    verify_curve: _containers.RepeatedCompositeFieldContainer[CostPoint]
+    cudagraph_capture_limit: int
+    def __init__(self, pair_id: _Optional[str] = ..., hardware: _Optional[str] = ..., draft_curve: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., verify_curve: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., cudagraph_capture_limit: _Optional[int] = ...) -> None: ...
+
+class SetCostCurvesResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListPairsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListPairsResponse(_message.Message):
+    __slots__ = ("pairs",)
+    PAIRS_FIELD_NUMBER: _ClassVar[int]
+    pairs: _containers.RepeatedCompositeFieldContainer[Pair]
+    def __init__(self, pairs: _Optional[_Iterable[_Union[Pair, _Mapping]]] = ...) -> None: ...
+
+class GetPairRequest(_message.Message):
+    __slots__ = ("pair_id",)
+    PAIR_ID_FIELD_NUMBER: _ClassVar[int]
+    pair_id: str
+    def __init__(self, pair_id: _Optional[str] = ...) -> None: ...
+
+class GetPairResponse(_message.Message):
+    __slots__ = ("pair",)
+    PAIR_FIELD_NUMBER: _ClassVar[int]
+    pair: Pair
+    def __init__(self, pair: _Optional[_Union[Pair, _Mapping]] = ...) -> None: ...
+
+class Pair(_message.Message):
+    __slots__ = ("pair_id", "key", "update_rule", "refit_interval", "coefficients", "drafts_observed", "steps_observed", "calibration", "cost_curve_hardware")
+    PAIR_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_RULE_FIELD_NUMBER: _ClassVar[int]
+    REFIT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    COEFFICIENTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_OBSERVED_FIELD_NUMBER: _ClassVar[int]
+    STEPS_OBSERVED_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_FIELD_NUMBER: _ClassVar[int]
+    COST_CURVE_HARDWARE_FIELD_NUMBER: _ClassVar[int]
+    pair_id: str
+    key: PairKey
+    update_rule: UpdateRule
+    refit_interval: int
+    coefficients: Coefficients
+    drafts_observed: int
+    steps_observed: int
+    calibration: Calibration
+    cost_curve_hardware: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, pair_id: _Optional[str] = ..., key: _Optional[_Union[PairKey, _Mapping]] = ..., update_rule: _Optional[_Union[UpdateRule, str]] = ..., refit_interval: _Optional[int] = ..., coefficients: _Optional[_Union[Coefficients, _Mapping]] = ..., drafts_observed: _Optional[int] = ..., steps_observed: _Optional[int] = ..., calibration: _Optional[_Union[Calibration, _Mapping]] = ..., cost_curve_hardware: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Calibration(_message.Message):
+    __slots__ = ("count", "auc", "logloss", "ece", "mean_predicted", "observed", "by_position")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    AUC_FIELD_NUMBER: _ClassVar[int]
+    LOGLOSS_FIELD_NUMBER: _ClassVar[int]
+    ECE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_PREDICTED_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_FIELD_NUMBER: _ClassVar[int]
+    BY_POSITION_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    auc: float
+    logloss: float
+    ece: float
+    mean_predicted: float
+    observed: float
+    by_position: _containers.RepeatedCompositeFieldContainer[PositionCalibration]
+    def __init__(self, count: _Optional[int] = ..., auc: _Optional[float] = ..., logloss: _Optional[float] = ..., ece: _Optional[float] = ..., mean_predicted: _Optional[float] = ..., observed: _Optional[float] = ..., by_position: _Optional[_Iterable[_Union[PositionCalibration, _Mapping]]] = ...) -> None: ...
+
+class PositionCalibration(_message.Message):
+    __slots__ = ("auc", "logloss", "ece", "mean_predicted", "observed", "count")
+    AUC_FIELD_NUMBER: _ClassVar[int]
+    LOGLOSS_FIELD_NUMBER: _ClassVar[int]
+    ECE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_PREDICTED_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    auc: float
+    logloss: float
+    ece: float
+    mean_predicted: float
+    observed: float
+    count: int
+    def __init__(self, auc: _Optional[float] = ..., logloss: _Optional[float] = ..., ece: _Optional[float] = ..., mean_predicted: _Optional[float] = ..., observed: _Optional[float] = ..., count: _Optional[int] = ...) -> None: ...
