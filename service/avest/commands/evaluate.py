@@ -1,0 +1,91 @@
+"""``avest evaluate TRACE``: the feature table for a recorded trace."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser(
+        "evaluate",
+        help="replay a trace predict-then-learn and measure every method",
+        description="Replay an avest-trace/1 file: each draft is scored by the coefficients in "
+        "force when it was drafted, then learned. Prints AUC, log loss, ECE and mean predicted "
+        "vs observed acceptance per method.",
+    )
+    p.add_argument("trace", nargs="?", help="trace file (.npz); default: the bundled sample")
+    p.add_argument(
+        "--refit-interval",
+        type=int,
+        default=100,
+        metavar="N",
+        help="refit every N steps (default 100, as vLLM)",
+    )
+    p.add_argument(
+        "--from",
+        dest="from_fraction",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="score only steps from this fraction of the trace on (e.g. 0.5: steady state)",
+    )
+    p.add_argument(
+        "--forgetting", type=float, default=0.95, help="recursive rule: forgetting per round"
+    )
+    p.add_argument("--prior", type=float, default=1.0, help="recursive rule: prior precision")
+    p.add_argument(
+        "--method",
+        action="append",
+        dest="methods",
+        metavar="NAME",
+        help="only this method (repeatable)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--plot", metavar="DIR", help="write a reliability diagram and per-position plot here"
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from avest.evaluate import evaluate, format_table
+    from avest.trace import TraceError, bundled_sample_path, read_trace
+
+    path = args.trace or str(bundled_sample_path())
+    try:
+        trace = read_trace(path)
+    except (TraceError, OSError) as exc:
+        print(f"avest evaluate: {exc}", file=sys.stderr)
+        return 2
+
+    def progress(it):  # type: ignore[no-untyped-def]
+        return tqdm(it, desc="replay", unit="step", leave=False, disable=None, file=sys.stderr)
+
+    try:
+        report = evaluate(
+            trace,
+            name=path,
+            refit_interval=args.refit_interval,
+            from_fraction=args.from_fraction,
+            forgetting=args.forgetting,
+            prior=args.prior,
+            methods=args.methods,
+            progress=progress,
+        )
+    except ValueError as exc:
+        print(f"avest evaluate: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report.as_json(), allow_nan=False))
+    else:
+        print(format_table(report))
+    if args.plot:
+        from avest.plots import write_plots
+
+        for written in write_plots(report, args.plot):
+            print(f"wrote {written}", file=sys.stderr)
+    return 0
