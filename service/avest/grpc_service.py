@@ -319,11 +319,11 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
             self.open_streams -= 1
             self.watchers.get(pair.id, set()).discard(queue)
 
-    def Observe(
+    async def Observe(
         self, request_iterator: AsyncIterator[pb.ObserveRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ObserveResponse]:
-        stream = _ObserveStream(self, request_iterator, context)
-        return stream.run()
+        async for response in _ObserveStream(self, request_iterator, context).run():
+            yield response
 
     def _check_shape(self, pair: Pair, rows: int, k: int) -> None:
         if k != pair.k:
