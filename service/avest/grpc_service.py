@@ -26,7 +26,7 @@ from avest.core.errors import InvalidInput
 from avest.core.estimator import make_batch
 from avest.core.features import check_features
 from avest.core.model import predict, survival
-from avest.state import CostCurves, Exhausted, NotFound, Pair, PairKey
+from avest.state import Conflict, CostCurves, Exhausted, NotFound, Pair, PairKey
 from avest.v1 import estimator_pb2 as pb
 from avest.v1 import estimator_pb2_grpc as pb_grpc
 
@@ -128,6 +128,8 @@ def refusals() -> Any:
         raise Refused(grpc.StatusCode.NOT_FOUND, str(exc.args[0])) from None
     except Exhausted as exc:
         raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
+    except Conflict as exc:
+        raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
 
 
 class EstimatorService(pb_grpc.EstimatorServiceServicer):
@@ -253,8 +255,11 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
                 table = pair.cost_table(request.hardware)
             except NotFound as exc:
                 raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(exc.args[0])) from None
+            rule = BUDGET_FROM_PB[request.rule]
+            if request.rule == pb.BUDGET_RULE_UNSPECIFIED and stale is not None:
+                rule = "stale"  # the contract's default: stale when given, else the walk
             decision = budget_rules.decide(
-                BUDGET_FROM_PB[request.rule],
+                rule,
                 conf.astype(np.float64),
                 np.asarray(request.scheduled_drafts, dtype=np.int64),
                 table,

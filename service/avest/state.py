@@ -27,6 +27,14 @@ class NotFound(LookupError):
     """No pair with that id."""
 
 
+class Conflict(RuntimeError):
+    """A request that contradicts the pair's settled configuration."""
+
+    def __init__(self, field_name: str, problem: str) -> None:
+        super().__init__(f"{field_name}: {problem}")
+        self.field = field_name
+
+
 class Exhausted(RuntimeError):
     """A configured limit (pairs, rows, message size) would be exceeded."""
 
@@ -208,6 +216,13 @@ class Registry:
         """Idempotent: an existing key returns its pair unchanged. ``(pair, created)``."""
         existing = self.pairs.get(key.pair_id)
         if existing is not None:
+            if rule and rule != existing.rule_name:
+                raise Conflict("update_rule", f"pair {existing.id} uses {existing.rule_name!r}, not {rule!r}")
+            if refit_interval and refit_interval != existing.estimator.refit_interval:
+                raise Conflict(
+                    "refit_interval",
+                    f"pair {existing.id} refits every {existing.estimator.refit_interval} steps, not {refit_interval}",
+                )
             return existing, False
         if rule and rule not in ("vllm", "recursive"):
             raise InvalidInput("rule", f"must be vllm or recursive, got {rule!r}")

@@ -78,15 +78,21 @@ class OnlineEstimator:
         self.start = start if start is not None else Coefficients.cold_start(k)
         if self.start.k != k:
             raise ValueError(f"start coefficients have K={self.start.k}, expected {k}")
+        self.version = 0
         self.reset(self.start)
+        self.version = 0
 
     def reset(self, start: Coefficients | None = None) -> None:
-        """Forget everything learned; start again from ``start`` (default: as built)."""
+        """Forget everything learned; start again from ``start`` (default: as built).
+
+        The version still moves forward (it never decreases), so watchers see
+        the reset as a new set of coefficients.
+        """
         self.coefficients = start if start is not None else self.start
         self.rule.reset(self.coefficients)
         self.round_stats = RoundStats.zeros(self.k)
         self.calibration = CalibrationState.empty(self.k)
-        self.version = 0
+        self.version += 1
         self.round = 0
         self.steps = 0
         self.steps_in_round = 0
