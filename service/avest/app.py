@@ -59,6 +59,9 @@ class Avest:
         self.hooks = Hooks()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="avest-store")
         self._flush_now = asyncio.Event()
+        #: One write at a time: a caller waiting on flush() also waits for the
+        #: write already under way, so "after flush" means "durable".
+        self._flush_lock = asyncio.Lock()
         self._flusher: asyncio.Task[None] | None = None
         self._closed = False
         self.ready = False
@@ -131,6 +134,10 @@ class Avest:
 
     async def flush(self, force: bool = False) -> None:
         """Write every dirty pair in one transaction, then mark its batches durable."""
+        async with self._flush_lock:
+            await self._flush(force)
+
+    async def _flush(self, force: bool) -> None:
         pairs = [p for p in self.registry.pairs.values() if p.dirty or force]
         if not pairs:
             return
