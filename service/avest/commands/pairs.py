@@ -1,0 +1,88 @@
+"""``avest pairs``: list the pairs a running service holds."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser("pairs", help="list the pairs of a running service")
+    p.add_argument("--address", default="127.0.0.1:50051", help="service gRPC address HOST:PORT")
+    p.add_argument("--json", action="store_true", help="print a JSON list")
+    p.set_defaults(func=run)
+
+
+def pair_json(pair: Any) -> dict[str, Any]:
+    """A ``avest.v1.Pair`` as the JSON the CLI prints."""
+    c, cal = pair.coefficients, pair.calibration
+    rules = {1: "vllm", 2: "recursive"}
+    return {
+        "pair_id": pair.pair_id,
+        "key": {
+            "target": pair.key.target_model,
+            "draft": pair.key.draft_model,
+            "method": pair.key.method,
+            "k": pair.key.num_speculative_tokens,
+            "labels": dict(pair.key.labels),
+        },
+        "rule": rules.get(pair.update_rule, ""),
+        "refit_interval": pair.refit_interval,
+        "version": c.version,
+        "round": c.round,
+        "slope": c.slope,
+        "intercepts": list(c.intercepts),
+        "drafts_observed": pair.drafts_observed,
+        "steps_observed": pair.steps_observed,
+        "calibration": {
+            "count": cal.count,
+            "auc": cal.auc,
+            "logloss": cal.logloss,
+            "ece": cal.ece,
+            "mean_predicted": cal.mean_predicted,
+            "observed": cal.observed,
+        },
+    }
+
+
+def print_pair(pair: Any) -> None:
+    d = pair_json(pair)
+    cal = d["calibration"]
+    print(
+        f"pair {d['pair_id']}  {d['key']['target']} <- {d['key']['draft']}  K={d['key']['k']}  rule={d['rule']}"
+    )
+    print(
+        f"  version {d['version']}  round {d['round']}  drafts {d['drafts_observed']}  steps {d['steps_observed']}"
+    )
+    print(f"  slope {d['slope']:.4f}  intercepts " + " ".join(f"{b:+.3f}" for b in d["intercepts"]))
+    print(
+        f"  AUC {cal['auc']:.4f}  log loss {cal['logloss']:.4f}  ECE {cal['ece']:.4f}  "
+        f"predicted {cal['mean_predicted']:.3f}  observed {cal['observed']:.3f}"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import grpc
+
+    from avest.v1 import estimator_pb2 as pb
+    from avest.v1 import estimator_pb2_grpc as pb_grpc
+
+    try:
+        with grpc.insecure_channel(args.address) as channel:
+            pairs = (
+                pb_grpc.EstimatorServiceStub(channel)
+                .ListPairs(pb.ListPairsRequest(), timeout=10)
+                .pairs
+            )
+    except grpc.RpcError as exc:
+        print(f"avest pairs: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps([pair_json(p) for p in pairs]))
+    elif not pairs:
+        print("no pairs")
+    for p in [] if args.json else pairs:
+        print_pair(p)
+    return 0

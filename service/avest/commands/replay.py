@@ -1,0 +1,78 @@
+"""``avest replay TRACE``: stream a trace into a running service as W workers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+from avest.commands.pairs import pair_json, print_pair
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser(
+        "replay",
+        help="stream a trace into a running service as simulated workers",
+        description="Register the trace's pair and stream its steps into the service as W "
+        "concurrent workers (each step's rows split among them), then print the pair's "
+        "coefficients and calibration.",
+    )
+    p.add_argument("trace", nargs="?", help="trace file (.npz); default: the bundled sample")
+    p.add_argument("--address", default="127.0.0.1:50051", help="service gRPC address HOST:PORT")
+    p.add_argument(
+        "--workers", type=int, default=1, metavar="W", help="concurrent simulated workers"
+    )
+    p.add_argument(
+        "--rule", choices=["vllm", "recursive"], default="", help="update rule for the pair"
+    )
+    p.add_argument(
+        "--refit-interval",
+        type=int,
+        default=0,
+        metavar="N",
+        help="refit every N steps (0: service default)",
+    )
+    p.add_argument("--repeat", type=int, default=1, help="replay the trace this many times")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import grpc
+    from tqdm import tqdm
+
+    from avest.replay import replay, step_bounds
+    from avest.trace import TraceError, bundled_sample_path, read_trace
+
+    path = args.trace or str(bundled_sample_path())
+    try:
+        trace = read_trace(path)
+    except (TraceError, OSError) as exc:
+        print(f"avest replay: {exc}", file=sys.stderr)
+        return 2
+    total = len(step_bounds(trace)) * args.repeat * args.workers
+    bar = tqdm(total=total, desc="replay", unit="msg", disable=None, file=sys.stderr, leave=False)
+    try:
+        result = asyncio.run(
+            replay(
+                args.address,
+                trace,
+                args.workers,
+                args.rule,
+                args.refit_interval,
+                args.repeat,
+                lambda: bar.update(),
+            )
+        )
+    except grpc.aio.AioRpcError as exc:
+        print(f"avest replay: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    finally:
+        bar.close()
+    if args.json:
+        print(json.dumps({"messages": result.messages, **pair_json(result.pair)}))
+    else:
+        print(f"replayed {result.messages} messages from {path} as {args.workers} worker(s)")
+        print_pair(result.pair)
+    return 0
