@@ -94,7 +94,9 @@ async def replay(
     repeat: int = 1,
     on_message: Callable[[], None] = lambda: None,
     timeout: float = 600.0,
+    rate: float = 0.0,
 ) -> ReplayResult:
+    """Replay ``trace``; ``rate`` caps messages per second per worker (0: no cap)."""
     if workers < 1:
         raise ValueError("workers must be >= 1")
     async with grpc.aio.insecure_channel(address) as channel:
@@ -116,6 +118,8 @@ async def replay(
                 for m in msgs:
                     yield m
                     on_message()
+                    if rate > 0:
+                        await asyncio.sleep(1.0 / rate)
 
             acked = 0
             async for resp in stub.Observe(requests(), timeout=timeout):

@@ -34,6 +34,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="refit every N steps (0: service default)",
     )
     p.add_argument("--repeat", type=int, default=1, help="replay the trace this many times")
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="messages per second per worker (0: as fast as possible)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
