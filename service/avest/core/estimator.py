@@ -30,6 +30,9 @@ BoolArray = npt.NDArray[np.bool_]
 
 #: vLLM refits every this many decode steps.
 DEFAULT_REFIT_INTERVAL = 100
+#: Weight the recent calibration keeps per round: about a 20-round window,
+#: so drift shows within a few thousand pooled steps.
+DEFAULT_RECENT_DECAY = 0.95
 
 
 @dataclass(frozen=True)
@@ -68,8 +71,12 @@ class OnlineEstimator:
         rule: UpdateRule | None = None,
         refit_interval: int = DEFAULT_REFIT_INTERVAL,
         start: Coefficients | None = None,
+        recent_decay: float = DEFAULT_RECENT_DECAY,
     ) -> None:
         check_k(k)
+        if not 0.0 <= recent_decay <= 1.0:
+            raise ValueError("recent_decay must lie in [0, 1]")
+        self.recent_decay = recent_decay
         if refit_interval < 1:
             raise ValueError("refit_interval must be >= 1")
         self.k = k
@@ -91,7 +98,11 @@ class OnlineEstimator:
         self.coefficients = start if start is not None else self.start
         self.rule.reset(self.coefficients)
         self.round_stats = RoundStats.zeros(self.k)
-        self.calibration = CalibrationState.empty(self.k)
+        # Calibration of the open round, folded at each refit into the
+        # all-time state and the exponentially forgetting recent one.
+        self._calibration_round = CalibrationState.empty(self.k)
+        self._calibration_total = CalibrationState.empty(self.k)
+        self._calibration_recent = CalibrationState.empty(self.k)
         self.version += 1
         self.round = 0
         self.steps = 0
@@ -115,7 +126,7 @@ class OnlineEstimator:
         """Fold a validated batch scored at the coefficients in force."""
         eta = linear_predictor(self.coefficients, batch.features)
         self.round_stats.add_(fold(batch.features, eta, batch.observed, batch.accepted))
-        self.calibration.update(eta, batch.observed, batch.accepted)
+        self._calibration_round.update(eta, batch.observed, batch.accepted)
         self.drafts += batch.labelled
         self.steps += 1
         self.steps_in_round += 1
@@ -133,7 +144,21 @@ class OnlineEstimator:
             self.version += 1
         self.round_stats = RoundStats.zeros(self.k)
         self.steps_in_round = 0
+        self._calibration_total.merge(self._calibration_round)
+        self._calibration_recent.scale(self.recent_decay)
+        self._calibration_recent.merge(self._calibration_round)
+        self._calibration_round = CalibrationState.empty(self.k)
         return result
+
+    @property
+    def calibration(self) -> CalibrationState:
+        """Calibration of every draft observed since the start (or last reset)."""
+        return self._calibration_total + self._calibration_round
+
+    @property
+    def recent_calibration(self) -> CalibrationState:
+        """Calibration with older rounds down-weighted by ``recent_decay`` per round."""
+        return self._calibration_recent + self._calibration_round
 
     # -- scoring ----------------------------------------------------------
 
@@ -156,7 +181,12 @@ class OnlineEstimator:
             ),
         }
         out.update({f"round.{n}": v for n, v in self.round_stats.to_arrays().items()})
-        out.update({f"calibration.{n}": v for n, v in self.calibration.to_arrays().items()})
+        for name, state in (
+            ("calibration", self._calibration_total),
+            ("calibration_recent", self._calibration_recent),
+            ("calibration_round", self._calibration_round),
+        ):
+            out.update({f"{name}.{n}": v for n, v in state.to_arrays().items()})
         out.update({f"rule.{n}": v for n, v in self.rule.state().items()})
         return out
 
@@ -174,6 +204,8 @@ class OnlineEstimator:
         counters = [int(v) for v in arrays["counters"]]
         self.version, self.round, self.steps, self.steps_in_round, self.drafts = counters
         self.round_stats = RoundStats.from_arrays(part("round."))
-        self.calibration = CalibrationState.from_arrays(part("calibration."))
+        self._calibration_total = CalibrationState.from_arrays(part("calibration."))
+        self._calibration_recent = CalibrationState.from_arrays(part("calibration_recent."))
+        self._calibration_round = CalibrationState.from_arrays(part("calibration_round."))
         self.rule.reset(self.start)
         self.rule.load_state(part("rule."))

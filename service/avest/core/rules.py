@@ -41,7 +41,7 @@ class Refit:
 
 
 class UpdateRule(Protocol):
-    name: str
+    name: ClassVar[str]
 
     def refit(self, coef: Coefficients, stats: RoundStats) -> Refit: ...
 
