@@ -1,0 +1,397 @@
+"""Calibration measures as mergeable sums: AUC, log loss, ECE, mean acceptance.
+
+Every measure is kept per draft position as float64 sums and histograms, so
+states from different workers, rounds or trace shards merge by addition and
+forget by scaling (weights become fractional; every measure stays a weighted
+one). Nothing here keeps individual drafts.
+
+- AUC: counts of accepted and rejected drafts in 1024 equal bins of the linear
+  predictor ``eta`` on [-12, 12] plus underflow and overflow bins; drafts in
+  one bin tie (one half). Binning ``eta``, not ``p``, keeps resolution where
+  many predictions sit near 1. The gap to the exact AUC is at most half the
+  fraction of (accepted, rejected) pairs sharing a bin; in practice ~1e-5 at
+  1e5+ drafts, ~1e-4 at a few thousand (it shrinks like 1/n).
+- Log loss: a running sum of ``softplus(eta) - y * eta``, stable for any eta.
+- ECE: exact from 15 equal-width probability bins holding the counts of
+  accepted and rejected drafts and the sum of predictions, which also give
+  the mean predicted and observed acceptance.
+
+``exact_*`` compute the same measures from individual drafts (references).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from avest.core.errors import InvalidInput
+from avest.core.labels import check_counts, labels
+from avest.core.model import MAX_K, check_k
+from avest.core.numeric import bernoulli_nll
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.intp]
+BoolArray = npt.NDArray[np.bool_]
+
+#: Equal-width bins of the linear predictor for the AUC histograms.
+AUC_BINS = 1024
+#: The AUC bins cover ``eta`` in ``[-ETA_RANGE, ETA_RANGE)``.
+ETA_RANGE = 12.0
+#: AUC slots per class and position: underflow, ``AUC_BINS`` bins, overflow.
+AUC_SLOTS = AUC_BINS + 2
+#: Equal-width probability bins for ECE and the reliability diagram.
+ECE_BINS = 15
+
+_AUC_SCALE = AUC_BINS / (2.0 * ETA_RANGE)
+_AUC_OFFSET = ETA_RANGE * _AUC_SCALE + 1.0
+#: Persisted with the arrays so a state saved under another binning is refused.
+_LAYOUT = np.array([AUC_BINS, -ETA_RANGE, ETA_RANGE, ECE_BINS], dtype=np.float64)
+
+
+def _array_shapes(k: int) -> dict[str, tuple[int, ...]]:
+    """Persisted arrays and their shapes for ``k`` positions."""
+    auc, ece = (k, AUC_SLOTS), (k, ECE_BINS)
+    return {
+        **dict.fromkeys(("auc_rejected", "auc_accepted"), auc),
+        **dict.fromkeys(("ece_rejected", "ece_accepted", "ece_sum_predicted"), ece),
+        "logloss_sum": (k,),
+    }
+
+
+def eta_bin(eta: npt.ArrayLike) -> IntArray:
+    """AUC slot of each ``eta``: 0 below -12, 1..1024 inside, 1025 at or above 12."""
+    v = np.clip(np.asarray(eta, dtype=np.float64) * _AUC_SCALE + _AUC_OFFSET, 0.0, AUC_SLOTS - 1)
+    return v.astype(np.intp)
+
+
+def probability_bin(p: npt.ArrayLike) -> IntArray:
+    """ECE bin of each probability in [0, 1]; 1.0 falls in the last bin."""
+    b = (np.asarray(p, dtype=np.float64) * ECE_BINS).astype(np.intp)
+    return np.minimum(b, ECE_BINS - 1)
+
+
+@dataclass(frozen=True)
+class PositionSummary:
+    """The measures over one set of drafts; NaN where undefined.
+
+    ``count`` is a float because forgetting makes it a weighted count. AUC is
+    NaN unless both classes are present; everything else is NaN at count 0.
+    """
+
+    auc: float
+    logloss: float
+    ece: float
+    mean_predicted: float
+    observed: float
+    count: float
+
+
+@dataclass(frozen=True)
+class CalibrationSummary(PositionSummary):
+    """Measures over all positions pooled, and per position in ``by_position``."""
+
+    by_position: tuple[PositionSummary, ...] = ()
+
+
+@dataclass(frozen=True)
+class Reliability:
+    """Reliability-diagram data: per probability bin, count, mean predicted, observed.
+
+    ``edges`` has ``ECE_BINS + 1`` entries; ``mean_predicted`` and ``observed``
+    are NaN for empty bins.
+    """
+
+    edges: FloatArray
+    count: FloatArray
+    mean_predicted: FloatArray
+    observed: FloatArray
+
+
+class CalibrationState:
+    """Mergeable calibration sums for ``k`` draft positions.
+
+    Build with :meth:`empty`, fold batches in with :meth:`update` (in place),
+    combine with ``+`` or :meth:`merge`, forget with :meth:`scale`, read with
+    :meth:`summary` and :meth:`reliability`, persist with :meth:`to_arrays`
+    and :meth:`from_arrays`.
+    """
+
+    __slots__ = ("_auc", "_ece", "_psum", "_nll")
+
+    def __init__(self, auc: FloatArray, ece: FloatArray, psum: FloatArray, nll: FloatArray) -> None:
+        # Use empty()/from_arrays(). auc [K, 2, AUC_SLOTS] and ece [K, ECE_BINS, 2]
+        # count (rejected, accepted) drafts; psum [K, ECE_BINS] sums p; nll [K].
+        self._auc, self._ece, self._psum, self._nll = auc, ece, psum, nll
+
+    @classmethod
+    def empty(cls, k: int) -> CalibrationState:
+        check_k(k)
+        return cls(
+            np.zeros((k, 2, AUC_SLOTS)),
+            np.zeros((k, ECE_BINS, 2)),
+            np.zeros((k, ECE_BINS)),
+            np.zeros(k),
+        )
+
+    @classmethod
+    def of(
+        cls, eta: npt.ArrayLike, observed: npt.ArrayLike, accepted: npt.ArrayLike
+    ) -> CalibrationState:
+        """A state holding one batch ``[R, K]``."""
+        e = np.asarray(eta, dtype=np.float64)
+        if e.ndim != 2:
+            raise InvalidInput("eta", f"must have shape [R, K], got {list(e.shape)}")
+        check_k(e.shape[1], "eta")
+        state = cls.empty(e.shape[1])
+        state.update(e, observed, accepted)
+        return state
+
+    @property
+    def k(self) -> int:
+        return int(self._nll.shape[0])
+
+    @property
+    def count(self) -> float:
+        """Total (weighted) number of labelled drafts folded in."""
+        return float(self._ece.sum())
+
+    def _parts(self) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray]:
+        return (self._auc, self._ece, self._psum, self._nll)
+
+    def copy(self) -> CalibrationState:
+        return CalibrationState(*(a.copy() for a in self._parts()))
+
+    def update(self, eta: npt.ArrayLike, observed: npt.ArrayLike, accepted: npt.ArrayLike) -> None:
+        """Fold in one batch: linear predictors and label masks, all ``[R, K]``.
+
+        Only drafts with ``observed`` count; ``accepted`` is their label.
+        Validates everything before touching the state. Vectorised: one pass
+        of elementwise ops over the observed drafts and four ``np.add.at``.
+        """
+        e_all = self._check_eta(eta)
+        obs = _mask(observed, "observed", e_all.shape)
+        acc = _mask(accepted, "accepted", e_all.shape)
+        idx = np.flatnonzero(obs)
+        e = e_all.reshape(-1)[idx]
+        if not np.isfinite(e).all():
+            raise InvalidInput("eta", "observed drafts need finite linear predictors")
+        y = acc.reshape(-1)[idx]
+        pos = idx % self.k
+        # exp(-|eta|) never overflows; it gives both p and the log loss
+        # softplus(eta) - y*eta = log1p(exp(-|eta|)) + max(+-eta, 0).
+        t = np.exp(-np.abs(e))
+        p = np.where(e >= 0.0, 1.0, t) / (1.0 + t)
+        nll = np.log1p(t) + np.maximum(np.where(y, -e, e), 0.0)
+        cell = pos * 2 + y  # (position, class) pairs
+        np.add.at(self._auc.reshape(-1), cell * AUC_SLOTS + eta_bin(e), 1.0)
+        pb = pos * ECE_BINS + probability_bin(p)
+        np.add.at(self._ece.reshape(-1), pb * 2 + y, 1.0)
+        np.add.at(self._psum.reshape(-1), pb, p)
+        np.add.at(self._nll, pos, nll)
+
+    def update_counts(
+        self, eta: npt.ArrayLike, num_verified: npt.ArrayLike, num_accepted: npt.ArrayLike
+    ) -> None:
+        """Fold in one batch given per-request verification counts ``[R]``."""
+        e = self._check_eta(eta)
+        d, a = check_counts(num_verified, num_accepted, e.shape[0], self.k)
+        obs, acc = labels(d, a, self.k)
+        self.update(e, obs, acc)
+
+    def merge(self, other: CalibrationState) -> None:
+        """Add ``other``'s sums into this state (in place)."""
+        self._check_same_k(other)
+        for mine, theirs in zip(self._parts(), other._parts(), strict=True):
+            mine += theirs
+
+    def __add__(self, other: CalibrationState) -> CalibrationState:
+        if not isinstance(other, CalibrationState):
+            return NotImplemented
+        out = self.copy()
+        out.merge(other)
+        return out
+
+    def __iadd__(self, other: CalibrationState) -> CalibrationState:
+        self.merge(other)
+        return self
+
+    def scale(self, factor: float) -> None:
+        """Multiply every sum by ``factor`` in [0, 1] (exponential forgetting, in place).
+
+        Ratios (AUC, log loss, ECE, means) are unchanged by one scaling; it
+        sets how much older drafts weigh against those folded in later.
+        """
+        f = float(factor)
+        if not (np.isfinite(f) and 0.0 <= f <= 1.0):
+            raise InvalidInput("factor", f"must lie in [0, 1], got {factor!r}")
+        for a in self._parts():
+            a *= f
+
+    def summary(self) -> CalibrationSummary:
+        """All measures, pooled over positions and per position."""
+        per = tuple(
+            _summarise(self._auc[i], self._ece[i], self._psum[i], float(self._nll[i]))
+            for i in range(self.k)
+        )
+        pooled = _summarise(
+            self._auc.sum(axis=0),
+            self._ece.sum(axis=0),
+            self._psum.sum(axis=0),
+            float(self._nll.sum()),
+        )
+        return CalibrationSummary(**asdict(pooled), by_position=per)
+
+    def reliability(self, position: int | None = None) -> Reliability:
+        """Per ECE bin: count, mean predicted and observed rate (pooled or one position)."""
+        if position is None:
+            ece, psum = self._ece.sum(axis=0), self._psum.sum(axis=0)
+        else:
+            if not 0 <= position < self.k:
+                raise InvalidInput("position", f"must lie in [0, {self.k}), got {position}")
+            ece, psum = self._ece[position], self._psum[position]
+        count = ece.sum(axis=1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mean_p = np.where(count > 0, psum / count, np.nan)
+            obs = np.where(count > 0, ece[:, 1] / count, np.nan)
+        edges = np.linspace(0.0, 1.0, ECE_BINS + 1)
+        return Reliability(edges=edges, count=count, mean_predicted=mean_p, observed=obs)
+
+    def to_arrays(self) -> dict[str, FloatArray]:
+        """Copies of the sums, by name, for persistence; ``from_arrays`` inverts it exactly."""
+        return {
+            "layout": _LAYOUT.copy(),
+            "auc_rejected": self._auc[:, 0].copy(),
+            "auc_accepted": self._auc[:, 1].copy(),
+            "ece_rejected": self._ece[:, :, 0].copy(),
+            "ece_accepted": self._ece[:, :, 1].copy(),
+            "ece_sum_predicted": self._psum.copy(),
+            "logloss_sum": self._nll.copy(),
+        }
+
+    @classmethod
+    def from_arrays(cls, arrays: Mapping[str, npt.ArrayLike]) -> CalibrationState:
+        """Rebuild a state from :meth:`to_arrays`' output, validating it."""
+        if "layout" not in arrays:
+            raise InvalidInput("layout", "missing")
+        layout = np.asarray(arrays["layout"], dtype=np.float64)
+        if layout.shape != _LAYOUT.shape or not np.array_equal(layout, _LAYOUT):
+            raise InvalidInput("layout", f"expected {_LAYOUT.tolist()}, got {layout.tolist()}")
+        nll_shape = np.shape(arrays["logloss_sum"]) if "logloss_sum" in arrays else ()
+        k = nll_shape[0] if len(nll_shape) == 1 else 0
+        if not 1 <= k <= MAX_K:
+            raise InvalidInput("logloss_sum", f"needs shape [K], 1 <= K <= {MAX_K}")
+        got: dict[str, FloatArray] = {}
+        for key, shape in _array_shapes(k).items():
+            if key not in arrays:
+                raise InvalidInput(key, "missing")
+            a = np.array(arrays[key], dtype=np.float64)
+            if a.shape != shape:
+                raise InvalidInput(key, f"must have shape {list(shape)} (K from logloss_sum)")
+            if not np.all(np.isfinite(a)) or (a < 0).any():
+                raise InvalidInput(key, "must be finite and non-negative")
+            got[key] = a
+        auc = np.stack([got["auc_rejected"], got["auc_accepted"]], axis=1)
+        ece = np.stack([got["ece_rejected"], got["ece_accepted"]], axis=2)
+        if not np.allclose(auc.sum(axis=(1, 2)), ece.sum(axis=(1, 2)), rtol=1e-9, atol=1e-9):
+            raise InvalidInput("auc_accepted", "AUC and ECE histograms disagree on the draft count")
+        return cls(auc, ece, got["ece_sum_predicted"], got["logloss_sum"])
+
+    def _check_eta(self, eta: npt.ArrayLike) -> FloatArray:
+        e = np.asarray(eta, dtype=np.float64)
+        if e.ndim != 2 or e.shape[1] != self.k:
+            raise InvalidInput("eta", f"must have shape [R, {self.k}], got {list(e.shape)}")
+        return e
+
+    def _check_same_k(self, other: CalibrationState) -> None:
+        if not isinstance(other, CalibrationState):
+            raise InvalidInput("other", f"must be a CalibrationState, got {type(other).__name__}")
+        if other.k != self.k:
+            raise InvalidInput("other", f"has K={other.k}, this state has K={self.k}")
+
+
+def _mask(value: npt.ArrayLike, field: str, shape: tuple[int, ...]) -> BoolArray:
+    m = np.asarray(value)
+    if m.dtype != np.bool_:
+        raise InvalidInput(field, f"must be a boolean array, got dtype {m.dtype}")
+    if m.shape != shape:
+        raise InvalidInput(field, f"must have shape {list(shape)} like eta, got {list(m.shape)}")
+    return m
+
+
+def auc_from_histograms(rejected: FloatArray, accepted: FloatArray) -> float:
+    """AUC from per-bin counts in ascending score order; a bin's drafts tie (one half)."""
+    cum = np.cumsum(accepted)
+    n_acc = float(cum[-1]) if cum.size else 0.0
+    n_rej = float(rejected.sum())
+    if n_acc <= 0.0 or n_rej <= 0.0:
+        return float("nan")
+    above = n_acc - cum
+    return float(np.dot(rejected, above + 0.5 * accepted) / (n_acc * n_rej))
+
+
+def _summarise(auc: FloatArray, ece: FloatArray, psum: FloatArray, nll: float) -> PositionSummary:
+    count = float(ece.sum())
+    if count <= 0.0:
+        nan = float("nan")
+        return PositionSummary(nan, nan, nan, nan, nan, 0.0)
+    n_acc = float(ece[:, 1].sum())
+    return PositionSummary(
+        auc=auc_from_histograms(auc[0], auc[1]),
+        logloss=nll / count,
+        # sum_b (n_b / n) |psum_b / n_b - acc_b / n_b| = sum_b |psum_b - acc_b| / n
+        ece=float(np.abs(psum - ece[:, 1]).sum()) / count,
+        mean_predicted=float(psum.sum()) / count,
+        observed=n_acc / count,
+        count=count,
+    )
+
+
+def _pair(x: npt.ArrayLike, y_true: npt.ArrayLike, field: str) -> tuple[FloatArray, BoolArray]:
+    s = np.asarray(x, dtype=np.float64).reshape(-1)
+    y = np.asarray(y_true).reshape(-1)
+    if y.dtype != np.bool_ and y.size and not np.isin(y, (0, 1)).all():
+        raise InvalidInput("labels", "must be 0/1 or boolean")
+    y = y.astype(np.bool_)
+    if y.shape != s.shape:
+        raise InvalidInput("labels", f"has {y.size} entries, {field} has {s.size}")
+    if not np.isfinite(s).all():
+        raise InvalidInput(field, "must be finite")
+    return s, y
+
+
+def exact_auc(scores: npt.ArrayLike, y_true: npt.ArrayLike) -> float:
+    """Exact AUC (Mann-Whitney, tied scores count one half); NaN with one class."""
+    s, y = _pair(scores, y_true, "scores")
+    n_acc = int(y.sum())
+    n_rej = y.size - n_acc
+    if n_acc == 0 or n_rej == 0:
+        return float("nan")
+    _, inverse, counts = np.unique(s, return_inverse=True, return_counts=True)
+    # Average 1-based rank of each group of tied scores.
+    start = np.cumsum(counts) - counts
+    rank = (start + (counts + 1) / 2.0)[inverse.reshape(-1)]
+    u = float(rank[y].sum()) - n_acc * (n_acc + 1) / 2.0
+    return u / (n_acc * n_rej)
+
+
+def exact_log_loss(eta: npt.ArrayLike, y_true: npt.ArrayLike) -> float:
+    """Mean negative log-likelihood from linear predictors; NaN with no drafts."""
+    e, y = _pair(eta, y_true, "eta")
+    return float(np.mean(bernoulli_nll(e, y))) if e.size else float("nan")
+
+
+def exact_ece(probs: npt.ArrayLike, y_true: npt.ArrayLike, bins: int = ECE_BINS) -> float:
+    """ECE over ``bins`` equal-width probability bins; NaN with no drafts."""
+    p, y = _pair(probs, y_true, "probs")
+    if p.size and (p.min() < 0.0 or p.max() > 1.0):
+        raise InvalidInput("probs", "must lie in [0, 1]")
+    if bins < 1:
+        raise InvalidInput("bins", f"must be >= 1, got {bins}")
+    if p.size == 0:
+        return float("nan")
+    b = np.minimum((p * bins).astype(np.intp), bins - 1)
+    gap = np.bincount(b, weights=p, minlength=bins) - np.bincount(b, weights=y, minlength=bins)
+    return float(np.abs(gap).sum()) / p.size
