@@ -1,0 +1,399 @@
+"""The draft budget: how many drafts to verify this step, and which ones.
+
+Each scheduled (request, position) slot scores its *survival*, the running
+product of the request's confidences up to it: the chance it is accepted.
+Verifying ``B`` drafts yields ``S + Σ_{j<B} s_(j)`` expected tokens (``S``
+requests sample a token whatever happens) for ``draft_cost[R] +
+verify_cost[T0 + B]`` ms. Slots rank by survival, descending, ties by request
+then position; survival never rises along a request, so any top-``B`` is a
+prefix of every request's drafts.
+
+Losslessness (DESIGN §3): speculative sampling stays exact as long as whether
+draft ``i`` is verified never depends on the token drawn at ``i``. Survival at
+``i`` depends only on earlier tokens, so ranking slots by survival is safe; but
+with an autoregressive drafter survival at ``i + 1`` depends on the token at
+``i``, so a budget *size* computed from the same step's survivals may not be.
+Each rule in ``RULES`` states whether it is lossless; ``DEFAULT_RULE`` is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from avest.core.costs import CostTable
+from avest.core.errors import InvalidInput
+from avest.core.model import survival as running_survival
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+
+def _int(value: object, name: str, low: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidInput(name, f"must be an integer, got {value!r}")
+    if value < low:
+        raise InvalidInput(name, f"must be >= {low}, got {value}")
+    return int(value)
+
+
+def _matrix(values: npt.ArrayLike, name: str) -> FloatArray:
+    """A finite ``[R, K]`` matrix with entries in [0, 1]."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.ndim != 2:
+        raise InvalidInput(name, f"must be [requests, positions], got shape {x.shape}")
+    if x.size and not (np.all(np.isfinite(x)) and x.min() >= 0.0 and x.max() <= 1.0):
+        raise InvalidInput(name, "must be finite and in [0, 1]")
+    return x
+
+
+def _scheduled(scheduled: npt.ArrayLike | None, r: int, k: int) -> IntArray:
+    if scheduled is None:
+        return np.full(r, k, dtype=np.int64)
+    raw = np.asarray(scheduled)
+    if raw.shape != (r,) or (raw.size and raw.dtype.kind not in "iu"):
+        raise InvalidInput("scheduled", f"must be {r} integers (one per request)")
+    s = raw.astype(np.int64)
+    if s.size and (s.min() < 0 or s.max() > k):
+        raise InvalidInput("scheduled", f"drafts per request must be in [0, {k}]")
+    return s
+
+
+def _check_survival(s: FloatArray, scheduled: IntArray) -> None:
+    """Survival must not increase along a request's scheduled drafts."""
+    inside = np.arange(1, s.shape[1])[None, :] < scheduled[:, None]
+    if np.any((np.diff(s, axis=1) > 0) & inside):
+        raise InvalidInput("survival", "must not increase along a request's drafts")
+
+
+def _eligible(s: FloatArray, sched: IntArray, forced: IntArray) -> IntArray:
+    """Flat indices of scheduled, not forced, slots in row-major order."""
+    pos = np.arange(s.shape[1])[None, :]
+    return np.flatnonzero((pos < sched[:, None]) & (pos >= forced[:, None]))
+
+
+def _best_first(survival: FloatArray, idx: IntArray) -> FloatArray:
+    """Survival of the slots ``idx``, sorted best first."""
+    return np.sort(survival.reshape(-1)[idx])[::-1]
+
+
+def goodput_curve(scores: FloatArray, s: float, r: int, t0: int, costs: CostTable) -> FloatArray:
+    """Expected tokens per ms for budgets ``B = 0..len(scores)``, scores best first.
+
+    ``s`` requests sample a token, ``r`` requests draft, ``t0`` non-draft tokens.
+    """
+    gained = s + np.concatenate(([0.0], np.cumsum(scores)))
+    spent = costs.draft_cost(r) + costs.verify_range(t0, t0 + scores.size)
+    return np.asarray(gained / spent, dtype=np.float64)
+
+
+def _sorted_scores(
+    survival: npt.ArrayLike, scheduled: npt.ArrayLike | None
+) -> tuple[FloatArray, int | None]:
+    """Scores best first from a sorted vector or a ``[R, K]`` survival matrix."""
+    s = np.asarray(survival, dtype=np.float64)
+    if s.ndim == 1:
+        if np.any(np.diff(_matrix(s[None, :], "survival")[0]) > 0):
+            raise InvalidInput("survival", "a vector of scores must be sorted descending")
+        return s, None
+    m = _matrix(s, "survival")
+    sched = _scheduled(scheduled, m.shape[0], m.shape[1])
+    _check_survival(m, sched)
+    return _best_first(m, _eligible(m, sched, np.zeros_like(sched))), m.shape[0]
+
+
+def _common(
+    num_sampling: int, num_requests: int, num_non_draft_tokens: int, rows: int | None
+) -> tuple[int, int, int]:
+    s = _int(num_sampling, "num_sampling")
+    r = _int(num_requests, "num_requests")
+    if rows is not None and r != rows:
+        raise InvalidInput("num_requests", f"survival has {rows} requests, got {r}")
+    if s > r:
+        raise InvalidInput("num_sampling", f"at most num_requests ({r}), got {s}")
+    return s, r, _int(num_non_draft_tokens, "num_non_draft_tokens")
+
+
+def budget_size(
+    survival: npt.ArrayLike,
+    num_sampling: int,
+    num_requests: int,
+    num_non_draft_tokens: int,
+    costs: CostTable,
+    *,
+    scheduled: npt.ArrayLike | None = None,
+) -> int:
+    """``B* = argmax_B (S + Σ_{j<B} s_(j)) / (draft[R] + verify[T0 + B])``.
+
+    ``survival`` is either the scores sorted descending or an ``[R, K]``
+    survival matrix (``scheduled[R]`` drafts each, default all ``K``). ``B``
+    ranges over ``0..#slots`` and the *global* argmax is taken (step-shaped
+    costs make goodput multi-peaked); ties go to the smallest ``B``.
+
+    Lossless only if the survivals it is given do not depend on this step's
+    drafted tokens (e.g. last step's, as vLLM does). Fed the current
+    survivals of an autoregressive drafter it is not, unless goodput is
+    single-peaked (affine or convex costs), where it equals the lossless walk.
+    """
+    scores, rows = _sorted_scores(survival, scheduled)
+    s, r, t0 = _common(num_sampling, num_requests, num_non_draft_tokens, rows)
+    return int(np.argmax(goodput_curve(scores, s, r, t0, costs)))
+
+
+def lossless_walk_size(
+    survival: npt.ArrayLike,
+    num_sampling: int,
+    num_requests: int,
+    num_non_draft_tokens: int,
+    costs: CostTable,
+    *,
+    scheduled: npt.ArrayLike | None = None,
+) -> int:
+    """Budget of the walk of DESIGN §3 rule 2; arguments as ``budget_size``.
+
+    Walk the slots best first; slot ``m`` (0-based rank, ``A = S + Σ_{j<m}
+    s_(j)``) is included iff ``max_{m<b<=N} (A + (b-m) s_m) / cost(b) >
+    A / cost(m)``, i.e. some larger budget beats stopping even if every slot
+    from ``m`` on scored ``s_m`` (an optimistic bound: later slots score less);
+    the walk stops at the first exclusion. Always lossless: the test reads only
+    slots ranked at or above ``m``, which for slot ``(r, i)`` are request
+    ``r``'s earlier drafts and other requests' slots. Vectorised as
+    ``s_m cost(m) > A · CostTable.extension_rates[m]`` (costs only, cached).
+
+    The result is ``>= budget_size`` of the same survivals and its goodput is
+    ``>=`` that of every larger budget (verifying everything included); it can
+    fall below the argmax's goodput when the optimistic bound overshoots.
+    """
+    scores, rows = _sorted_scores(survival, scheduled)
+    s, r, t0 = _common(num_sampling, num_requests, num_non_draft_tokens, rows)
+    return _walk(scores, s, r, t0, costs)
+
+
+def _walk(scores: FloatArray, s: float, r: int, t0: int, costs: CostTable) -> int:
+    n = scores.size
+    if n == 0:
+        return 0
+    rate = costs.extension_rates(t0, n)
+    cost = costs.draft_cost(r) + costs.verify_range(t0, t0 + n - 1)
+    before = s + np.concatenate(([0.0], np.cumsum(scores[:-1])))
+    include = scores * cost > before * rate
+    return n if bool(include.all()) else int(np.argmin(include))
+
+
+def allocate(
+    survival: npt.ArrayLike,
+    scheduled: npt.ArrayLike,
+    budget: int,
+    min_per_request: int = 0,
+) -> IntArray:
+    """Verify lengths ``[R]``: the top-``budget`` scheduled slots by survival.
+
+    Each request keeps a prefix of its drafts. The first
+    ``min(min_per_request, scheduled[r])`` drafts of every request are always
+    kept and count toward ``budget``; when they alone exceed it they are
+    verified anyway (the minimum wins). A budget above the number of
+    scheduled slots verifies them all.
+
+    Lossless whatever the budget, provided the budget itself does not depend
+    on this step's drafted tokens: the rank of slot ``(r, i)`` against the
+    slots above it reads no token drawn at ``i`` or later.
+    """
+    s = _matrix(survival, "survival")
+    sched = _scheduled(scheduled, s.shape[0], s.shape[1])
+    _check_survival(s, sched)
+    forced = np.minimum(sched, _int(min_per_request, "min_per_request"))
+    return _fill(s, sched, forced, _int(budget, "budget"))
+
+
+def _fill(
+    s: FloatArray,
+    sched: IntArray,
+    forced: IntArray,
+    budget: int,
+    best_first: FloatArray | None = None,
+) -> IntArray:
+    """Forced drafts plus the top ``budget - Σ forced`` other slots, as lengths.
+
+    Selects by threshold instead of a full ranking: every slot above the
+    ``extra``-th best value, then the tied ones in request, position order,
+    i.e. the first ``extra`` slots of the ranking. ``best_first`` is
+    the eligible values already sorted descending, when the caller has them.
+    """
+    idx = _eligible(s, sched, forced)
+    extra = min(max(budget - int(forced.sum()), 0), idx.size)
+    if extra == 0:
+        return forced.copy()
+    values, low = s.reshape(-1)[idx], idx.size - extra
+    best = np.partition(values, low)[low] if best_first is None else best_first[extra - 1]
+    threshold = float(best)
+    take = values > threshold
+    ties = np.flatnonzero(values == threshold)[: extra - int(take.sum())]
+    take[ties] = True
+    rows = idx[take] // s.shape[1]
+    return np.asarray(forced + np.bincount(rows, minlength=s.shape[0]), dtype=np.int64)
+
+
+@dataclass(frozen=True, eq=False)
+class BudgetStep:
+    """One step's validated inputs, shared by every rule."""
+
+    survival: FloatArray
+    scheduled: IntArray
+    costs: CostTable
+    num_non_draft_tokens: int
+    num_sampling: int
+    stale_survival: FloatArray | None
+    min_per_request: int
+
+    @classmethod
+    def of(
+        cls,
+        confidences: npt.ArrayLike,
+        scheduled: npt.ArrayLike,
+        costs: CostTable,
+        num_non_draft_tokens: int,
+        num_sampling: int,
+        stale_confidences: npt.ArrayLike | None = None,
+        min_per_request: int = 0,
+    ) -> BudgetStep:
+        c = _matrix(confidences, "confidences")
+        sched = _scheduled(scheduled, c.shape[0], c.shape[1])
+        stale = None
+        if stale_confidences is not None:
+            st = _matrix(stale_confidences, "stale_confidences")
+            if st.shape != c.shape:
+                raise InvalidInput("stale_confidences", f"must have shape {c.shape}")
+            stale = running_survival(st)
+        s, _, t0 = _common(num_sampling, c.shape[0], num_non_draft_tokens, None)
+        m = _int(min_per_request, "min_per_request")
+        return cls(running_survival(c), sched, costs, t0, s, stale, m)
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.survival.shape[0])
+
+    @property
+    def forced(self) -> IntArray:
+        return np.asarray(np.minimum(self.scheduled, self.min_per_request), dtype=np.int64)
+
+
+def _top(step: BudgetStep, survival: FloatArray) -> IntArray:
+    scores = _best_first(survival, _eligible(survival, step.scheduled, 0 * step.scheduled))
+    size = budget_size(
+        scores, step.num_sampling, step.num_requests, step.num_non_draft_tokens, step.costs
+    )
+    forced = step.forced
+    reuse = scores if survival is step.survival and not forced.any() else None
+    return _fill(step.survival, step.scheduled, forced, size, reuse)
+
+
+def stale_rule(step: BudgetStep) -> IntArray:
+    """vLLM's rule: ``B*`` from stale (last step's) survivals, top-``B*`` by current.
+
+    Without stale confidences every stale confidence is taken as 1, the value
+    vLLM gives a request it has no history for: token-independent (so still
+    lossless) but optimistic, so it leans toward verifying more.
+    """
+    stale = step.stale_survival
+    return _top(step, np.ones_like(step.survival) if stale is None else stale)
+
+
+def argmax_rule(step: BudgetStep) -> IntArray:
+    """Same-step global argmax, then top-``B*``. Not lossless (see module doc)."""
+    return _top(step, step.survival)
+
+
+def lossless_walk_rule(step: BudgetStep) -> IntArray:
+    """The walk of ``lossless_walk_size`` after the per-request minimum.
+
+    Forced drafts are verified first; they count as extra tokens of the
+    step (``T0``) and their survivals as expected gain, then the walk runs over
+    the remaining slots. A forced slot of request ``r`` lies before every
+    walked slot of ``r``, so this reads nothing drawn at or after the slot.
+    """
+    forced, s = step.forced, step.survival
+    scores = _best_first(s, _eligible(s, step.scheduled, forced))
+    gain = step.num_sampling + float(s[np.arange(s.shape[1])[None, :] < forced[:, None]].sum())
+    t0 = step.num_non_draft_tokens + int(forced.sum())
+    size = _walk(scores, gain, step.num_requests, t0, step.costs)
+    return _fill(s, step.scheduled, forced, int(forced.sum()) + size, scores)
+
+
+def full_rule(step: BudgetStep) -> IntArray:
+    """Verify every scheduled draft: no trimming, trivially lossless."""
+    return step.scheduled.copy()
+
+
+class Rule(NamedTuple):
+    function: Callable[[BudgetStep], IntArray]
+    lossless: bool
+    description: str
+
+
+RULES: Mapping[str, Rule] = {
+    "lossless-walk": Rule(
+        lossless_walk_rule, True, "walk best first, each slot decided from above"
+    ),
+    "stale": Rule(stale_rule, True, "size from last step's confidences (vLLM), top-B by now"),
+    "argmax": Rule(argmax_rule, False, "same-step global argmax; biased on step-shaped costs"),
+    "full": Rule(full_rule, True, "verify every scheduled draft"),
+}
+DEFAULT_RULE = "lossless-walk"
+
+
+@dataclass(frozen=True, eq=False)
+class BudgetDecision:
+    """What a rule chose for one step, with its expected payoff."""
+
+    rule: str
+    budget: int
+    verify_lengths: IntArray
+    expected_tokens: float
+    cost_ms: float
+    lossless: bool
+
+    @property
+    def goodput(self) -> float:
+        """Expected tokens per ms."""
+        return self.expected_tokens / self.cost_ms
+
+
+def decide(
+    rule: str,
+    confidences: npt.ArrayLike,
+    scheduled: npt.ArrayLike,
+    costs: CostTable,
+    num_non_draft_tokens: int,
+    num_sampling: int,
+    stale_confidences: npt.ArrayLike | None = None,
+    min_per_request: int = 0,
+) -> BudgetDecision:
+    """Apply the named rule (``RULES``; ``DEFAULT_RULE`` is lossless) to one step.
+
+    ``confidences[R, K]`` are this step's per-position acceptance probabilities,
+    ``scheduled[R]`` the drafts scheduled per request, ``num_non_draft_tokens``
+    the step's other target tokens (``T0``), ``num_sampling`` the requests that
+    sample a token this step (``S``). Lossless iff ``RULES[rule].lossless``.
+    """
+    entry = RULES.get(rule)
+    if entry is None:
+        raise InvalidInput("rule", f"unknown rule {rule!r}; choose from {sorted(RULES)}")
+    given = (confidences, scheduled, costs, num_non_draft_tokens, num_sampling)
+    step = BudgetStep.of(*given, stale_confidences, min_per_request)
+    lengths = entry.function(step)
+    s = step.survival
+    verified = np.arange(s.shape[1])[None, :] < lengths[:, None]
+    total = int(lengths.sum())
+    return BudgetDecision(
+        rule=rule,
+        budget=total,
+        verify_lengths=lengths,
+        expected_tokens=step.num_sampling + float(s[verified].sum()),
+        cost_ms=costs.draft_cost(step.num_requests)
+        + costs.verify_cost(step.num_non_draft_tokens + total),
+        lossless=entry.lossless,
+    )
