@@ -17,6 +17,7 @@ import statistics
 import time
 
 import numpy as np
+
 from avest.core.budget import RULES, decide
 from avest.core.costs import CostTable
 

@@ -41,7 +41,9 @@ def batch(rows: int, k: int, seed: int = 0):
 
 def main() -> None:
     print("fold: drafts per second (B requests x K positions per step)")
-    print(f"{'B':>5} {'K':>3} {'observe us':>11} {'M drafts/s':>11} {'stats+calib only us':>20} {'M drafts/s':>11}")
+    print(
+        f"{'B':>5} {'K':>3} {'observe us':>11} {'M drafts/s':>11} {'stats+calib only us':>20} {'M drafts/s':>11}"
+    )
     for rows in (64, 256):
         for k in (5, 8, 16):
             x, d, a = batch(rows, k)
@@ -58,7 +60,9 @@ def main() -> None:
 
             t_fold = timeit(fold_only)
             n = rows * k
-            print(f"{rows:>5} {k:>3} {t_obs * 1e6:>11.1f} {n / t_obs / 1e6:>11.2f} {t_fold * 1e6:>20.1f} {n / t_fold / 1e6:>11.2f}")
+            print(
+                f"{rows:>5} {k:>3} {t_obs * 1e6:>11.1f} {n / t_obs / 1e6:>11.2f} {t_fold * 1e6:>20.1f} {n / t_fold / 1e6:>11.2f}"
+            )
 
     print("\nrefit: one update-rule step on a round's statistics")
     for k in (5, 8, 16, 64):
@@ -68,7 +72,10 @@ def main() -> None:
         stats = est.round_stats
         for name, rule in (("vllm", VllmRule()), ("recursive", RecursiveRule())):
             rule.reset(est.coefficients)
-            t = timeit(lambda rule=rule: rule.refit(est.coefficients, stats), number=2000)
+            t = timeit(
+                lambda rule=rule, est=est, stats=stats: rule.refit(est.coefficients, stats),
+                number=2000,
+            )
             print(f"  K={k:<3} {name:<10} {t * 1e6:8.1f} us")
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from avest.core.numeric import sigmoid
 from avest.trace import FORMAT, Trace, bundled_sample_path, read_trace
 

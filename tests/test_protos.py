@@ -24,11 +24,12 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from avest.v1 import estimator_pb2 as pb
-from avest.v1 import estimator_pb2_grpc as pb_grpc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.timestamp_pb2 import Timestamp
+
+from avest.v1 import estimator_pb2 as pb
+from avest.v1 import estimator_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERATED_DIR = ROOT / "service" / "avest" / "v1"

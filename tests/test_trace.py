@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+
 from avest.core.numeric import sigmoid
 from avest.trace import (
     FORMAT,

@@ -217,7 +217,9 @@ class Registry:
         existing = self.pairs.get(key.pair_id)
         if existing is not None:
             if rule and rule != existing.rule_name:
-                raise Conflict("update_rule", f"pair {existing.id} uses {existing.rule_name!r}, not {rule!r}")
+                raise Conflict(
+                    "update_rule", f"pair {existing.id} uses {existing.rule_name!r}, not {rule!r}"
+                )
             if refit_interval and refit_interval != existing.estimator.refit_interval:
                 raise Conflict(
                     "refit_interval",

@@ -7,6 +7,8 @@ import json
 
 import numpy as np
 import pytest
+from scipy import stats
+
 from avest.commands import audit as audit_command
 from avest.core.audit import (
     DRAFTERS,
@@ -18,7 +20,6 @@ from avest.core.audit import (
 )
 from avest.core.budget import RULES
 from avest.core.errors import InvalidInput
-from scipy import stats
 
 TRIALS = 100_000
 PROFILES = cost_profiles()

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from avest.core.budget import (
     DEFAULT_RULE,
     RULES,
@@ -15,8 +18,6 @@ from avest.core.budget import (
 )
 from avest.core.costs import CostTable, bucket_costs, overhead_costs
 from avest.core.errors import InvalidInput
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 
 def random_costs(rng, step_shaped):

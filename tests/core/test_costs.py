@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from avest.core.costs import (
     CostTable,
     affine_costs,
@@ -11,8 +14,6 @@ from avest.core.costs import (
     overhead_costs,
 )
 from avest.core.errors import InvalidInput
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 DRAFT = [(1, 0.5)]
 

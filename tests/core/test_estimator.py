@@ -25,7 +25,9 @@ def same_state(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
 
 
 K = 4
-finite_features = arrays(np.float64, st.tuples(st.integers(1, 12), st.just(K)), elements=st.floats(-40, 40))
+finite_features = arrays(
+    np.float64, st.tuples(st.integers(1, 12), st.just(K)), elements=st.floats(-40, 40)
+)
 
 
 @st.composite
@@ -38,7 +40,9 @@ def steps(draw):
 
 
 @pytest.mark.parametrize("rule", [VllmRule(), RecursiveRule()], ids=["vllm", "recursive"])
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(batches=st.lists(steps(), min_size=1, max_size=12))
 def test_coefficients_stay_finite_and_slope_non_negative(rule, batches):
     est = OnlineEstimator(K, rule, refit_interval=2)
@@ -50,8 +54,14 @@ def test_coefficients_stay_finite_and_slope_non_negative(rule, batches):
 
 
 BAD = [
-    ("features", lambda x, d, a: (np.where(np.arange(x.size).reshape(x.shape) == 0, np.nan, x), d, a)),
-    ("features", lambda x, d, a: (np.where(np.arange(x.size).reshape(x.shape) == 1, np.inf, x), d, a)),
+    (
+        "features",
+        lambda x, d, a: (np.where(np.arange(x.size).reshape(x.shape) == 0, np.nan, x), d, a),
+    ),
+    (
+        "features",
+        lambda x, d, a: (np.where(np.arange(x.size).reshape(x.shape) == 1, np.inf, x), d, a),
+    ),
     ("features", lambda x, d, a: (x + 100.0, d, a)),
     ("features", lambda x, d, a: (x[:, :-1], d, a)),
     ("features", lambda x, d, a: (x.reshape(-1), d, a)),
@@ -98,7 +108,10 @@ def test_exclude_mask_drops_rows():
 def test_refit_every_interval_steps_and_snapshot_restores_exactly():
     rng = np.random.default_rng(2)
     est = OnlineEstimator(K, RecursiveRule(forgetting=0.9), refit_interval=5)
-    data = [(rng.normal(size=(16, K)), np.full(16, K), rng.integers(0, K + 1, size=16)) for _ in range(23)]
+    data = [
+        (rng.normal(size=(16, K)), np.full(16, K), rng.integers(0, K + 1, size=16))
+        for _ in range(23)
+    ]
     for x, d, a in data[:13]:
         est.observe(x, d, a)
     assert (est.round, est.version, est.steps, est.steps_in_round) == (2, 2, 13, 3)
@@ -132,7 +145,9 @@ def test_feature_is_exact_where_the_naive_formula_overflows():
     z = np.array([[2.0, 1.0, 0.0]])
     np.testing.assert_allclose(logit_qmax_from_logits(z, [0.0]), logit_qmax_from_logits(z, [1.0]))
     p = np.exp(z / 0.5) / np.exp(z / 0.5).sum()
-    np.testing.assert_allclose(logit_qmax_from_logits(z, [0.5]), np.log(p.max() / (1 - p.max())), rtol=1e-12)
+    np.testing.assert_allclose(
+        logit_qmax_from_logits(z, [0.5]), np.log(p.max() / (1 - p.max())), rtol=1e-12
+    )
     np.testing.assert_allclose(logit_qmax_from_probs(p), logit_qmax_from_logits(z, 0.5), rtol=1e-12)
     with pytest.raises(InvalidInput, match="logits"):
         logit_qmax_from_logits([np.nan, 1.0])

@@ -7,6 +7,11 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+from sklearn.metrics import log_loss, roc_auc_score
+
 from avest.core.errors import InvalidInput
 from avest.core.labels import labels
 from avest.core.metrics import (
@@ -21,10 +26,6 @@ from avest.core.metrics import (
     probability_bin,
 )
 from avest.core.numeric import sigmoid
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
-from sklearn.metrics import log_loss, roc_auc_score
 
 
 def direct_ece(p: np.ndarray, y: np.ndarray) -> float:

@@ -14,6 +14,9 @@ import time
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
 from avest import wire
 from avest.core.budget import decide
 from avest.core.costs import CostTable
@@ -24,8 +27,6 @@ from avest.core.stats import fold
 from avest.replay import messages_for, pair_key, replay, step_bounds
 from avest.v1 import estimator_pb2 as pb
 from avest.v1 import estimator_pb2_grpc as pb_grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 RULE = {"vllm": pb.UPDATE_RULE_VLLM, "recursive": pb.UPDATE_RULE_RECURSIVE}
 

@@ -27,9 +27,12 @@ def check_counts(
     for name, v in (("num_verified", d), ("num_accepted", a)):
         if v.shape != (rows,):
             raise InvalidInput(name, f"must have shape [{rows}], got {list(v.shape)}")
-        if v.size and not np.issubdtype(v.dtype, np.integer):
-            if not np.all(np.isfinite(v)) or np.any(v != np.round(v)):
-                raise InvalidInput(name, "must be whole numbers")
+        if (
+            v.size
+            and not np.issubdtype(v.dtype, np.integer)
+            and (not np.all(np.isfinite(v)) or np.any(v != np.round(v)))
+        ):
+            raise InvalidInput(name, "must be whole numbers")
     d64 = d.astype(np.int64)
     a64 = a.astype(np.int64)
     if d64.size and (d64.min() < 0 or d64.max() > k):

@@ -36,9 +36,7 @@ def fit_mle(
     coef = start if start is not None else Coefficients.cold_start(k)
     newton = VllmRule(l2=0.0, damping=0.0)
     for i in range(1, max_iter + 1):
-        stats: RoundStats = fold(
-            features, linear_predictor(coef, features), observed, accepted
-        )
+        stats: RoundStats = fold(features, linear_predictor(coef, features), observed, accepted)
         new = newton.refit(coef, stats).coefficients
         delta = float(np.max(np.abs(new.as_vector() - coef.as_vector())))
         coef = new
