@@ -140,6 +140,9 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         self.streams: set[_ObserveStream] = set()
         self.watchers: dict[str, set[asyncio.Queue[pb.Coefficients | None]]] = {}
         self.open_streams = 0
+        #: Set when the server drains: streams stop applying steps, so the
+        #: final snapshot covers (and acknowledges) everything applied.
+        self.draining = False
         app.hooks.coefficients.append(self._coefficients_changed)
         app.hooks.durable.append(self._durable)
 
@@ -365,8 +368,12 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
             )
         return pair, batch
 
+    def stop_applying(self) -> None:
+        """First step of a drain: no stream applies another step."""
+        self.draining = True
+
     async def drain(self) -> None:
-        """Close every stream after telling it what is durable."""
+        """Close every stream (after the final snapshot told it what is durable)."""
         for stream in list(self.streams):
             stream.close()
         for queues in self.watchers.values():
@@ -419,6 +426,8 @@ class _ObserveStream:
         service = self.service
         try:
             async for req in self.requests:
+                if service.draining:
+                    break
                 try:
                     pair, batch = service.validate_observe(req)
                 except Refused as r:

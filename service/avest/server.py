@@ -124,6 +124,7 @@ class Server:
         self._stopped.set()
         grace = self.settings.grace_s
         await self.health.enter_graceful_shutdown()
+        self.service.stop_applying()
         try:
             # Make every applied step durable so its acknowledgement goes out
             # on the streams before they close.

@@ -454,3 +454,51 @@ def test_every_refusal_names_the_field_and_changes_nothing(start_server, tmp_pat
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "draft_curve" in details
         assert state() == before
     srv.stop()
+
+
+def test_sigterm_drains_acknowledges_and_snapshots(tmp_path, trace_slice):
+    trace = trace_slice("chat", 0, 400)
+    proc, address = _spawn(tmp_path)
+    try:
+        channel, stub = stub_for(address)
+        reg = register(stub, trace, "recursive", refit_interval=30)
+        msgs = messages_for(trace, reg.pair_id, 0, 1, "w0", 1)
+        acked = 0
+        sent = 0
+
+        def slow():
+            nonlocal sent
+            for m in msgs:
+                sent = m.sequence
+                yield m
+                time.sleep(0.002)
+
+        stream = stub.Observe(slow(), timeout=60)
+        for resp in stream:
+            if resp.HasField("ack"):
+                acked = resp.ack.acked_sequence
+                if acked >= 60 and proc.poll() is None:
+                    t0 = time.monotonic()
+                    proc.send_signal(signal.SIGTERM)
+        # The stream ended cleanly: health went NOT_SERVING, a final snapshot
+        # was written and its acknowledgement delivered before the close.
+        assert stream.code() == grpc.StatusCode.OK
+        assert proc.wait(timeout=15) == 0
+        assert time.monotonic() - t0 < 10
+        channel.close()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert 60 <= acked < 400
+    proc, address = _spawn(tmp_path)
+    try:
+        channel, stub = stub_for(address)
+        restored = stub.GetPair(pb.GetPairRequest(pair_id=reg.pair_id)).pair
+        channel.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
+    # Nothing applied went unacknowledged or unsaved.
+    assert restored.steps_observed == acked
+    partial = core_replay(trace, "recursive", 30, acked)
+    assert restored.coefficients.slope == partial.coefficients.slope
