@@ -1,0 +1,94 @@
+"""Shim configuration from environment variables.
+
+=====================  ==========  ===================================================
+variable               default     meaning
+=====================  ==========  ===================================================
+``AVEST_ADDRESS``      (unset)     sidecar ``host:port``; unset = the plugin does nothing
+``AVEST_TIMEOUT_S``    ``5.0``     network timeout used by the sink (connect, RPC)
+``AVEST_QUEUE_SIZE``   ``64``      steps buffered between vLLM's step and the sink;
+                                   the oldest is dropped (and counted) when full
+``AVEST_LABELS``       (empty)     workload labels ``k=v,k=v`` added to the pair key
+``AVEST_SYNC_STEPS``   ``16``      with tensor parallelism, rank 0 broadcasts the
+                                   coefficients every this many steps
+=====================  ==========  ===================================================
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+ENV_ADDRESS = "AVEST_ADDRESS"
+ENV_TIMEOUT = "AVEST_TIMEOUT_S"
+ENV_QUEUE = "AVEST_QUEUE_SIZE"
+ENV_LABELS = "AVEST_LABELS"
+ENV_SYNC = "AVEST_SYNC_STEPS"
+
+_LABEL_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
+
+
+class ConfigError(ValueError):
+    """An environment variable holds a value the shim cannot use."""
+
+
+@dataclass(frozen=True)
+class ShimConfig:
+    address: str | None = None
+    timeout_s: float = 5.0
+    queue_size: int = 64
+    labels: tuple[tuple[str, str], ...] = ()
+    sync_steps: int = 16
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ConfigError(f"{ENV_TIMEOUT} must be a positive number, got {self.timeout_s}")
+        if self.queue_size < 1:
+            raise ConfigError(f"{ENV_QUEUE} must be >= 1, got {self.queue_size}")
+        if self.sync_steps < 1:
+            raise ConfigError(f"{ENV_SYNC} must be >= 1, got {self.sync_steps}")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.address)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ShimConfig:
+        env = os.environ if environ is None else environ
+        address = env.get(ENV_ADDRESS, "").strip() or None
+        return cls(
+            address=address,
+            timeout_s=_number(env, ENV_TIMEOUT, 5.0, float),
+            queue_size=_number(env, ENV_QUEUE, 64, int),
+            labels=parse_labels(env.get(ENV_LABELS, "")),
+            sync_steps=_number(env, ENV_SYNC, 16, int),
+        )
+
+
+def _number(env: Mapping[str, str], name: str, default, kind):  # type: ignore[no-untyped-def]
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
+
+
+def parse_labels(raw: str) -> tuple[tuple[str, str], ...]:
+    """``"k=v,k2=v2"`` -> sorted ``(("k", "v"), ("k2", "v2"))``; empty items are ignored."""
+    out: dict[str, str] = {}
+    for item in raw.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not _LABEL_KEY.match(key):
+            raise ConfigError(f"{ENV_LABELS}: {item!r} is not k=v with a plain key")
+        if key in out:
+            raise ConfigError(f"{ENV_LABELS}: label {key!r} given twice")
+        out[key] = value
+    return tuple(sorted(out.items()))

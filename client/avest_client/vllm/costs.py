@@ -1,0 +1,80 @@
+"""The cost curves vLLM profiles at start-up, kept for the sink to register with the pair.
+
+vLLM 0.33 measures them during start-up profiling and hands them to
+``AdaptiveVerificationManager.set_cost_curves(draft_curve, verify_curve)``
+(``[(size, ms)]`` lists; rank 0's are broadcast over the TP group inside that
+method). The plugin wraps it to record the curves here; the network sink reads
+:func:`latest` (or subscribes) and sends them with the pair's registration.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+Curve = list[tuple[int, float]]
+
+
+class CostCurveRecorder:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._latest: tuple[Curve, Curve] | None = None
+        self.version = 0
+        self._subscribers: list[Callable[[Curve, Curve], None]] = []
+
+    def record(self, draft_curve: Any, verify_curve: Any) -> None:
+        draft = [(int(s), float(ms)) for s, ms in draft_curve]
+        verify = [(int(s), float(ms)) for s, ms in verify_curve]
+        with self._lock:
+            self._latest = (draft, verify)
+            self.version += 1
+            subscribers = list(self._subscribers)
+        for fn in subscribers:
+            try:
+                fn(draft, verify)
+            except Exception:  # noqa: BLE001
+                logger.exception("avest: cost-curve subscriber failed")
+
+    def latest(self) -> tuple[Curve, Curve] | None:
+        with self._lock:
+            return self._latest
+
+    def subscribe(self, fn: Callable[[Curve, Curve], None]) -> None:
+        """Call ``fn(draft, verify)`` now if curves are known, and on every later record."""
+        with self._lock:
+            self._subscribers.append(fn)
+            latest = self._latest
+        if latest is not None:
+            fn(*latest)
+
+
+RECORDER = CostCurveRecorder()
+
+
+def install_cost_curve_hook(manager_cls: type, recorder: CostCurveRecorder | None = None) -> bool:
+    """Wrap ``manager_cls.set_cost_curves`` to record the curves; idempotent."""
+    rec = RECORDER if recorder is None else recorder
+    original = getattr(manager_cls, "set_cost_curves", None)
+    if original is None:
+        logger.warning("avest: %s has no set_cost_curves; cost curves not recorded", manager_cls)
+        return False
+    if getattr(original, "__avest_wrapped__", False):
+        return True
+
+    @functools.wraps(original)
+    def set_cost_curves(self: Any, draft_curve: Any, verify_curve: Any, *a: Any, **kw: Any) -> Any:
+        result = original(self, draft_curve, verify_curve, *a, **kw)
+        try:
+            rec.record(draft_curve, verify_curve)
+        except Exception:  # noqa: BLE001
+            logger.exception("avest: recording cost curves failed")
+        return result
+
+    set_cost_curves.__avest_wrapped__ = True  # type: ignore[attr-defined]
+    manager_cls.set_cost_curves = set_cost_curves  # type: ignore[attr-defined]
+    return True

@@ -1,0 +1,208 @@
+"""The estimator vLLM's speculator builds when the plugin is active.
+
+:func:`make_sidecar_estimator` subclasses whatever estimator class it is given
+(vLLM's ``OnlineAcceptanceEstimator``, a platform's replacement, or the CPU
+stand-in in tests). Everything vLLM does on the device is kept: ``predict`` is
+untouched, ``step`` still runs vLLM's accumulate and refit kernels. Around the
+base ``step`` the subclass:
+
+* at the step boundary (before the base step), asks the :class:`Governor`
+  what governs and copies new pooled coefficients *into* ``slope`` and
+  ``intercepts`` (same storage: the captured draft graph reads them);
+* while pooled coefficients govern, skips the refit the base would run this
+  step by resetting its counter, and clears the round statistics exactly as
+  the refit would (so a later local refit starts from a clean round);
+* after the base step, snapshots the step for the sink (rank 0 only).
+
+Any failure to set the sidecar up leaves a plain base estimator: vLLM keeps
+serving with its own refits.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from avest_client.vllm import contract
+from avest_client.vllm.coefficients import Governor, Update
+from avest_client.vllm.config import ShimConfig
+from avest_client.vllm.exclusion import ExclusionRegistry
+from avest_client.vllm.pair import PairKey
+from avest_client.vllm.sink import Sink
+from avest_client.vllm.tp import SingleProcessGroup, TPGroup
+from avest_client.vllm.transfer import Forwarder
+
+logger = logging.getLogger(__name__)
+
+SinkFactory = Callable[[ShimConfig, PairKey], Sink]
+
+
+@dataclass
+class ShimOptions:
+    config: ShimConfig
+    sink_factory: SinkFactory
+    #: the pair served, from the estimator's K (production: the current vLLM config)
+    pair_resolver: Callable[[int], PairKey]
+    #: the TP group (production: vLLM's; tests: gloo)
+    group_resolver: Callable[[], TPGroup] = SingleProcessGroup
+    exclusion: ExclusionRegistry | None = None
+
+
+class _Runtime:
+    """The shim's per-estimator state, kept apart from the base class's attributes."""
+
+    def __init__(self, est: Any, max_num_reqs: int, opts: ShimOptions) -> None:
+        k = int(est.num_speculative_steps)
+        self.group = opts.group_resolver()
+        self.sink: Sink | None = None
+        self.forwarder: Forwarder | None = None
+        self.pair: PairKey | None = None
+        if self.group.rank == 0:
+            # Rank 0 alone talks to the sidecar. Nothing here may fail the
+            # constructor: the other ranks would build a governor and wait in
+            # broadcasts that rank 0 never joins.
+            try:
+                self.pair = opts.pair_resolver(k)
+                self.sink = opts.sink_factory(opts.config, self.pair)
+            except Exception as exc:  # noqa: BLE001 - no sidecar: vLLM's own estimator
+                logger.warning("avest: no sink (%s); local refits only", exc)
+            if self.sink is not None:
+                try:
+                    self.forwarder = Forwarder(
+                        self.sink, max_num_reqs, k, est.features.device,
+                        opts.config.queue_size, opts.exclusion,
+                    )  # fmt: skip
+                except Exception:  # noqa: BLE001
+                    logger.exception("avest: forwarder setup failed; not forwarding")
+        self.governor = Governor(self.group, self.sink, k, opts.config.sync_steps)
+        self.skipped_refits = 0
+        self._forward_failed = False
+
+    def apply(self, est: Any, update: Update) -> None:
+        values = torch.tensor((update.slope, *update.intercepts), dtype=torch.float32)
+        if est.slope.device.type == "cuda":
+            # Pinned source + non_blocking: the copy is stream-ordered and the
+            # host never waits. The caching host allocator keeps the buffer
+            # alive until the copy has run.
+            values = values.pin_memory()
+        est.slope.copy_(values[:1], non_blocking=True)
+        est.intercepts.copy_(values[1:], non_blocking=True)
+
+    def forward(self, est: Any, idx_mapping: Any, num_sampled: Any, num_rejected: Any) -> None:
+        fwd = self.forwarder
+        if fwd is None or self._forward_failed:
+            return
+        try:
+            fwd.capture(est.features, idx_mapping, num_sampled, num_rejected)
+        except Exception:  # noqa: BLE001 - stop forwarding, keep decoding
+            self._forward_failed = True
+            logger.exception("avest: capturing a step failed; forwarding disabled")
+
+    def stats(self) -> dict[str, Any]:
+        fwd = self.forwarder
+        return {
+            "rank": self.group.rank,
+            "governed": self.governor.governed,
+            "version": self.governor.applied_version,
+            "updates": self.governor.updates,
+            "skipped_refits": self.skipped_refits,
+            "captured": fwd.captured if fwd else 0,
+            "submitted": fwd.submitted if fwd else 0,
+            "dropped": fwd.dropped if fwd else 0,
+            "submit_errors": fwd.submit_errors if fwd else 0,
+        }
+
+    def close(self) -> None:
+        if self.forwarder is not None:
+            self.forwarder.close()
+        if self.sink is not None:
+            try:
+                self.sink.close()
+            except Exception:  # noqa: BLE001
+                logger.exception("avest: closing the sink failed")
+
+
+def _close_runtime(rt: _Runtime) -> None:
+    rt.close()
+
+
+def make_sidecar_estimator(
+    base_cls: type,
+    sink_factory: SinkFactory,
+    *,
+    config: ShimConfig | None = None,
+    pair_resolver: Callable[[int], PairKey] | None = None,
+    group_resolver: Callable[[], TPGroup] | None = None,
+    exclusion: ExclusionRegistry | None = None,
+) -> type:
+    """A subclass of ``base_cls`` that forwards steps and applies pooled coefficients.
+
+    ``sink_factory(config, pair_key)`` runs on TP rank 0 only, inside the
+    estimator's constructor (after vLLM forked the worker). ``pair_resolver(K)``
+    names the pair (default: anonymous, with the configured labels);
+    ``group_resolver()`` gives the TP group (default: a single process).
+    """
+    cfg = config or ShimConfig()
+    opts = ShimOptions(
+        config=cfg,
+        sink_factory=sink_factory,
+        pair_resolver=pair_resolver or (lambda k: PairKey("", "", "", k, labels=cfg.labels)),
+        group_resolver=group_resolver or SingleProcessGroup,
+        exclusion=exclusion,
+    )
+
+    class AvestSidecarEstimator(base_cls):  # type: ignore[misc, valid-type]
+        __avest_shim__ = True
+        __avest_base__ = base_cls
+
+        def __init__(self, max_num_reqs: int, num_speculative_steps: int, device: Any) -> None:
+            super().__init__(max_num_reqs, num_speculative_steps, device)
+            self._avest: _Runtime | None = None
+            missing = [a for a in contract.ESTIMATOR.init_attributes if not hasattr(self, a)]
+            if missing:
+                logger.error("avest: %s lacks %s; shim disabled", base_cls.__name__, missing)
+                return
+            try:
+                rt = _Runtime(self, max_num_reqs, opts)
+            except Exception:  # noqa: BLE001 - setup failed: plain vLLM estimator
+                logger.exception("avest: shim setup failed; vLLM's estimator runs alone")
+                return
+            self._avest = rt
+            weakref.finalize(self, _close_runtime, rt)
+
+        def step(self, idx_mapping: Any, num_sampled: Any, num_rejected: Any) -> None:
+            rt = self._avest
+            if rt is None:
+                return super().step(idx_mapping, num_sampled, num_rejected)
+            update = rt.governor.boundary()
+            if update is not None:
+                rt.apply(self, update)
+            if rt.governor.governed and self._steps_since_refit + 1 >= self.REFIT_INTERVAL:
+                # The base would refit in this step: let it accumulate, then
+                # end the round without moving the pooled coefficients.
+                self._steps_since_refit = -1
+                super().step(idx_mapping, num_sampled, num_rejected)
+                self.info.zero_()
+                self.grad.zero_()
+                self.counts.zero_()
+                rt.skipped_refits += 1
+            else:
+                super().step(idx_mapping, num_sampled, num_rejected)
+            rt.forward(self, idx_mapping, num_sampled, num_rejected)
+
+        def avest_stats(self) -> dict[str, Any]:
+            return {} if self._avest is None else self._avest.stats()
+
+        def avest_close(self) -> None:
+            if self._avest is not None:
+                self._avest.close()
+
+    AvestSidecarEstimator.__name__ = AvestSidecarEstimator.__qualname__ = (
+        f"AvestSidecar{base_cls.__name__}"
+    )
+    return AvestSidecarEstimator

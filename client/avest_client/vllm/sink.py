@@ -1,0 +1,59 @@
+"""The seam between the vLLM-facing shim and the network client.
+
+The shim hands each step's verdicts to a :class:`Sink` and reads pooled
+coefficients from it; it never touches the network. The gRPC client
+(``avest_client.EstimatorClient`` with its background forwarder) implements
+this protocol; tests use an in-memory fake.
+
+Threading: ``submit`` is called from the shim's forwarder thread, the other
+members from vLLM's step (rank 0 only). All of them must return at once:
+no network round trip, no lock held across I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+#: ``(version, slope, intercepts)`` as pushed by the sidecar.
+Coefficients = tuple[int, float, list[float]]
+
+
+@runtime_checkable
+class Sink(Protocol):
+    def submit(
+        self,
+        features: np.ndarray,
+        num_verified: np.ndarray,
+        num_accepted: np.ndarray,
+        exclude: np.ndarray | None,
+    ) -> None:
+        """Queue one step's rows; non-blocking.
+
+        ``features`` float32 [R, K], ``num_verified`` int32 [R], ``num_accepted``
+        int32 [R], ``exclude`` bool [R] (rows whose target sampling is transformed)
+        or None when unknown. The arrays are owned by the sink after the call.
+        """
+        ...
+
+    def latest_coefficients(self) -> Coefficients | None:
+        """The newest coefficients pushed by the sidecar, or None; non-blocking.
+
+        Return a new object for each new push: the shim re-validates only when
+        the returned object changes identity (a cheap check on every step).
+        """
+        ...
+
+    @property
+    def connected(self) -> bool:
+        """Whether the sidecar is reachable now (pooled coefficients may govern)."""
+        ...
+
+    def close(self) -> None:
+        """Stop background work; called once at shutdown."""
+        ...
+
+
+class SinkFactory(Protocol):
+    def __call__(self, config: object, pair_key: object) -> Sink: ...

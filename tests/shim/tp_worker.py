@@ -1,0 +1,87 @@
+"""One TP rank for test_shim_tp (runs in a spawned process; gloo on CPU)."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from avest_client.vllm.config import ShimConfig
+from avest_client.vllm.estimator import make_sidecar_estimator
+from avest_client.vllm.tp import TorchDistGroup
+
+from .fakes import FakeSink, FakeSinkFactory
+from .standin import StandinAcceptanceEstimator
+from .tracedrive import drive, steps, synthetic_trace
+
+K = 4
+SYNC = 8
+STEPS = 130
+
+
+class FastRefit(StandinAcceptanceEstimator):
+    REFIT_INTERVAL = 25
+
+
+def script(sink: FakeSink, i: int) -> None:
+    """Rank 0's sidecar, changing between steps at times no other rank can know."""
+    if i == 5:
+        sink.push(1, 0.6, [0.3, 0.1, -0.1, -0.3])
+    elif i == 20:
+        sink.push(2, 0.65, [0.4, 0.2, 0.0, -0.2])
+    elif i == 45:
+        sink.is_connected = False
+    elif i == 70:
+        sink.is_connected = True
+        sink.push(3, 0.55, [0.1, 0.0, -0.1, -0.2])
+    elif i == 101:
+        sink.push(4, 0.52, [0.0, -0.1, -0.2, -0.3])
+
+
+def run(rank: int, world: int, init_file: str, out_dir: str, sink_fails: bool = False) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        sink = FakeSink(connected=True)
+        factory = FakeSinkFactory(sink, error=RuntimeError("no sidecar") if sink_fails else None)
+        cls = make_sidecar_estimator(
+            FastRefit,
+            factory,
+            config=ShimConfig(sync_steps=SYNC, queue_size=256),
+            group_resolver=TorchDistGroup,
+        )
+        est = cls(32, K, torch.device("cpu"))
+        trace = list(steps(synthetic_trace(steps=STEPS, batch=10, k=K, seed=11), 32))
+        rng = random.Random(rank)
+        log = []
+        for i, s in enumerate(trace):
+            if rank == 0:
+                script(sink, i)
+            else:
+                time.sleep(rng.random() * 0.004)  # ranks drift apart between collectives
+            drive(est, s)
+            st = est.avest_stats()
+            log.append(
+                {
+                    "step": i,
+                    "slope": est.slope.item(),
+                    "intercepts": est.intercepts.tolist(),
+                    "governed": st["governed"],
+                    "version": st["version"],
+                    "refits": est._refits,
+                }
+            )
+        if est._avest.forwarder is not None:
+            est._avest.forwarder.flush(10)
+        result = {
+            "log": log,
+            "factory_calls": len(factory.calls),
+            "forwarded": len(sink.snapshot()),
+        }
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
