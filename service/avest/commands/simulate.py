@@ -1,0 +1,195 @@
+"""``avest simulate TRACE --costs COSTS``: what adaptive verification buys."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _ints(text: str) -> list[int]:
+    """``"8,16,32"`` or ranges ``"1-5"``, comma-separated."""
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        try:
+            out += list(range(int(lo), int(hi) + 1)) if sep else [int(part)]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected integers like 8,16 or 1-5, got {text!r}"
+            ) from None
+    if not out:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return out
+
+
+def _lengths(text: str) -> list[int] | str:
+    """``"all"`` (1..K of each trace) or a list as ``_ints`` reads it."""
+    return "all" if text.strip() == "all" else _ints(text)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from avest.settings import Settings
+
+    defaults = Settings()
+    p = subparsers.add_parser(
+        "simulate",
+        help="simulate the goodput of adaptive verification on a trace",
+        description="Replay a trace's decode steps at each concurrency (C rows per step, in "
+        "trace order) under measured or derived step-cost curves, and compare fixed "
+        "verification lengths with adaptive verification: the avest estimator (learning "
+        "online, predict-then-learn) under every budget rule, q_max unfitted, the "
+        "per-position rate and the trace's oracle confidences. Step time = draft cost + "
+        "verify cost[C + verified drafts]; a policy that drafts d positions pays d draft "
+        "passes (profiles with draft_per=position), whatever it trims.",
+    )
+    p.add_argument(
+        "traces", nargs="*", metavar="TRACE", help="trace files (.npz); default: the bundled sample"
+    )
+    p.add_argument(
+        "--costs",
+        action="append",
+        metavar="PROFILE",
+        help="cost profile: a shipped name or an avest-costs/1 JSON file (repeatable, or "
+        "comma-separated); default: every shipped profile",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=_ints,
+        default=[8, 16, 32, 64, 128],
+        metavar="LIST",
+        help="requests per step (default 8,16,32,64,128)",
+    )
+    p.add_argument(
+        "--refit-interval",
+        type=int,
+        default=defaults.refit_interval,
+        metavar="N",
+        help=f"estimator refits every N simulated steps (default {defaults.refit_interval})",
+    )
+    p.add_argument(
+        "--update-rule",
+        choices=("vllm", "recursive"),
+        default=defaults.default_rule,
+        help=f"estimator update rule (default {defaults.default_rule}, as the service)",
+    )
+    p.add_argument(
+        "--forgetting",
+        type=float,
+        default=defaults.forgetting,
+        help="recursive rule: forgetting per round",
+    )
+    p.add_argument(
+        "--prior", type=float, default=defaults.prior, help="recursive rule: prior precision"
+    )
+    p.add_argument(
+        "--rule",
+        dest="baseline_rule",
+        default=None,
+        metavar="NAME",
+        help="budget rule for the q_max, position-rate and oracle policies "
+        "(default: the core's lossless default)",
+    )
+    p.add_argument(
+        "--draft-lengths",
+        type=_lengths,
+        default=None,
+        metavar="LIST",
+        help="also run adaptive policies drafting fewer positions: a list such as 2-4, or "
+        "'all' for 1..K (named @d; default: K only)",
+    )
+    p.add_argument(
+        "--policy",
+        action="append",
+        dest="select",
+        metavar="PATTERN",
+        help="only adaptive policies matching this shell pattern, e.g. 'avest/*' "
+        "(repeatable; fixed lengths always run)",
+    )
+    p.add_argument(
+        "--warmup-passes",
+        type=int,
+        default=0,
+        metavar="N",
+        help="learn on N unmeasured passes of the trace first (a warm start; default 0: cold)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", metavar="DIR", help="write throughput-interactivity Pareto plots here")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from avest.core.budget import DEFAULT_RULE
+    from avest.simulate import make_policies, planned_steps, simulate
+    from avest.simulate_profiles import ProfileError, load_profile, shipped_profiles
+    from avest.simulate_report import format_table, write_plot
+    from avest.trace import TraceError, bundled_sample_path, read_trace
+
+    def fail(message: object) -> int:
+        print(f"avest simulate: {message}", file=sys.stderr)
+        return 2
+
+    paths = args.traces or [str(bundled_sample_path())]
+    names = [n.strip() for spec in (args.costs or []) for n in spec.split(",") if n.strip()]
+    try:
+        traces = [(path, read_trace(path)) for path in paths]
+        profiles = [load_profile(n) for n in (names or shipped_profiles())]
+    except (TraceError, ProfileError, OSError) as exc:
+        return fail(exc)
+    baseline_rule = args.baseline_rule or DEFAULT_RULE
+    options = {
+        "refit_interval": args.refit_interval,
+        "update_rule": args.update_rule,
+        "forgetting": args.forgetting,
+        "prior": args.prior,
+        "warmup_passes": args.warmup_passes,
+    }
+    try:
+        plans = []
+        for path, trace in traces:
+            policies = make_policies(
+                trace.k,
+                trace.accept_rate_dist is not None,
+                baseline_rule,
+                range(1, trace.k + 1) if args.draft_lengths == "all" else args.draft_lengths,
+                args.select,
+            )
+            plans.append((path, trace, policies))
+        total = sum(
+            planned_steps(t, args.concurrency, pol, args.warmup_passes) for _, t, pol in plans
+        ) * len(profiles)
+        sims = []
+        with tqdm(
+            total=total, desc="simulate", unit="step", leave=False, disable=None, file=sys.stderr
+        ) as bar:
+            for path, trace, policies in plans:
+                for profile in profiles:
+                    bar.set_postfix_str(f"{path.rsplit('/', 1)[-1]} {profile.name}")
+                    sims.append(
+                        simulate(
+                            trace,
+                            profile,
+                            args.concurrency,
+                            name=path,
+                            baseline_rule=baseline_rule,
+                            policies=policies,
+                            progress=bar.update,
+                            **options,
+                        )
+                    )
+    except ValueError as exc:
+        return fail(exc)
+    if args.json:
+        print(json.dumps({"simulations": [s.as_json() for s in sims]}, allow_nan=False))
+    else:
+        print("\n\n".join(format_table(s) for s in sims))
+    if args.plot:
+        for sim in sims:
+            if sim.results:
+                print(f"wrote {write_plot(sim, args.plot)}", file=sys.stderr)
+    return 0
