@@ -80,7 +80,7 @@ class Governor:
             if not sink.connected:
                 return None
             raw = sink.latest_coefficients()
-            if raw is self._last_raw:  # the same object as last step: already validated
+            if raw is self._last_raw or raw == self._last_raw:  # unchanged: already validated
                 return self._last_payload
             payload = validate(raw, self.num_positions)
             self._last_raw, self._last_payload = raw, payload

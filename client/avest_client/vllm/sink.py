@@ -40,8 +40,8 @@ class Sink(Protocol):
     def latest_coefficients(self) -> Coefficients | None:
         """The newest coefficients pushed by the sidecar, or None; non-blocking.
 
-        Return a new object for each new push: the shim re-validates only when
-        the returned object changes identity (a cheap check on every step).
+        Called on every step boundary (rank 0): keep it cheap. The shim
+        re-validates only when the value changes (identity, then equality).
         """
         ...
 
