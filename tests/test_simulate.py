@@ -121,6 +121,20 @@ def test_proposal_profiles_charge_the_draft_once() -> None:
         assert extra == pytest.approx(2 * 2.0 * (v - 1))  # two steps, v - 1 extra passes each
 
 
+def test_min_per_request_keeps_every_adaptive_policy_learning() -> None:
+    # Verification so expensive that every policy would trim everything.
+    trace = hand_trace([2, 0, 1, 2] * 4, [3] * 16, k=3, requests=2)
+    dear = CostProfile.from_curves("dear", [(1, 0.0)], [(1, 1.0), (2, 101.0)])
+    lean = simulate(trace, dear, [2], select=["avest/lossless-walk", "position-rate/*"])
+    kept = simulate(
+        trace, dear, [2], select=["avest/lossless-walk", "position-rate/*"], min_per_request=1
+    )
+    assert lean.results[2]["position-rate/lossless-walk"].verified == 0
+    for name in ("avest/lossless-walk", "position-rate/lossless-walk"):
+        assert kept.results[2][name].verified_per_request >= 1.0
+    assert kept.as_json()["min_per_request"] == 1
+
+
 def test_remainder_rows_are_dropped_and_tiny_traces_skipped() -> None:
     trace = hand_trace([1] * 5, [2] * 5, k=2, requests=5)
     sim = simulate(trace, AFFINE, [2, 8])

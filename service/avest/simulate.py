@@ -196,6 +196,7 @@ def _adaptive(
     costs: StepCosts,
     passes: int,
     progress: Progress | None,
+    min_per_request: int = 0,
 ) -> Totals:
     """One adaptive policy, step by step; only the last pass is measured."""
     c, steps, k, d = rows.c, rows.steps, costs.k, policy.drafts
@@ -217,6 +218,7 @@ def _adaptive(
                 c,
                 c,
                 stale_confidences=stale if policy.rule == "stale" else None,
+                min_per_request=min_per_request,
             )
             got, observed, accepted = truncate(rows.accepted[lo:hi], decision.verify_lengths, k)
             source.learn(x, observed, accepted)
@@ -250,6 +252,7 @@ def simulate(
     forgetting: float = 0.95,
     prior: float = 1.0,
     warmup_passes: int = 0,
+    min_per_request: int = 0,
     baseline_rule: str = DEFAULT_RULE,
     draft_lengths: Iterable[int] | None = None,
     select: Sequence[str] | None = None,
@@ -262,6 +265,9 @@ def simulate(
     concurrency; ``warmup_passes`` replays the trace that many times first,
     learning but not measuring (a warm start from coefficients the service
     would have persisted; in-sample, but ``K + 1`` coefficients hardly overfit).
+    ``min_per_request`` drafts of every request are always verified (the
+    budget rules' minimum): without it a policy that trims everything learns
+    nothing, since only verified drafts are labelled.
     """
     cs = sorted({int(c) for c in concurrencies})
     if not cs or cs[0] < 1:
@@ -270,6 +276,8 @@ def simulate(
         raise ValueError("refit_interval must be >= 1")
     if warmup_passes < 0:
         raise ValueError("warmup_passes must be >= 0")
+    if min_per_request < 0:
+        raise ValueError("min_per_request must be >= 0")
     k = trace.k
     chosen = (
         list(policies)
@@ -281,6 +289,7 @@ def simulate(
     sim = Simulation(
         name, k, profile, refit_interval, update_rule, warmup_passes, baseline_rule, chosen
     )
+    sim.min_per_request = min_per_request
     costs = profile.step_costs(k, cs[-1], cs[-1] * (k + 1))
     for c in cs:
         rows = _Rows.of(trace, c)
@@ -308,7 +317,9 @@ def simulate(
                 source = _StaticSource(rows.oracle)
             else:
                 raise ValueError(f"unknown policy kind {policy.kind!r}")
-            totals = _adaptive(policy, source, rows, costs, warmup_passes + 1, progress)
+            totals = _adaptive(
+                policy, source, rows, costs, warmup_passes + 1, progress, min_per_request
+            )
             if estimator is not None:
                 totals.refits = estimator.round
             out[policy.name] = totals

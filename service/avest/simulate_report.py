@@ -26,7 +26,8 @@ def format_table(sim: Simulation) -> str:
         f"{sim.trace or 'trace'} under {p.name}"
         + (f" ({p.regime})" if p.regime else "")
         + f": K={sim.k}, draft cost per {p.draft_per}, estimator {sim.update_rule} refit every "
-        f"{sim.refit_interval} steps, {start}; baselines under {sim.baseline_rule}",
+        f"{sim.refit_interval} steps, {start}; baselines under {sim.baseline_rule}"
+        + (f"; at least {sim.min_per_request} verified per request" if sim.min_per_request else ""),
     ]
     lossy = False
     for c, totals in sim.results.items():

@@ -125,6 +125,7 @@ class Simulation:
     policies: list[Policy]
     results: dict[int, dict[str, Totals]] = field(default_factory=dict)
     skipped: list[int] = field(default_factory=list)
+    min_per_request: int = 0
 
     def best_fixed(self, c: int) -> str:
         fixed = {n: t for n, t in self.results[c].items() if n.startswith("fixed-")}
@@ -161,6 +162,7 @@ class Simulation:
             "refit_interval": self.refit_interval,
             "update_rule": self.update_rule,
             "warmup_passes": self.warmup_passes,
+            "min_per_request": self.min_per_request,
             "baseline_rule": self.baseline_rule,
             "policies": {
                 p.name: {

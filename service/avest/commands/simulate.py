@@ -116,6 +116,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         metavar="N",
         help="learn on N unmeasured passes of the trace first (a warm start; default 0: cold)",
     )
+    p.add_argument(
+        "--min-per-request",
+        type=int,
+        default=0,
+        metavar="M",
+        help="adaptive policies always verify the first M drafts of every request (default 0)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="DIR", help="write throughput-interactivity Pareto plots here")
     p.set_defaults(func=run)
@@ -148,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         "forgetting": args.forgetting,
         "prior": args.prior,
         "warmup_passes": args.warmup_passes,
+        "min_per_request": args.min_per_request,
     }
     try:
         plans = []
