@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
                 args.refit_interval,
                 args.repeat,
                 lambda: bar.update(),
+                rate=args.rate,
             )
         )
     except grpc.aio.AioRpcError as exc:
