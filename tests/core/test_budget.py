@@ -328,3 +328,24 @@ def test_empty_steps():
         assert d.budget == 0 and d.verify_lengths.shape == (0,)
         d = decide(name, np.ones((2, 3)), [0, 0], costs, 2, 2)
         assert d.budget == 0
+
+
+@pytest.mark.parametrize("step_shaped", [True, False])
+def test_argmax_with_a_minimum_maximises_goodput_over_budgets_that_keep_it(step_shaped):
+    """With a per-request minimum the argmax sizes what comes after the forced drafts."""
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        conf, sched = random_step(rng)
+        costs = random_costs(rng, step_shaped)
+        r = conf.shape[0]
+        surv = np.cumprod(conf, axis=1)
+        forced = np.minimum(sched, 1)
+        best = -1.0
+        for b in range(int(forced.sum()), int(sched.sum()) + 1):
+            kept = forced.copy()
+            for req, pos in ranked_slots(surv, sched, skip=forced)[: b - int(forced.sum())]:
+                kept[req] = max(kept[req], pos + 1)
+            gain = r + sum(surv[q, : kept[q]].sum() for q in range(r))
+            best = max(best, gain / (costs.draft_cost(r) + costs.verify_cost(r + int(kept.sum()))))
+        got = decide("argmax", conf, sched, costs, r, r, min_per_request=1)
+        assert got.goodput == pytest.approx(best, rel=1e-12)

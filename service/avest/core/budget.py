@@ -281,14 +281,22 @@ class BudgetStep:
         return np.asarray(np.minimum(self.scheduled, self.min_per_request), dtype=np.int64)
 
 
-def _top(step: BudgetStep, survival: FloatArray) -> IntArray:
-    scores = _best_first(survival, _eligible(survival, step.scheduled, 0 * step.scheduled))
-    size = budget_size(
-        scores, step.num_sampling, step.num_requests, step.num_non_draft_tokens, step.costs
-    )
+def _after_forced(step: BudgetStep, survival: FloatArray) -> tuple[FloatArray, float, int]:
+    """Ranked free slots, expected gain and ``T0`` once the forced minimum is verified."""
     forced = step.forced
-    reuse = scores if survival is step.survival and not forced.any() else None
-    return _fill(step.survival, step.scheduled, forced, size, reuse)
+    scores = _best_first(survival, _eligible(survival, step.scheduled, forced))
+    gain = step.num_sampling + float(
+        survival[np.arange(survival.shape[1])[None, :] < forced[:, None]].sum()
+    )
+    return scores, gain, step.num_non_draft_tokens + int(forced.sum())
+
+
+def _top(step: BudgetStep, survival: FloatArray) -> IntArray:
+    """Size by the argmax of ``survival`` after the forced drafts; fill by current."""
+    scores, gain, t0 = _after_forced(step, survival)
+    size = int(np.argmax(goodput_curve(scores, gain, step.num_requests, t0, step.costs)))
+    reuse = scores if survival is step.survival and not step.forced.any() else None
+    return _fill(step.survival, step.scheduled, step.forced, int(step.forced.sum()) + size, reuse)
 
 
 def stale_rule(step: BudgetStep) -> IntArray:
@@ -315,12 +323,9 @@ def lossless_walk_rule(step: BudgetStep) -> IntArray:
     the remaining slots. A forced slot of request ``r`` lies before every
     walked slot of ``r``, so this reads nothing drawn at or after the slot.
     """
-    forced, s = step.forced, step.survival
-    scores = _best_first(s, _eligible(s, step.scheduled, forced))
-    gain = step.num_sampling + float(s[np.arange(s.shape[1])[None, :] < forced[:, None]].sum())
-    t0 = step.num_non_draft_tokens + int(forced.sum())
+    scores, gain, t0 = _after_forced(step, step.survival)
     size = _walk(scores, gain, step.num_requests, t0, step.costs)
-    return _fill(s, step.scheduled, forced, int(forced.sum()) + size, scores)
+    return _fill(step.survival, step.scheduled, step.forced, int(step.forced.sum()) + size, scores)
 
 
 def full_rule(step: BudgetStep) -> IntArray:
@@ -384,16 +389,10 @@ def decide(
         raise InvalidInput("rule", f"unknown rule {rule!r}; choose from {sorted(RULES)}")
     given = (confidences, scheduled, costs, num_non_draft_tokens, num_sampling)
     step = BudgetStep.of(*given, stale_confidences, min_per_request)
-    lengths = entry.function(step)
-    s = step.survival
-    verified = np.arange(s.shape[1])[None, :] < lengths[:, None]
+    lengths, s = entry.function(step), step.survival
     total = int(lengths.sum())
-    return BudgetDecision(
-        rule=rule,
-        budget=total,
-        verify_lengths=lengths,
-        expected_tokens=step.num_sampling + float(s[verified].sum()),
-        cost_ms=costs.draft_cost(step.num_requests)
-        + costs.verify_cost(step.num_non_draft_tokens + total),
-        lossless=entry.lossless,
+    gain = step.num_sampling + float(s[np.arange(s.shape[1])[None, :] < lengths[:, None]].sum())
+    cost = costs.draft_cost(step.num_requests) + costs.verify_cost(
+        step.num_non_draft_tokens + total
     )
+    return BudgetDecision(rule, total, lengths, gain, cost, entry.lossless)
