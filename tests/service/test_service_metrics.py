@@ -1,0 +1,465 @@
+"""Prometheus metrics of a real service on 127.0.0.1:0, fed through the gRPC API
+and scraped over HTTP (parsed with prometheus_client's own parser)."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from avest import __version__, wire
+from avest import metrics as M
+from avest.core.rules import OUTCOMES
+from avest.trace import Trace
+from avest.v1 import estimator_pb2 as pb
+from avest.v1 import estimator_pb2_grpc as pb_grpc
+
+TOKEN = "s3cret"
+
+# -- the live server (tests/service/conftest.py's ``start_server``) plus clients --
+
+
+class _Live:
+    """A started server (conftest ``ServerHandle``) with a gRPC stub."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self.grpc_address = handle.grpc_address
+        self.http_url = handle.http_url
+        self.channel = grpc.insecure_channel(self.grpc_address)
+        self.stub = pb_grpc.EstimatorServiceStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def stop(self) -> None:
+        self.close()
+        self.handle.stop()
+
+
+@pytest.fixture
+def open_server(start_server: Callable[..., Any], tmp_path: Path) -> Iterator[Callable[..., _Live]]:
+    """``open_server(**settings)``: a live server on free ports, on one data directory
+    (so a second call after ``stop()`` restarts on the same state)."""
+    opened: list[_Live] = []
+
+    def open_(**overrides: Any) -> _Live:
+        values: dict[str, Any] = {
+            "refit_interval": 10,
+            "flush_interval_ms": 10,
+            "admin_token": TOKEN,
+            "grace_s": 2.0,
+        }
+        values.update(overrides)
+        live = _Live(start_server(tmp_path / "data", **values))
+        opened.append(live)
+        return live
+
+    yield open_
+    for live in opened:
+        live.close()
+
+
+@pytest.fixture
+def live(open_server: Callable[..., _Live]) -> _Live:
+    return open_server()
+
+
+# -- helpers --------------------------------------------------------------------
+
+
+def register(live: _Live, k: int = 5, refit_interval: int = 10, **labels: str) -> str:
+    resp = live.stub.RegisterPair(
+        pb.RegisterPairRequest(
+            key=pb.PairKey(
+                target_model="target-model",
+                draft_model="draft-model",
+                method="eagle",
+                num_speculative_tokens=k,
+                labels=labels,
+            ),
+            update_rule=pb.UPDATE_RULE_RECURSIVE,
+            refit_interval=refit_interval,
+        ),
+        timeout=10,
+    )
+    return str(resp.pair_id)
+
+
+def messages(trace: Trace, pair_id: str, worker: str = "w0", first: int = 1) -> list[Any]:
+    out = []
+    for i, st in enumerate(trace.steps()):
+        data, rows, k = wire.encode(st.features)
+        out.append(
+            pb.ObserveRequest(
+                pair_id=pair_id,
+                worker_id=worker,
+                sequence=first + i,
+                features=data,
+                rows=rows,
+                k=k,
+                num_verified=st.num_verified.tolist(),
+                num_accepted=st.num_accepted.tolist(),
+            )
+        )
+    return out
+
+
+def observe(live: _Live, msgs: list[Any]) -> int:
+    """Stream ``msgs`` on one Observe call; the highest acknowledged sequence."""
+    acked = 0
+    for resp in live.stub.Observe(iter(msgs), timeout=60):
+        if resp.HasField("ack"):
+            acked = max(acked, resp.ack.acked_sequence)
+    return acked
+
+
+Samples = dict[str, list[Sample]]
+
+
+def scrape(live: _Live) -> Samples:
+    r = httpx.get(live.http_url + "/metrics", timeout=10)
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+    out: Samples = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append(s)
+    return out
+
+
+def select(samples: Samples, name: str, **labels: str) -> list[Sample]:
+    return [
+        s for s in samples.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items())
+    ]
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    found = select(samples, name, **labels)
+    assert len(found) == 1, f"{name}{labels}: {len(found)} samples"
+    return float(found[0].value)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.02)
+
+
+# -- the names --------------------------------------------------------------------
+
+
+def test_names_are_defined_once_prefixed_and_in_base_units() -> None:
+    names = [m.name for m in M.METRICS]
+    assert len(names) == len(set(names))
+    for spec in M.METRICS:
+        assert spec.name.startswith("avest_")
+        assert spec.kind in ("gauge", "counter", "histogram")
+        assert spec.name.endswith("_total") == (spec.kind == "counter"), spec.name
+        assert not spec.name.endswith("_ms") and "millis" not in spec.name
+        # Never unbounded labels.
+        assert not {"request", "request_id", "worker", "worker_id"} & set(spec.labels)
+    assert "avest_rpc_duration_seconds_bucket" in M.exposed_names()
+    assert M.REFITS == "avest_refits_total" and M.SPECS[M.REFITS].labels == ("pair", "outcome")
+
+
+def test_every_metric_is_exposed_with_its_labels(live: _Live) -> None:
+    register(live)
+    samples = scrape(live)
+    for spec in M.METRICS:
+        for name in spec.sample_names():
+            assert name in samples, f"{name} missing from /metrics"
+            for s in samples[name]:
+                labels = set(s.labels) - {"le"}
+                assert labels == set(spec.labels), (name, s.labels)
+    avest = {n for n in samples if n.startswith("avest_")}
+    # Everything avest_ on the page is declared (prometheus_client's *_created aside).
+    assert {n for n in avest if not n.endswith("_created")} <= M.exposed_names()
+    assert value(samples, M.INFO, version=__version__) == 1.0
+
+
+# -- per-pair series ----------------------------------------------------------------
+
+
+def test_per_pair_series_exist_from_registration(live: _Live) -> None:
+    pid = register(live, k=5, workload="chat")
+    samples = scrape(live)
+    assert value(samples, M.PAIRS) == 1.0
+    info = select(samples, M.PAIR_INFO, pair=pid)
+    assert len(info) == 1 and info[0].value == 1.0
+    assert info[0].labels == {
+        "pair": pid,
+        "target": "target-model",
+        "draft": "draft-model",
+        "method": "eagle",
+        "k": "5",
+        "rule": "recursive",
+        "labels": "workload=chat",
+    }
+    assert value(samples, M.SLOPE, pair=pid) == 0.5
+    for pos in range(5):
+        assert value(samples, M.INTERCEPT, pair=pid, position=str(pos)) == -0.2
+        assert math.isnan(value(samples, M.PREDICTED_ACCEPTANCE, pair=pid, position=str(pos)))
+        assert math.isnan(value(samples, M.OBSERVED_ACCEPTANCE, pair=pid, position=str(pos)))
+    assert not select(samples, M.INTERCEPT, pair=pid, position="5")
+    for name in (M.AUC, M.ECE, M.LOG_LOSS):
+        assert math.isnan(value(samples, name, pair=pid))
+    assert value(samples, M.CALIBRATION_DRAFTS, pair=pid) == 0.0
+    assert value(samples, M.COEFFICIENTS_VERSION, pair=pid) == 0.0
+    assert value(samples, M.ROUND, pair=pid) == 0.0
+    assert value(samples, M.DRAFTS_OBSERVED, pair=pid) == 0.0
+    assert value(samples, M.STEPS_OBSERVED, pair=pid) == 0.0
+    for outcome in OUTCOMES:
+        assert value(samples, M.REFITS, pair=pid, outcome=outcome) == 0.0
+    assert value(samples, M.LAST_OBSERVED, pair=pid) == pytest.approx(time.time(), abs=60)
+    assert value(samples, M.QUEUE_DEPTH) == 0.0
+
+
+def test_gauges_follow_the_service_state(live: _Live, trace_slice: Any) -> None:
+    trace = trace_slice("sample", 0, 120)
+    pid = register(live, k=trace.k, refit_interval=10)
+    assert observe(live, messages(trace, pid)) == 120
+    coef = live.stub.GetCoefficients(pb.GetCoefficientsRequest(pair_id=pid)).coefficients
+    pair = live.stub.GetPair(pb.GetPairRequest(pair_id=pid)).pair
+    samples = scrape(live)
+
+    # Coefficients: exactly those GetCoefficients returns (floats round-trip).
+    assert coef.version > 0
+    assert value(samples, M.SLOPE, pair=pid) == coef.slope
+    for pos, b in enumerate(coef.intercepts):
+        assert value(samples, M.INTERCEPT, pair=pid, position=str(pos)) == b
+    assert value(samples, M.COEFFICIENTS_VERSION, pair=pid) == coef.version
+    assert value(samples, M.ROUND, pair=pid) == coef.round == 12
+
+    # Totals.
+    assert value(samples, M.STEPS_OBSERVED, pair=pid) == pair.steps_observed == 120
+    assert value(samples, M.DRAFTS_OBSERVED, pair=pid) == pair.drafts_observed
+    assert pair.drafts_observed == int(trace.labels()[0].sum())
+    refits = {o: value(samples, M.REFITS, pair=pid, outcome=o) for o in OUTCOMES}
+    assert sum(refits.values()) == 12
+    # Every version step is an applied or slope-held refit (rejected keeps the version).
+    assert refits["applied"] + refits["slope_held"] == coef.version
+    assert value(samples, M.REFIT_DURATION + "_count") == 12
+    assert value(samples, M.REFIT_DURATION + "_sum") > 0
+
+    # Calibration: the service's summary.
+    cal = pair.calibration
+    assert value(samples, M.AUC, pair=pid) == pytest.approx(cal.auc, abs=1e-12)
+    assert value(samples, M.ECE, pair=pid) == pytest.approx(cal.ece, abs=1e-12)
+    assert value(samples, M.LOG_LOSS, pair=pid) == pytest.approx(cal.logloss, abs=1e-12)
+    assert value(samples, M.CALIBRATION_DRAFTS, pair=pid) == cal.count == pair.drafts_observed
+    for pos, p in enumerate(cal.by_position):
+        got_p = value(samples, M.PREDICTED_ACCEPTANCE, pair=pid, position=str(pos))
+        got_o = value(samples, M.OBSERVED_ACCEPTANCE, pair=pid, position=str(pos))
+        assert got_p == pytest.approx(p.mean_predicted, abs=1e-12)
+        assert got_o == pytest.approx(p.observed, abs=1e-12)
+        assert 0.0 < got_p < 1.0 and 0.0 <= got_o <= 1.0
+    assert value(samples, M.LAST_OBSERVED, pair=pid) == pytest.approx(time.time(), abs=60)
+    assert value(samples, M.QUEUE_DEPTH) == 0.0  # the stream ended durable
+
+
+def test_restored_pairs_are_exposed_before_any_call(
+    open_server: Callable[..., _Live], trace_slice: Any
+) -> None:
+    trace = trace_slice("sample", 0, 40)
+    first = open_server()
+    pid = register(first, k=trace.k, refit_interval=10)
+    observe(first, messages(trace, pid))
+    before = scrape(first)
+    first.stop()
+
+    second = open_server()
+    after = scrape(second)
+    for name, labels in (
+        (M.SLOPE, {"pair": pid}),
+        (M.INTERCEPT, {"pair": pid, "position": "0"}),
+        (M.COEFFICIENTS_VERSION, {"pair": pid}),
+        (M.ROUND, {"pair": pid}),
+        (M.STEPS_OBSERVED, {"pair": pid}),
+        (M.DRAFTS_OBSERVED, {"pair": pid}),
+        (M.AUC, {"pair": pid}),
+    ):
+        assert value(after, name, **labels) == value(before, name, **labels), name
+    assert value(after, M.PAIRS) == 1.0
+    # Refit counts are this process's: zero, but present.
+    assert value(after, M.REFITS, pair=pid, outcome="applied") == 0.0
+
+
+# -- refusals, RPC latency, streams, queue depth --------------------------------------
+
+
+def test_refused_batches_are_counted_by_method_and_reason(live: _Live) -> None:
+    pid = register(live, k=4)
+    bad = pb.ObserveRequest(
+        pair_id=pid,
+        worker_id="w0",
+        sequence=1,
+        features=b"\0" * 8,  # rows*k*4 = 16 bytes expected
+        rows=1,
+        k=4,
+        num_verified=[4],
+        num_accepted=[1],
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        observe(live, [bad])
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as err:
+        live.stub.GetCoefficients(pb.GetCoefficientsRequest(pair_id="0" * 16), timeout=10)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    wrong_k = pb.ObserveRequest(
+        pair_id=pid,
+        worker_id="w0",
+        sequence=1,
+        features=b"\0" * 12,
+        rows=1,
+        k=3,
+        num_verified=[3],
+        num_accepted=[1],
+    )
+    with pytest.raises(grpc.RpcError):
+        observe(live, [wrong_k])
+
+    samples = scrape(live)
+    assert value(samples, M.REFUSED_BATCHES, method="Observe", reason="invalid_argument") == 2
+    assert value(samples, M.REFUSED_BATCHES, method="GetCoefficients", reason="not_found") == 1
+    assert value(samples, M.REFUSED_BATCHES, method="Observe", reason="not_found") == 0
+    # The state is untouched.
+    assert value(samples, M.STEPS_OBSERVED, pair=pid) == 0.0
+    # The aborted calls are timed under their status code.
+    count = M.RPC_DURATION + "_count"
+    assert value(samples, count, method="Observe", code="INVALID_ARGUMENT") == 2
+    assert value(samples, count, method="GetCoefficients", code="NOT_FOUND") == 1
+
+
+def test_rpc_duration_by_method_and_status(live: _Live, trace_slice: Any) -> None:
+    trace = trace_slice("sample", 0, 12)
+    pid = register(live, k=trace.k)
+    observe(live, messages(trace, pid))
+    live.stub.GetPair(pb.GetPairRequest(pair_id=pid), timeout=10)
+    with pytest.raises(grpc.RpcError):
+        live.stub.GetPair(pb.GetPairRequest(pair_id="nope"), timeout=10)
+    # An unknown method is UNIMPLEMENTED and never becomes a label value.
+    nope = live.channel.unary_unary("/avest.v1.EstimatorService/Nope")
+    with pytest.raises(grpc.RpcError) as err:
+        nope(b"", timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+    samples = scrape(live)
+    count = M.RPC_DURATION + "_count"
+    assert value(samples, count, method="RegisterPair", code="OK") == 1
+    assert value(samples, count, method="Observe", code="OK") == 1
+    assert value(samples, count, method="GetPair", code="OK") == 1
+    assert value(samples, count, method="GetPair", code="NOT_FOUND") == 1
+    assert not select(samples, count, method="Nope")
+    buckets = select(samples, M.RPC_DURATION + "_bucket", method="Observe", code="OK")
+    assert len(buckets) == len(M.RPC_BUCKETS) + 1
+    assert buckets[-1].labels["le"] == "+Inf" and buckets[-1].value == 1
+    # Every declared method has a series from the start.
+    methods = {s.labels["method"] for s in samples[count]}
+    assert {"Score", "Budget", "WatchCoefficients", "ListPairs", "SetCostCurves"} <= methods
+
+
+def test_streams_are_timed_whole_and_counted_while_open(live: _Live) -> None:
+    pid = register(live, k=3)
+    watch = live.stub.WatchCoefficients(pb.WatchCoefficientsRequest(pair_id=pid), timeout=30)
+    assert next(watch).coefficients.version == 0
+    assert value(scrape(live), M.OPEN_STREAMS) == 1.0
+    time.sleep(0.3)
+    watch.cancel()
+    count = M.RPC_DURATION + "_count"
+
+    def closed() -> bool:
+        s = scrape(live)
+        return value(s, M.OPEN_STREAMS) == 0.0 and bool(
+            select(s, count, method="WatchCoefficients", code="CANCELLED")
+        )
+
+    wait_for(closed)
+    samples = scrape(live)
+    assert value(samples, count, method="WatchCoefficients", code="CANCELLED") == 1
+    # The whole call: at least the time the stream stayed open.
+    assert value(
+        samples, M.RPC_DURATION + "_sum", method="WatchCoefficients", code="CANCELLED"
+    ) >= (0.3)
+
+
+def test_queue_depth_counts_applied_steps_until_durable(
+    open_server: Callable[..., _Live], trace_slice: Any
+) -> None:
+    # No periodic flush and no refit: steps stay applied-not-durable while the stream is open.
+    live = open_server(flush_interval_ms=600_000)
+    trace = trace_slice("sample", 0, 5)
+    pid = register(live, k=trace.k, refit_interval=1000)
+    release = threading.Event()
+
+    def requests() -> Iterator[Any]:
+        yield from messages(trace, pid)
+        release.wait(30)
+
+    call = live.stub.Observe(requests(), timeout=60)
+    try:
+        wait_for(lambda: value(scrape(live), M.STEPS_OBSERVED, pair=pid) == 5.0)
+        assert value(scrape(live), M.QUEUE_DEPTH) == 5.0
+    finally:
+        release.set()
+    acks = [r.ack.acked_sequence for r in call if r.HasField("ack")]
+    assert acks and max(acks) == 5
+    assert value(scrape(live), M.QUEUE_DEPTH) == 0.0
+
+
+# -- the Metrics object on its own ----------------------------------------------------
+
+
+class _App:
+    class _Hooks:
+        def __init__(self) -> None:
+            self.refit: list[Any] = []
+
+    class _Registry:
+        pairs: dict[str, Any] = {}
+
+    def __init__(self) -> None:
+        self.hooks = self._Hooks()
+        self.registry = self._Registry()
+
+
+def test_injected_registries_are_independent() -> None:
+    a, b = CollectorRegistry(), CollectorRegistry()
+    ma, mb = M.Metrics(_App(), registry=a), M.Metrics(_App(), registry=b)
+    ma.refused("Observe", "invalid_argument")
+    mb.refused("Observe", "made-up reason")  # unknown reasons are bounded to "other"
+    assert (
+        a.get_sample_value(M.REFUSED_BATCHES, {"method": "Observe", "reason": "invalid_argument"})
+        == 1
+    )
+    assert b.get_sample_value(M.REFUSED_BATCHES, {"method": "Observe", "reason": "other"}) == 1
+    assert (
+        b.get_sample_value(M.REFUSED_BATCHES, {"method": "Observe", "reason": "made-up reason"})
+        is None
+    )
+    assert a.get_sample_value(M.PAIRS) == 0.0
+    body, ctype = ma.exposition()
+    assert b"avest_pairs 0.0" in body and ctype.startswith("text/plain")
+
+
+def test_queue_depth_definition() -> None:
+    assert M.queue_depth({}, {}) == 0
+    assert M.queue_depth({"a": 7, "b": 3}, {"a": 5}) == 2 + 3
+    assert M.queue_depth({"a": 5}, {"a": 5}) == 0
+
+
+def test_method_labels() -> None:
+    assert M.method_label("/avest.v1.EstimatorService/Observe") == "Observe"
+    assert M.method_label("/grpc.health.v1.Health/Check") == "grpc.health.v1.Health/Check"
