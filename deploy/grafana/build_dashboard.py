@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from avest import metrics as m
+from avest.core.estimator import DEFAULT_RECENT_DECAY
 
 OUT = Path(__file__).resolve().parent / "dashboards" / "avest.json"
 DATASOURCE = {"type": "prometheus", "uid": "avest-prometheus"}
@@ -403,6 +404,24 @@ def build() -> dict:
     p.append(
         timeseries(
             lay,
+            "Recent acceptance per position: predicted vs observed (avest)",
+            "The same over recent drafts only: each refit round down-weights older drafts "
+            f"by {DEFAULT_RECENT_DECAY:g} (a window of about 20 rounds), so a workload shift shows here within "
+            "a few thousand steps while the cumulative panel beside it barely moves. "
+            "Alert AvestAcceptanceDivergence watches these.",
+            refs(
+                (f"{m.RECENT_PREDICTED_ACCEPTANCE}{{{PAIR}}}", "predicted {{position}}"),
+                (f"{m.RECENT_OBSERVED_ACCEPTANCE}{{{PAIR}}}", "observed {{position}}"),
+            ),
+            unit="percentunit",
+            minimum=0,
+            maximum=1,
+            overrides=[dashed("observed.*")],
+        )
+    )
+    p.append(
+        timeseries(
+            lay,
             "Acceptance through position i: avest vs vLLM",
             "Probability that drafts 0..i are all accepted. avest predicted / observed: "
             "running product of its per-position rates (cumulative). vLLM: "
@@ -439,8 +458,6 @@ def build() -> dict:
                 (f"1 + sum by (pair) ({survival(m.OBSERVED_ACCEPTANCE)})", "avest observed"),
                 (vllm_acceptance_length(), "vLLM"),
             ),
-            w=24,
-            h=7,
             overrides=[dashed("avest observed")],
         )
     )
@@ -451,12 +468,14 @@ def build() -> dict:
             lay,
             "AUC",
             "Area under the ROC curve of avest's predictions against accept/reject: how "
-            "well confidences rank drafts (0.5 = no better than chance). Empty until both "
-            "outcomes are seen.",
-            [target(f"{m.AUC}{{{PAIR}}}", "AUC")],
+            "well confidences rank drafts (0.5 = no better than chance), over recent drafts "
+            "(solid; about the last 20 refit rounds) and all drafts since registration or "
+            "reset (dashed). Empty until both outcomes are seen.",
+            refs((f"{m.RECENT_AUC}{{{PAIR}}}", "recent"), (f"{m.AUC}{{{PAIR}}}", "all drafts")),
             unit="none",
             w=8,
             decimals=3,
+            overrides=[dashed("all drafts")],
         )
     )
     p.append(
@@ -464,35 +483,45 @@ def build() -> dict:
             lay,
             "ECE",
             "Expected calibration error over 15 probability bins: mean |predicted - "
-            "observed| weighted by drafts. Dashed line: the AvestCalibrationDrift threshold.",
-            [target(f"{m.ECE}{{{PAIR}}}", "ECE")],
+            "observed| weighted by drafts, over recent drafts (solid; about the last 20 "
+            "refit rounds) and all drafts (dashed). Dashed red line: the threshold of "
+            "AvestCalibrationDrift, which watches the recent ECE.",
+            refs((f"{m.RECENT_ECE}{{{PAIR}}}", "recent"), (f"{m.ECE}{{{PAIR}}}", "all drafts")),
             unit="none",
             w=8,
             minimum=0,
             threshold=ECE_THRESHOLD,
             decimals=3,
+            overrides=[dashed("all drafts")],
         )
     )
     p.append(
         timeseries(
             lay,
             "Log loss",
-            "Mean log loss of the predictions, nats per draft (lower is better).",
-            [target(f"{m.LOG_LOSS}{{{PAIR}}}", "log loss")],
+            "Mean log loss of the predictions, nats per draft (lower is better), over "
+            "recent drafts (solid; about the last 20 refit rounds) and all drafts (dashed).",
+            refs(
+                (f"{m.RECENT_LOG_LOSS}{{{PAIR}}}", "recent"),
+                (f"{m.LOG_LOSS}{{{PAIR}}}", "all drafts"),
+            ),
             unit="none",
             w=8,
             decimals=3,
+            overrides=[dashed("all drafts")],
         )
     )
     p.append(
         timeseries(
             lay,
-            "Predicted minus observed, by position",
+            "Predicted minus observed, by position (recent)",
             "Absolute gap between avest's mean predicted and the observed acceptance per "
-            "position. Dashed line: the AvestAcceptanceDivergence threshold.",
+            "position, over recent drafts (about the last 20 refit rounds). Dashed line: "
+            "the AvestAcceptanceDivergence threshold (the alert watches exactly this).",
             [
                 target(
-                    f"abs({m.PREDICTED_ACCEPTANCE}{{{PAIR}}} - {m.OBSERVED_ACCEPTANCE}{{{PAIR}}})",
+                    f"abs({m.RECENT_PREDICTED_ACCEPTANCE}{{{PAIR}}}"
+                    f" - {m.RECENT_OBSERVED_ACCEPTANCE}{{{PAIR}}})",
                     "position {{position}}",
                 )
             ],
@@ -506,8 +535,8 @@ def build() -> dict:
         timeseries(
             lay,
             "Labelled drafts behind the calibration",
-            "Drafts the calibration gauges are computed over (cumulative since registration "
-            "or reset). The calibration alerts wait for 10,000.",
+            "Drafts the cumulative calibration gauges are computed over (since registration "
+            "or reset). The calibration alerts wait for 10,000 before judging a pair.",
             [target(f"{m.CALIBRATION_DRAFTS}{{{PAIR}}}", "drafts")],
         )
     )

@@ -65,6 +65,8 @@ class Avest:
         self._flusher: asyncio.Task[None] | None = None
         self._closed = False
         self.ready = False
+        #: Set by the server when it starts draining: /readyz answers 503 from then on.
+        self.draining = False
 
     # -- lifecycle ----------------------------------------------------------
 

@@ -11,6 +11,7 @@ blocking I/O.
 ``GET /metrics``                            Prometheus text exposition
 ``GET /v1/pairs``                           every pair (see ``PairOut``)
 ``GET /v1/pairs/{id}``                      one pair: key, rule, coefficients, calibration
+                                            (all-time and recent)
 ``GET /v1/pairs/{id}/history``              coefficient history (newest last, at most 256)
 ``GET /v1/pairs/{id}/reliability``          reliability-diagram data (JSON)
 ``GET /v1/pairs/{id}/reliability.svg``      the reliability diagram and per-position plot
@@ -20,6 +21,7 @@ blocking I/O.
 
 Floats that are undefined (NaN: AUC with one class, anything with no drafts)
 are ``null`` in JSON. An unknown pair is a 404 whose ``detail`` names the id.
+The response models are in :mod:`avest.http_models`.
 """
 
 from __future__ import annotations
@@ -31,171 +33,22 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import JSONResponse, RedirectResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, Field
 
 from avest import __version__
-from avest.core.metrics import PositionSummary
+from avest.http_models import (
+    ErrorOut,
+    HistoryEntryOut,
+    HistoryOut,
+    PairOut,
+    PairsOut,
+    ReliabilityBinOut,
+    ReliabilityOut,
+    Status,
+    finite,
+    pair_out,
+)
 from avest.reliability_svg import render
 from avest.state import NotFound, Pair
-
-# -- response models -------------------------------------------------------------
-
-
-class Status(BaseModel):
-    status: str = Field(description="ok / ready, or why not: starting, draining")
-
-
-class ErrorOut(BaseModel):
-    detail: str = Field(description="What went wrong, naming the offending value")
-
-
-class PairKeyOut(BaseModel):
-    target: str = Field(description="Target model")
-    draft: str = Field(description="Draft model (or speculative method's drafter)")
-    method: str = Field(description="Speculative decoding method")
-    k: int = Field(description="Draft positions K (num_speculative_tokens)")
-    labels: dict[str, str] = Field(description="Free-form labels of the key")
-
-
-class CoefficientsOut(BaseModel):
-    slope: float = Field(description="Shared slope on the feature logit(q_max)")
-    intercepts: list[float] = Field(description="One intercept per draft position")
-
-
-class PositionCalibrationOut(BaseModel):
-    position: int = Field(description="Draft position, 0-based")
-    count: float = Field(description="Labelled drafts at this position")
-    auc: float | None
-    logloss: float | None
-    ece: float | None
-    mean_predicted: float | None = Field(description="Mean predicted acceptance")
-    observed: float | None = Field(
-        description="Observed acceptance rate, given the position was verified"
-    )
-
-
-class CalibrationOut(BaseModel):
-    count: float = Field(description="Labelled drafts the measures cover")
-    auc: float | None = Field(description="AUC; null until both outcomes are seen")
-    logloss: float | None = Field(description="Mean log loss in nats; null with no drafts")
-    ece: float | None = Field(description="Expected calibration error (15 bins)")
-    mean_predicted: float | None
-    observed: float | None
-    by_position: list[PositionCalibrationOut]
-
-
-class PairOut(BaseModel):
-    id: str = Field(description="Stable pair id (hash of the key)")
-    key: PairKeyOut
-    K: int = Field(description="Draft positions")
-    rule: str = Field(description="Update rule: vllm or recursive")
-    refit_interval: int = Field(description="Refit every this many observed steps")
-    coefficients: CoefficientsOut
-    version: int = Field(
-        description="Coefficients version: +1 per applied refit and per reset; never decreases"
-    )
-    round: int = Field(description="Refit rounds closed")
-    observed_drafts: int = Field(description="Labelled drafts observed")
-    observed_steps: int = Field(description="Observe steps applied")
-    steps_in_round: int = Field(description="Steps in the open round")
-    last_outcome: str = Field(description="Outcome of the last refit ('' before any)")
-    updated: float = Field(description="Unix time of the last applied step")
-    cost_curve_hardware: list[str] = Field(description="Hardware labels with cost curves")
-    calibration: CalibrationOut
-
-
-class PairsOut(BaseModel):
-    pairs: list[PairOut]
-
-
-class HistoryEntryOut(BaseModel):
-    version: int
-    round: int
-    time: float = Field(description="Unix time")
-    slope: float
-    intercepts: list[float]
-    outcome: str = Field(description="registered, reset, applied, slope_held or rejected")
-
-
-class HistoryOut(BaseModel):
-    id: str
-    history: list[HistoryEntryOut]
-
-
-class ReliabilityBinOut(BaseModel):
-    bin: int
-    lower: float
-    upper: float
-    count: float
-    mean_predicted: float | None
-    observed: float | None
-
-
-class ReliabilityOut(BaseModel):
-    id: str
-    position: int | None = Field(description="The position, or null for all pooled")
-    bins: list[ReliabilityBinOut]
-
-
-# -- conversion ----------------------------------------------------------------
-
-
-def _f(v: float) -> float | None:
-    """NaN/inf -> None (JSON null)."""
-    v = float(v)
-    return v if math.isfinite(v) else None
-
-
-def _position(i: int, p: PositionSummary) -> PositionCalibrationOut:
-    return PositionCalibrationOut(
-        position=i,
-        count=float(p.count),
-        auc=_f(p.auc),
-        logloss=_f(p.logloss),
-        ece=_f(p.ece),
-        mean_predicted=_f(p.mean_predicted),
-        observed=_f(p.observed),
-    )
-
-
-def pair_out(pair: Pair, metrics: Any) -> PairOut:
-    est = pair.estimator
-    s = metrics.summary(pair)
-    key = pair.key
-    return PairOut(
-        id=pair.id,
-        key=PairKeyOut(
-            target=key.target,
-            draft=key.draft,
-            method=key.method,
-            k=key.k,
-            labels=dict(key.labels),
-        ),
-        K=pair.k,
-        rule=pair.rule_name,
-        refit_interval=est.refit_interval,
-        coefficients=CoefficientsOut(
-            slope=est.coefficients.slope, intercepts=list(est.coefficients.intercepts)
-        ),
-        version=est.version,
-        round=est.round,
-        observed_drafts=est.drafts,
-        observed_steps=est.steps,
-        steps_in_round=est.steps_in_round,
-        last_outcome=est.last_outcome,
-        updated=pair.updated,
-        cost_curve_hardware=sorted(pair.costs),
-        calibration=CalibrationOut(
-            count=float(s.count),
-            auc=_f(s.auc),
-            logloss=_f(s.logloss),
-            ece=_f(s.ece),
-            mean_predicted=_f(s.mean_predicted),
-            observed=_f(s.observed),
-            by_position=[_position(i, p) for i, p in enumerate(s.by_position)],
-        ),
-    )
-
 
 #: Module level: the handlers' annotations are strings resolved in this module.
 _BEARER = HTTPBearer(auto_error=False, description="settings.admin_token (AVEST_ADMIN_TOKEN)")
@@ -331,8 +184,8 @@ def build_http(app: Any, metrics: Any, settings: Any) -> FastAPI:
                     lower=float(rel.edges[i]),
                     upper=float(rel.edges[i + 1]),
                     count=float(rel.count[i]),
-                    mean_predicted=_f(rel.mean_predicted[i]),
-                    observed=_f(rel.observed[i]),
+                    mean_predicted=finite(rel.mean_predicted[i]),
+                    observed=finite(rel.observed[i]),
                 )
                 for i in range(len(rel.count))
             ],

@@ -122,6 +122,7 @@ class Server:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        self.app.draining = True
         grace = self.settings.grace_s
         await self.health.enter_graceful_shutdown()
         self.service.stop_applying()

@@ -202,34 +202,60 @@ CASES: list[tuple[str, list[dict[str, str]], list[tuple[str, list[dict[str, Any]
     (
         "AvestCalibrationDrift",
         [
-            # p: miscalibrated with enough drafts; q: too few drafts; r: calibrated.
-            {"series": f'avest_ece{{{SERIES}, pair="p"}}', "values": "0.08x40"},
+            # By the recent ECE: p miscalibrated with enough drafts; q too few
+            # drafts; r calibrated now though its all-time ECE is high (it
+            # recovered); s drifted recently though its all-time ECE is still low
+            # (the old drafts dilute it): the alert watches the recent one.
+            {"series": f'avest_recent_ece{{{SERIES}, pair="p"}}', "values": "0.08x40"},
             {"series": f'avest_calibration_drafts{{{SERIES}, pair="p"}}', "values": "20000x40"},
-            {"series": f'avest_ece{{{SERIES}, pair="q"}}', "values": "0.3x40"},
+            {"series": f'avest_recent_ece{{{SERIES}, pair="q"}}', "values": "0.3x40"},
             {"series": f'avest_calibration_drafts{{{SERIES}, pair="q"}}', "values": "500x40"},
-            {"series": f'avest_ece{{{SERIES}, pair="r"}}', "values": "0.02x40"},
+            {"series": f'avest_recent_ece{{{SERIES}, pair="r"}}', "values": "0.02x40"},
+            {"series": f'avest_ece{{{SERIES}, pair="r"}}', "values": "0.09x40"},
             {"series": f'avest_calibration_drafts{{{SERIES}, pair="r"}}', "values": "20000x40"},
+            {"series": f'avest_recent_ece{{{SERIES}, pair="s"}}', "values": "0.07x40"},
+            {"series": f'avest_ece{{{SERIES}, pair="s"}}', "values": "0.03x40"},
+            {"series": f'avest_calibration_drafts{{{SERIES}, pair="s"}}', "values": "90000x40"},
         ],
-        [("20m", []), ("35m", [alert("AvestCalibrationDrift", **BASE, pair="p")])],
+        [
+            ("20m", []),
+            (
+                "35m",
+                [
+                    alert("AvestCalibrationDrift", **BASE, pair="p"),
+                    alert("AvestCalibrationDrift", **BASE, pair="s"),
+                ],
+            ),
+        ],
     ),
     (
         "AvestAcceptanceDivergence",
         [
+            # Recent: position 0 close, position 1 apart. All-time: position 0
+            # apart (an old divergence, since corrected), which must not fire.
+            {
+                "series": f'avest_recent_predicted_acceptance{{{SERIES}, pair="p", position="0"}}',
+                "values": "0.7x40",
+            },
+            {
+                "series": f'avest_recent_observed_acceptance{{{SERIES}, pair="p", position="0"}}',
+                "values": "0.72x40",
+            },
+            {
+                "series": f'avest_recent_predicted_acceptance{{{SERIES}, pair="p", position="1"}}',
+                "values": "0.6x40",
+            },
+            {
+                "series": f'avest_recent_observed_acceptance{{{SERIES}, pair="p", position="1"}}',
+                "values": "0.8x40",
+            },
             {
                 "series": f'avest_predicted_acceptance{{{SERIES}, pair="p", position="0"}}',
-                "values": "0.7x40",
+                "values": "0.5x40",
             },
             {
                 "series": f'avest_observed_acceptance{{{SERIES}, pair="p", position="0"}}',
                 "values": "0.72x40",
-            },
-            {
-                "series": f'avest_predicted_acceptance{{{SERIES}, pair="p", position="1"}}',
-                "values": "0.6x40",
-            },
-            {
-                "series": f'avest_observed_acceptance{{{SERIES}, pair="p", position="1"}}',
-                "values": "0.8x40",
             },
             {"series": f'avest_calibration_drafts{{{SERIES}, pair="p"}}', "values": "50000x40"},
         ],
@@ -369,7 +395,7 @@ def test_alert_annotations_render(live_prometheus: Any, tmp_path: Path) -> None:
             {
                 "interval": "1m",
                 "input_series": [
-                    {"series": f'avest_ece{{{SERIES}, pair="p"}}', "values": "0.08x40"},
+                    {"series": f'avest_recent_ece{{{SERIES}, pair="p"}}', "values": "0.08x40"},
                     {
                         "series": f'avest_calibration_drafts{{{SERIES}, pair="p"}}',
                         "values": "20000x40",
@@ -385,7 +411,7 @@ def test_alert_annotations_render(live_prometheus: Any, tmp_path: Path) -> None:
                                     "exp_labels"
                                 ],
                                 "exp_annotations": {
-                                    "summary": "avest pair p is miscalibrated (ECE 8%)"
+                                    "summary": "avest pair p is miscalibrated (recent ECE 8%)"
                                 },
                             }
                         ],

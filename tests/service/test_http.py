@@ -4,7 +4,10 @@ OpenAPI. Data goes in through the real gRPC API."""
 
 from __future__ import annotations
 
+import asyncio
 import math
+import re
+import threading
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,6 +18,7 @@ import httpx
 import pytest
 
 from avest import wire
+from avest.core.estimator import DEFAULT_RECENT_DECAY
 from avest.core.model import INIT_INTERCEPT, INIT_SLOPE
 from avest.http import build_http
 from avest.settings import Settings
@@ -169,6 +173,48 @@ async def test_readyz_is_503_until_ready_and_while_draining(
     assert r.status_code == status and r.json() == {"status": body}
 
 
+def test_readyz_is_503_draining_while_a_real_server_stops(
+    open_server: Callable[..., _Live],
+) -> None:
+    """Server.stop() marks the app draining first thing; /readyz (still served
+    until the very end of the drain) answers 503 "draining" from then on. The
+    drain is held just after that (at the health service's graceful shutdown)
+    until the probe has answered, so the order is fixed, not raced."""
+    live = open_server(grace_s=30.0)
+    handle = live.handle
+    server = handle.server
+    assert live.http.get("/readyz").json() == {"status": "ready"}
+    assert server.app.draining is False
+
+    reached = threading.Event()
+    release = threading.Event()
+    graceful_shutdown = server.health.enter_graceful_shutdown
+
+    async def held_graceful_shutdown() -> None:
+        reached.set()
+        while not release.is_set():
+            await asyncio.sleep(0.005)
+        await graceful_shutdown()
+
+    server.health.enter_graceful_shutdown = held_graceful_shutdown
+    stopping = asyncio.run_coroutine_threadsafe(server.stop(), handle.loop)
+    try:
+        assert reached.wait(10), "stop() never reached the graceful shutdown"
+        assert server.app.draining is True
+        r = live.http.get("/readyz")
+        assert r.status_code == 503 and r.json() == {"status": "draining"}
+        # Liveness is unaffected: the process still answers.
+        r = live.http.get("/healthz")
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+    finally:
+        release.set()
+        stopping.result(30)
+    assert server.app.draining is True and not server.app.ready
+    live.close()
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{live.http_url}/readyz", timeout=5)
+
+
 # -- pairs ------------------------------------------------------------------------------
 
 
@@ -204,9 +250,49 @@ def test_pair_json_matches_get_pair(fed: tuple[_Live, str]) -> None:
         for name in ("auc", "logloss", "ece", "mean_predicted", "observed"):
             assert _null_as_zero(p[name]) == pytest.approx(getattr(w, name), abs=1e-12)
 
+    # The recent calibration has the same shape (its values: see the next test).
+    recent = got["recent_calibration"]
+    assert set(recent) == set(cal)
+    assert [set(p) for p in recent["by_position"]] == [set(p) for p in cal["by_position"]]
+    assert [p["position"] for p in recent["by_position"]] == list(range(5))
+
     listed = live.http.get("/v1/pairs").json()
     assert [p["id"] for p in listed["pairs"]] == [pid]
     assert listed["pairs"][0] == got
+
+
+def test_recent_calibration_is_the_decayed_window(fed: tuple[_Live, str], trace_slice: Any) -> None:
+    """Each closed round weighs 0.95 per round closed after it: 150 steps at
+    refit_interval 10 are 15 rounds, so round r's drafts count 0.95 ** (14 - r).
+    The measures are those /metrics exposes as avest_recent_*."""
+    live, pid = fed
+    trace = trace_slice("sample", 0, 150)
+    got = live.http.get(f"/v1/pairs/{pid}").json()
+    rounds = [trace.slice_steps(10 * r, 10 * r + 10).labelled_count() for r in range(15)]
+    weighted = sum(n * DEFAULT_RECENT_DECAY ** (14 - r) for r, n in enumerate(rounds))
+    recent, cal = got["recent_calibration"], got["calibration"]
+    assert cal["count"] == sum(rounds)
+    assert recent["count"] == pytest.approx(weighted, rel=1e-9)
+    assert recent["count"] < cal["count"]
+    assert sum(p["count"] for p in recent["by_position"]) == pytest.approx(weighted, rel=1e-9)
+
+    metrics = live.http.get("/metrics").text
+
+    def gauge(name: str, **labels: str) -> float:
+        sel = ",".join(f'{k}="{v}"' for k, v in {"pair": pid, **labels}.items())
+        m = re.search(rf"^{name}\{{{sel}\}} (\S+)$", metrics, re.M)
+        assert m, (name, labels)
+        return float(m.group(1))
+
+    for field, name in (("auc", "avest_recent_auc"), ("ece", "avest_recent_ece")):
+        assert recent[field] == pytest.approx(gauge(name), abs=1e-12)
+    assert recent["logloss"] == pytest.approx(gauge("avest_recent_log_loss"), abs=1e-12)
+    for p in recent["by_position"]:
+        pos = str(p["position"])
+        predicted = gauge("avest_recent_predicted_acceptance", position=pos)
+        observed = gauge("avest_recent_observed_acceptance", position=pos)
+        assert p["mean_predicted"] == pytest.approx(predicted, abs=1e-12)
+        assert p["observed"] == pytest.approx(observed, abs=1e-12)
 
 
 def test_undefined_measures_are_null(live: _Live) -> None:
@@ -217,6 +303,7 @@ def test_undefined_measures_are_null(live: _Live) -> None:
     assert cal["count"] == 0
     assert all(cal[n] is None for n in ("auc", "logloss", "ece", "mean_predicted", "observed"))
     assert [p["auc"] for p in cal["by_position"]] == [None, None, None]
+    assert got["recent_calibration"] == cal
 
 
 def test_history_lists_registration_and_refits(fed: tuple[_Live, str]) -> None:
@@ -336,6 +423,7 @@ def test_reset_needs_the_admin_token(fed: tuple[_Live, str]) -> None:
     assert (body["version"], body["round"]) == (after.version, 0)
     assert body["coefficients"] == {"slope": INIT_SLOPE, "intercepts": [INIT_INTERCEPT] * 5}
     assert body["observed_drafts"] == 0 and body["calibration"]["count"] == 0
+    assert body["recent_calibration"]["count"] == 0
     history = live.http.get(f"/v1/pairs/{pid}/history").json()["history"]
     assert [e["outcome"] for e in history] == ["reset"]
     metrics = live.http.get("/metrics").text
@@ -400,7 +488,18 @@ def test_openapi_documents_the_api(live: _Live) -> None:
         assert p in paths, p
     schemas = spec["components"]["schemas"]
     pair = schemas["PairOut"]["properties"]
-    for field in ("id", "key", "K", "rule", "refit_interval", "coefficients", "version", "round"):
+    for field in (
+        "id",
+        "key",
+        "K",
+        "rule",
+        "refit_interval",
+        "coefficients",
+        "version",
+        "round",
+        "calibration",
+        "recent_calibration",
+    ):
         assert field in pair
     assert set(schemas["CalibrationOut"]["properties"]) >= {
         "auc",

@@ -8,10 +8,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
 import httpx
+import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
@@ -19,7 +21,10 @@ from prometheus_client.samples import Sample
 
 from avest import __version__, wire
 from avest import metrics as M
+from avest.core.estimator import OnlineEstimator
+from avest.core.metrics import CalibrationState, CalibrationSummary
 from avest.core.rules import OUTCOMES
+from avest.state import Pair, PairKey
 from avest.trace import Trace
 from avest.v1 import estimator_pb2 as pb
 from avest.v1 import estimator_pb2_grpc as pb_grpc
@@ -150,6 +155,18 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     return float(found[0].value)
 
 
+def recent_calibration(live: _Live, pair_id: str) -> CalibrationSummary:
+    """The pair's recent calibration summary, read on the server's event loop."""
+
+    async def read() -> CalibrationSummary:
+        pair = live.handle.server.app.registry.get(pair_id)
+        summary: CalibrationSummary = pair.estimator.recent_calibration.summary()
+        return summary
+
+    result: CalibrationSummary = live.handle.call(read)
+    return result
+
+
 def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -173,6 +190,18 @@ def test_names_are_defined_once_prefixed_and_in_base_units() -> None:
         assert not {"request", "request_id", "worker", "worker_id"} & set(spec.labels)
     assert "avest_rpc_duration_seconds_bucket" in M.exposed_names()
     assert M.REFITS == "avest_refits_total" and M.SPECS[M.REFITS].labels == ("pair", "outcome")
+    # The recent calibration gauges mirror the cumulative ones, labels included.
+    for recent, cumulative in (
+        (M.RECENT_AUC, M.AUC),
+        (M.RECENT_ECE, M.ECE),
+        (M.RECENT_LOG_LOSS, M.LOG_LOSS),
+        (M.RECENT_PREDICTED_ACCEPTANCE, M.PREDICTED_ACCEPTANCE),
+        (M.RECENT_OBSERVED_ACCEPTANCE, M.OBSERVED_ACCEPTANCE),
+    ):
+        assert recent == cumulative.replace("avest_", "avest_recent_", 1)
+        assert M.SPECS[recent].labels == M.SPECS[cumulative].labels
+        assert M.SPECS[recent].kind == "gauge"
+        assert "0.95" in M.SPECS[recent].help and "20 rounds" in M.SPECS[recent].help
 
 
 def test_every_metric_is_exposed_with_its_labels(live: _Live) -> None:
@@ -214,8 +243,12 @@ def test_per_pair_series_exist_from_registration(live: _Live) -> None:
         assert math.isnan(value(samples, M.PREDICTED_ACCEPTANCE, pair=pid, position=str(pos)))
         assert math.isnan(value(samples, M.OBSERVED_ACCEPTANCE, pair=pid, position=str(pos)))
     assert not select(samples, M.INTERCEPT, pair=pid, position="5")
-    for name in (M.AUC, M.ECE, M.LOG_LOSS):
-        assert math.isnan(value(samples, name, pair=pid))
+    for pos in range(5):
+        for name in (M.RECENT_PREDICTED_ACCEPTANCE, M.RECENT_OBSERVED_ACCEPTANCE):
+            assert math.isnan(value(samples, name, pair=pid, position=str(pos))), name
+    assert not select(samples, M.RECENT_OBSERVED_ACCEPTANCE, pair=pid, position="5")
+    for name in (M.AUC, M.ECE, M.LOG_LOSS, M.RECENT_AUC, M.RECENT_ECE, M.RECENT_LOG_LOSS):
+        assert math.isnan(value(samples, name, pair=pid)), name
     assert value(samples, M.CALIBRATION_DRAFTS, pair=pid) == 0.0
     assert value(samples, M.COEFFICIENTS_VERSION, pair=pid) == 0.0
     assert value(samples, M.ROUND, pair=pid) == 0.0
@@ -268,6 +301,20 @@ def test_gauges_follow_the_service_state(live: _Live, trace_slice: Any) -> None:
         assert 0.0 < got_p < 1.0 and 0.0 <= got_o <= 1.0
     assert value(samples, M.LAST_OBSERVED, pair=pid) == pytest.approx(time.time(), abs=60)
     assert value(samples, M.QUEUE_DEPTH) == 0.0  # the stream ended durable
+
+    # Recent calibration: the estimator's decayed state, read on the server's loop.
+    recent = recent_calibration(live, pid)
+    assert 0 < recent.count < cal.count  # older rounds weigh less
+    assert value(samples, M.RECENT_AUC, pair=pid) == pytest.approx(recent.auc, abs=1e-12)
+    assert value(samples, M.RECENT_ECE, pair=pid) == pytest.approx(recent.ece, abs=1e-12)
+    assert value(samples, M.RECENT_LOG_LOSS, pair=pid) == pytest.approx(recent.logloss, abs=1e-12)
+    assert len(recent.by_position) == trace.k
+    for pos, p in enumerate(recent.by_position):
+        got_p = value(samples, M.RECENT_PREDICTED_ACCEPTANCE, pair=pid, position=str(pos))
+        got_o = value(samples, M.RECENT_OBSERVED_ACCEPTANCE, pair=pid, position=str(pos))
+        assert got_p == pytest.approx(p.mean_predicted, abs=1e-12)
+        assert got_o == pytest.approx(p.observed, abs=1e-12)
+        assert 0.0 < got_p < 1.0 and 0.0 <= got_o <= 1.0
 
 
 def test_restored_pairs_are_exposed_before_any_call(
@@ -463,3 +510,80 @@ def test_queue_depth_definition() -> None:
 def test_method_labels() -> None:
     assert M.method_label("/avest.v1.EstimatorService/Observe") == "Observe"
     assert M.method_label("/grpc.health.v1.Health/Check") == "grpc.health.v1.Health/Check"
+
+
+class _CountingEstimator(OnlineEstimator):
+    """An estimator that counts reads of its calibration properties (each of
+    which merges the closed rounds and the open one into a fresh state)."""
+
+    def __init__(self, k: int) -> None:
+        self.reads = {"all": 0, "recent": 0}
+        super().__init__(k, refit_interval=3)
+
+    @property
+    def calibration(self) -> CalibrationState:
+        self.reads["all"] += 1
+        return super().calibration
+
+    @property
+    def recent_calibration(self) -> CalibrationState:
+        self.reads["recent"] += 1
+        return super().recent_calibration
+
+
+class _AppWith(_App):
+    def __init__(self, *pairs: Pair) -> None:
+        super().__init__()
+        self.registry = SimpleNamespace(pairs={p.id: p for p in pairs})
+
+
+def test_calibration_summaries_are_cached_until_the_state_changes() -> None:
+    k = 3
+    est = _CountingEstimator(k)
+    pair = Pair(key=PairKey.of("t", "d", "eagle", k), rule_name="vllm", estimator=est)
+    registry = CollectorRegistry()
+    metrics = M.Metrics(_AppWith(pair), registry=registry)
+    rng = np.random.default_rng(3)
+
+    def step() -> None:
+        est.observe(rng.uniform(-3, 5, size=(4, k)), [k] * 4, rng.integers(0, k + 1, size=4))
+
+    def scrape_recent_ece() -> float | None:
+        return registry.get_sample_value(M.RECENT_ECE, {"pair": pair.id})
+
+    # Fresh objects per property read, so caching on their identity never hit:
+    # one read per kind, however many scrapes and API calls ask.
+    assert est.calibration is not est.calibration
+    est.reads.update(all=0, recent=0)
+    first = metrics.summary(pair)
+    assert math.isnan(first.ece) and math.isnan(scrape_recent_ece())
+    for _ in range(3):
+        assert metrics.summary(pair) is first
+        metrics.recent_summary(pair)
+        metrics.exposition()
+    assert est.reads == {"all": 1, "recent": 1}
+
+    # A step (steps), a refit with no new step (round), a reset (version): each
+    # invalidates both summaries, once.
+    expected = {"all": 1, "recent": 1}
+    for change in (step, est.refit, est.reset):
+        change()
+        before = metrics.summary(pair)
+        recent = metrics.recent_summary(pair)
+        metrics.exposition()
+        expected = {kind: n + 1 for kind, n in expected.items()}
+        assert est.reads == expected, change
+        # (repr: NaN measures compare equal that way)
+        assert repr(before) == repr(est.calibration.summary())
+        assert repr(recent) == repr(est.recent_calibration.summary())
+        est.reads.update(expected)
+    # After steps and refits the recent window is a decayed (smaller) weight.
+    est.reset()
+    for _ in range(7):  # two refits and an open round of one step
+        step()
+    recent = metrics.recent_summary(pair)
+    assert 0 < recent.count < metrics.summary(pair).count
+    assert scrape_recent_ece() == pytest.approx(recent.ece, abs=1e-12)
+    assert registry.get_sample_value(
+        M.RECENT_OBSERVED_ACCEPTANCE, {"pair": pair.id, "position": "0"}
+    ) == pytest.approx(recent.by_position[0].observed, abs=1e-12)
