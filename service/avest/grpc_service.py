@@ -9,15 +9,12 @@ RESOURCE_EXHAUSTED, all with a message that names the field.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 import numpy as np
-from google.protobuf.timestamp_pb2 import Timestamp
 
 from avest import wire
 from avest.app import Avest
@@ -26,110 +23,21 @@ from avest.core.errors import InvalidInput
 from avest.core.estimator import make_batch
 from avest.core.features import check_features
 from avest.core.model import predict, survival
-from avest.state import Conflict, CostCurves, Exhausted, NotFound, Pair, PairKey
+from avest.grpc_convert import (
+    BUDGET_FROM_PB,
+    BUDGET_TO_PB,
+    RULE_FROM_PB,
+    RULE_TO_PB,
+    coefficients_pb,
+    pair_pb,
+)
+from avest.grpc_errors import Refused, refusals
+from avest.observe_stream import ObserveStream
+from avest.state import CostCurves, Exhausted, NotFound, Pair, PairKey
 from avest.v1 import estimator_pb2 as pb
 from avest.v1 import estimator_pb2_grpc as pb_grpc
 
 log = logging.getLogger("avest.grpc")
-
-RULE_TO_PB = {"vllm": pb.UPDATE_RULE_VLLM, "recursive": pb.UPDATE_RULE_RECURSIVE}
-RULE_FROM_PB = {pb.UPDATE_RULE_UNSPECIFIED: "", **{v: k for k, v in RULE_TO_PB.items()}}
-BUDGET_FROM_PB = {
-    pb.BUDGET_RULE_UNSPECIFIED: budget_rules.DEFAULT_RULE,
-    pb.BUDGET_RULE_STALE: "stale",
-    pb.BUDGET_RULE_LOSSLESS_WALK: "lossless-walk",
-    pb.BUDGET_RULE_ARGMAX: "argmax",
-    pb.BUDGET_RULE_FULL: "full",
-}
-BUDGET_TO_PB = {v: k for k, v in BUDGET_FROM_PB.items() if k != pb.BUDGET_RULE_UNSPECIFIED}
-
-
-def _nan_to_zero(v: float) -> float:
-    return 0.0 if v != v else float(v)
-
-
-def coefficients_pb(pair: Pair) -> pb.Coefficients:
-    c = pair.coefficients
-    ts = Timestamp()
-    ts.FromNanoseconds(int(pair.updated * 1e9))
-    return pb.Coefficients(
-        pair_id=pair.id,
-        version=pair.estimator.version,
-        round=pair.estimator.round,
-        slope=c.slope,
-        intercepts=list(c.intercepts),
-        update_time=ts,
-    )
-
-
-def pair_pb(pair: Pair) -> pb.Pair:
-    s = pair.estimator.calibration.summary()
-    key = pair.key
-    return pb.Pair(
-        pair_id=pair.id,
-        key=pb.PairKey(
-            target_model=key.target,
-            draft_model=key.draft,
-            method=key.method,
-            num_speculative_tokens=key.k,
-            labels=dict(key.labels),
-        ),
-        update_rule=RULE_TO_PB[pair.rule_name],
-        refit_interval=pair.estimator.refit_interval,
-        coefficients=coefficients_pb(pair),
-        drafts_observed=pair.estimator.drafts,
-        steps_observed=pair.estimator.steps,
-        calibration=pb.Calibration(
-            count=int(s.count),
-            auc=_nan_to_zero(s.auc),
-            logloss=_nan_to_zero(s.logloss),
-            ece=_nan_to_zero(s.ece),
-            mean_predicted=_nan_to_zero(s.mean_predicted),
-            observed=_nan_to_zero(s.observed),
-            by_position=[
-                pb.PositionCalibration(
-                    auc=_nan_to_zero(p.auc),
-                    logloss=_nan_to_zero(p.logloss),
-                    ece=_nan_to_zero(p.ece),
-                    mean_predicted=_nan_to_zero(p.mean_predicted),
-                    observed=_nan_to_zero(p.observed),
-                    count=int(p.count),
-                )
-                for p in s.by_position
-            ],
-        ),
-        cost_curve_hardware=sorted(pair.costs),
-    )
-
-
-class Refused(Exception):
-    """A refusal with its gRPC status code; raised before any state changes."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.reason = {
-            grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument",
-            grpc.StatusCode.NOT_FOUND: "not_found",
-            grpc.StatusCode.RESOURCE_EXHAUSTED: "resource_exhausted",
-            grpc.StatusCode.FAILED_PRECONDITION: "failed_precondition",
-        }.get(code, "other")
-
-
-@contextlib.contextmanager
-def refusals() -> Any:
-    """Translate the core's and the registry's errors into :class:`Refused`."""
-    try:
-        yield
-    except InvalidInput as exc:
-        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-    except NotFound as exc:
-        raise Refused(grpc.StatusCode.NOT_FOUND, str(exc.args[0])) from None
-    except Exhausted as exc:
-        raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
-    except Conflict as exc:
-        raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
 
 
 class EstimatorService(pb_grpc.EstimatorServiceServicer):
@@ -137,7 +45,7 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         self.app = app
         self.on_refused = on_refused or (lambda method, reason: None)
         #: Open Observe streams: each a callback taking pushed responses.
-        self.streams: set[_ObserveStream] = set()
+        self.streams: set[ObserveStream] = set()
         self.watchers: dict[str, set[asyncio.Queue[pb.Coefficients | None]]] = {}
         self.open_streams = 0
         #: Set when the server drains: streams stop applying steps, so the
@@ -330,7 +238,7 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
     async def Observe(
         self, request_iterator: AsyncIterator[pb.ObserveRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ObserveResponse]:
-        async for response in _ObserveStream(self, request_iterator, context).run():
+        async for response in ObserveStream(self, request_iterator, context).run():
             yield response
 
     def _check_shape(self, pair: Pair, rows: int, k: int) -> None:
@@ -379,101 +287,3 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         for queues in self.watchers.values():
             for q in queues:
                 q.put_nowait(None)
-
-
-class _ObserveStream:
-    """One Observe call: applies steps as they arrive, pushes acks and updates."""
-
-    def __init__(
-        self,
-        service: EstimatorService,
-        requests: AsyncIterator[pb.ObserveRequest],
-        context: grpc.aio.ServicerContext,
-    ) -> None:
-        self.service = service
-        self.requests = requests
-        self.context = context
-        self.out: asyncio.Queue[pb.ObserveResponse | None] = asyncio.Queue()
-        #: (pair_id, worker_id) -> highest sequence acknowledged on this stream.
-        self.acked: dict[tuple[str, str], int] = {}
-        self.pairs: set[str] = set()
-        self.error: Refused | None = None
-
-    def coefficients(self, pair_id: str, msg: pb.Coefficients) -> None:
-        if pair_id in self.pairs:
-            self.out.put_nowait(
-                pb.ObserveResponse(coefficients_update=pb.CoefficientsUpdate(coefficients=msg))
-            )
-
-    def durable(self, pair_ids: set[str]) -> None:
-        registry = self.service.app.registry
-        for (pair_id, worker), sent in list(self.acked.items()):
-            if pair_id not in pair_ids or pair_id not in registry.pairs:
-                continue
-            level = registry.pairs[pair_id].durable.get(worker, 0)
-            if level > sent:
-                self.acked[(pair_id, worker)] = level
-                self.out.put_nowait(
-                    pb.ObserveResponse(
-                        ack=pb.Ack(pair_id=pair_id, worker_id=worker, acked_sequence=level)
-                    )
-                )
-
-    def close(self) -> None:
-        self.out.put_nowait(None)
-
-    async def _consume(self) -> None:
-        service = self.service
-        try:
-            async for req in self.requests:
-                if service.draining:
-                    break
-                try:
-                    pair, batch = service.validate_observe(req)
-                except Refused as r:
-                    service.on_refused("Observe", r.reason)
-                    self.error = Refused(
-                        r.code, f"sequence {req.sequence} of worker {req.worker_id!r}: {r.message}"
-                    )
-                    break
-                key = (pair.id, req.worker_id)
-                self.pairs.add(pair.id)
-                self.acked.setdefault(key, 0)
-                if not service.app.observe(pair, req.worker_id, req.sequence, batch):
-                    # A duplicate: acknowledge again once what covers it is durable.
-                    level = pair.durable.get(req.worker_id, 0)
-                    if level >= req.sequence:
-                        self.acked[key] = level
-                        self.out.put_nowait(
-                            pb.ObserveResponse(
-                                ack=pb.Ack(
-                                    pair_id=pair.id, worker_id=req.worker_id, acked_sequence=level
-                                )
-                            )
-                        )
-        finally:
-            # Let the last applied steps become durable and be acknowledged
-            # before the stream ends.
-            if self.error is None:
-                await service.app.flush()
-            self.out.put_nowait(None)
-
-    async def run(self) -> AsyncIterator[pb.ObserveResponse]:
-        service = self.service
-        service.streams.add(self)
-        service.open_streams += 1
-        consumer = asyncio.create_task(self._consume())
-        started = time.monotonic()
-        try:
-            while True:
-                msg = await self.out.get()
-                if msg is None:
-                    break
-                yield msg
-            if self.error is not None:
-                await self.context.abort(self.error.code, self.error.message)
-        finally:
-            consumer.cancel()
-            service.streams.discard(self)
-            service.open_streams -= 1
-            log.debug("observe stream closed after %.1fs", time.monotonic() - started)
