@@ -1,0 +1,375 @@
+"""Forwarders: stream a worker's decode steps to the service in the background.
+
+A forwarder belongs to one ``(pair_id, worker_id)``. :meth:`submit` copies a
+step out of the caller's buffers, gives it the next sequence number and
+queues it — it never blocks and never raises (a malformed step is counted
+in ``stats.invalid`` and logged, not queued). A background sender (a daemon
+thread on the sync gRPC stack for :class:`Forwarder`, which survives vLLM's
+fork; a task for :class:`AsyncForwarder`) writes the steps on
+one Observe stream, releases them when the server's acknowledgement
+watermark covers them, reconnects with backoff when the stream fails and
+resends every unacknowledged step, in order, before new ones. Coefficient
+updates pushed on the stream are available from :meth:`latest_coefficients`.
+
+Bounds: ``queue_size`` steps waiting to be sent (the oldest is dropped when
+a new one arrives and the queue is full) and ``max_unacked`` steps sent but
+not yet acknowledged (default ``queue_size``). Every drop is counted in
+:attr:`stats` (see :class:`~avest_client.ledger.Stats`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from avest_client._stream import (
+    AsyncDriver,
+    Backoff,
+    ChannelOptions,
+    Session,
+    StepData,
+    ThreadDriver,
+)
+from avest_client.ledger import Ledger, Stats
+
+log = logging.getLogger("avest_client.forwarder")
+
+#: Largest |feature| the service accepts (logit q_max is clamped to this).
+MAX_FEATURE = 40.0
+MAX_K = 64
+
+
+def default_worker_id() -> str:
+    """``host:pid:random``: unique per sender incarnation, as the contract requires."""
+    host = socket.gethostname()[:96] or "host"
+    return f"{host}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
+def encode_step(
+    features: npt.ArrayLike,
+    num_verified: npt.ArrayLike,
+    num_accepted: npt.ArrayLike,
+    exclude: npt.ArrayLike | None,
+    k: int | None = None,
+) -> StepData:
+    """Validate and copy one step (the checks the service makes); ValueError if bad."""
+    x = np.asarray(features)
+    if x.ndim != 2:
+        raise ValueError(f"features must be 2-D [R, K], got shape {x.shape}")
+    rows, kk = x.shape
+    if not 1 <= kk <= MAX_K:
+        raise ValueError(f"features has K={kk}, must be in [1, {MAX_K}]")
+    if k is not None and kk != k:
+        raise ValueError(f"features has K={kk}, the pair has K={k}")
+    if x.dtype.kind not in "fiu":
+        raise ValueError(f"features must be numeric, got dtype {x.dtype}")
+    x32 = np.ascontiguousarray(x, dtype="<f4")
+    if x32.size:
+        finite = np.isfinite(x32)
+        if not finite.all():
+            raise ValueError("features must be finite")
+        if float(np.abs(x32).max()) > MAX_FEATURE:
+            raise ValueError(f"features must lie in [-{MAX_FEATURE}, {MAX_FEATURE}]")
+    counts = []
+    for name, v in (("num_verified", num_verified), ("num_accepted", num_accepted)):
+        a = np.asarray(v)
+        if a.shape != (rows,):
+            raise ValueError(f"{name} must have shape [{rows}], got {list(a.shape)}")
+        whole = a.dtype.kind in "iu" or (a.dtype.kind == "f" and np.all(a == np.round(a)))
+        if a.size and not whole:
+            raise ValueError(f"{name} must hold whole numbers")
+        counts.append(a)
+    d = counts[0].astype(np.int64)
+    a = counts[1].astype(np.int64)
+    if d.size and (d.min() < 0 or d.max() > kk):
+        raise ValueError(f"num_verified must lie in [0, K={kk}]")
+    if a.size and (a.min() < 0 or np.any(a > d)):
+        raise ValueError("num_accepted must lie in [0, num_verified]")
+    ex = None
+    if exclude is not None:
+        e = np.asarray(exclude)
+        if e.shape != (rows,):
+            raise ValueError(f"exclude must have shape [{rows}], got {list(e.shape)}")
+        ex = e.astype(bool)
+    return StepData(
+        features=x32.tobytes(),
+        rows=int(rows),
+        k=int(kk),
+        num_verified=d.astype(np.uint32),
+        num_accepted=a.astype(np.uint32),
+        exclude=ex,
+    )
+
+
+class _Base:
+    """What both forwarders share: validation, the ledger, the driver's state."""
+
+    def __init__(
+        self,
+        address: str,
+        pair_id: str,
+        worker_id: str | None = None,
+        queue_size: int = 1024,
+        max_unacked: int | None = None,
+        *,
+        k: int | None = None,
+        channel_options: ChannelOptions = (),
+        connect_timeout: float = 5.0,
+        rpc_timeout: float = 5.0,
+        backoff: Backoff | None = None,
+        fetch_coefficients: bool = True,
+    ) -> None:
+        if not pair_id:
+            raise ValueError("pair_id must not be empty")
+        if worker_id is not None and not 1 <= len(worker_id.encode()) <= 128:
+            raise ValueError("worker_id must be 1 to 128 bytes")
+        self.address = address
+        self.pair_id = pair_id
+        self.k = k
+        self._given_worker_id = worker_id
+        self._queue_size = queue_size
+        self._max_unacked = max_unacked
+        self._backoff = backoff or Backoff()
+        self._driver_kwargs: dict[str, Any] = dict(
+            channel_options=tuple(channel_options),
+            connect_timeout=connect_timeout,
+            rpc_timeout=rpc_timeout,
+            fetch_coefficients=fetch_coefficients,
+        )
+        self._closed = False
+        self._invalid_logged = 0
+        self.last_invalid = ""
+        self._fresh_state()
+
+    def _fresh_state(self) -> None:
+        self._pid = os.getpid()
+        self.worker_id = self._given_worker_id or default_worker_id()
+        self._ledger = Ledger(self._queue_size, self._max_unacked)
+        self._session = Session(self.pair_id, self.worker_id, self._ledger, self._backoff)
+        self._driver = self._make_driver()
+
+    def _make_driver(self) -> Any:
+        raise NotImplementedError
+
+    # -- the interface the vLLM shim uses ---------------------------------------
+
+    def _queue(
+        self,
+        features: npt.ArrayLike,
+        num_verified: npt.ArrayLike,
+        num_accepted: npt.ArrayLike,
+        exclude: npt.ArrayLike | None,
+    ) -> bool:
+        """Validate and queue; False (counted in ``stats.invalid``) for a bad step."""
+        try:
+            data = encode_step(features, num_verified, num_accepted, exclude, self.k)
+        except (ValueError, TypeError) as exc:
+            self._ledger.count_invalid()
+            self.last_invalid = str(exc)
+            if self._invalid_logged < 10:
+                self._invalid_logged += 1
+                log.warning("avest forwarder: step not queued: %s", exc)
+            return False
+        self._ledger.submit(data)
+        return True
+
+    def latest_coefficients(self) -> tuple[int, float, list[float]] | None:
+        """``(version, slope, intercepts)`` last received from the server, or None."""
+        latest = self._session.latest
+        if latest is None:
+            return None
+        return latest[0], latest[1], list(latest[2])
+
+    @property
+    def connected(self) -> bool:
+        """Whether an Observe stream is open right now."""
+        return self._session.connected
+
+    @property
+    def stats(self) -> Stats:
+        """Exact counters (a consistent snapshot)."""
+        return self._ledger.stats()
+
+    @property
+    def last_error(self) -> str:
+        """How the last stream failed (empty if none did)."""
+        return self._session.last_error
+
+    def sequences(self) -> tuple[list[int], list[int]]:
+        """``(in_flight, queued)`` sequence numbers held, oldest first."""
+        return self._ledger.sequences()
+
+
+class Forwarder(_Base):
+    """Sync-client forwarder: a daemon thread runs the stream (sync gRPC stack).
+
+    Safe to call from any thread. After ``os.fork()`` the child's first
+    :meth:`submit` starts afresh (new worker id unless one was given, empty
+    queue, new connection); the parent keeps sending its own steps.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._start_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        super().__init__(*args, **kwargs)
+
+    def _make_driver(self) -> ThreadDriver:
+        return ThreadDriver(self.address, self._session, **self._driver_kwargs)
+
+    def submit(
+        self,
+        features: npt.ArrayLike,
+        num_verified: npt.ArrayLike,
+        num_accepted: npt.ArrayLike,
+        exclude: npt.ArrayLike | None = None,
+    ) -> None:
+        """Queue one decode step (features ``[R, K]``, counts ``[R]``); never blocks."""
+        if self._closed:
+            return
+        try:
+            if self._pid != os.getpid() or self._thread is None:
+                self._start()
+            if self._queue(features, num_verified, num_accepted, exclude):
+                self._driver.notify()
+        except Exception:  # the hot path never raises
+            log.exception("avest forwarder: submit failed")
+
+    def start(self) -> Forwarder:
+        """Start the sender now (otherwise the first :meth:`submit` does)."""
+        self._start()
+        return self
+
+    def _start(self) -> None:
+        with self._start_lock:
+            if self._pid != os.getpid():
+                # Forked: the parent's sender thread does not exist here.
+                self._start_lock = threading.Lock()
+                self._thread = None
+                self._fresh_state()
+            if self._thread is not None or self._closed:
+                return
+            self._thread = threading.Thread(
+                target=self._main, name=f"avest-forwarder-{self.pair_id}", daemon=True
+            )
+            self._thread.start()
+
+    def _main(self) -> None:
+        try:
+            self._driver.run()
+        except Exception:
+            log.exception("avest forwarder stopped on an error")
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every submitted step is acknowledged (or dropped); False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self._ledger.pending:
+            if time.monotonic() >= deadline or self._thread is None:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued and wait for its acks, for at most ``timeout`` seconds."""
+        self._closed = True
+        thread = self._thread
+        if thread is None or self._pid != os.getpid():
+            return
+        self._driver.request_close(timeout)
+        thread.join(timeout)
+        if thread.is_alive():  # the deadline passed with a stream open
+            self._driver.cancel()
+            thread.join(2.0)
+
+    def __enter__(self) -> Forwarder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncForwarder(_Base):
+    """asyncio forwarder: the stream runs as a task on the loop that first submits.
+
+    :meth:`submit` is a plain (non-async) call, to be made on that loop's
+    thread; :meth:`close` and :meth:`flush` are coroutines.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._task: asyncio.Task[None] | None = None
+        super().__init__(*args, **kwargs)
+
+    def _make_driver(self) -> AsyncDriver:
+        return AsyncDriver(self.address, self._session, **self._driver_kwargs)
+
+    def submit(
+        self,
+        features: npt.ArrayLike,
+        num_verified: npt.ArrayLike,
+        num_accepted: npt.ArrayLike,
+        exclude: npt.ArrayLike | None = None,
+    ) -> None:
+        """Queue one decode step (features ``[R, K]``, counts ``[R]``); never blocks."""
+        if self._closed:
+            return
+        try:
+            if not self._queue(features, num_verified, num_accepted, exclude):
+                return
+            if self._task is None or self._task.done():
+                self._start()  # needs the running loop: the first submit must come from it
+            self._driver.notify()
+        except Exception:
+            log.exception("avest forwarder: submit failed")
+
+    def start(self) -> AsyncForwarder:
+        """Start the sender task on the running loop (otherwise the first submit does)."""
+        self._start()
+        return self
+
+    def _start(self) -> None:
+        if self._task is not None and not self._task.done():
+            return
+        if self._task is not None:  # ended on an error: report it, start again
+            with contextlib.suppress(BaseException):
+                self._task.result()
+            self._driver = self._make_driver()
+        self._task = asyncio.get_running_loop().create_task(
+            self._driver.run(), name=f"avest-forwarder-{self.pair_id}"
+        )
+
+    async def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every submitted step is acknowledged (or dropped); False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self._ledger.pending:
+            if time.monotonic() >= deadline or self._task is None:
+                return False
+            await asyncio.sleep(0.005)
+        return True
+
+    async def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued and wait for its acks, for at most ``timeout`` seconds."""
+        self._closed = True
+        task = self._task
+        if task is None or task.done():
+            return
+        self._driver.request_close(timeout)
+        done, _ = await asyncio.wait({task}, timeout=timeout + 1.0)
+        if not done:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    async def __aenter__(self) -> AsyncForwarder:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

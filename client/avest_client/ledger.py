@@ -1,0 +1,225 @@
+"""Delivery bookkeeping of one forwarder: sequence numbers, queue, acks, resends.
+
+:class:`Ledger` is pure (no I/O, no threads of its own, one lock): the
+transports (a thread with its own event loop for the sync client, a task for
+the asyncio client) drive it, and the tests drive it directly.
+
+Every step submitted gets the next sequence number (1, 2, ...) and lives in
+one of two bounded deques until it is acknowledged, dropped or refused:
+
+* ``queue``: waiting to be written on the current stream. Bounded by
+  ``queue_size``; when full, :meth:`submit` drops the oldest waiting step.
+* ``inflight``: written on the current stream, not yet acknowledged. Bounded
+  by ``max_unacked``; when :meth:`next_to_send` would exceed it, the oldest
+  in-flight step is dropped (it was delivered once and is most likely
+  applied; it only loses its resend protection).
+
+An acknowledgement watermark removes every step at or below it from both
+deques. When a stream ends, :meth:`rewind` moves the in-flight steps back in
+front of the queue (in order, trimmed to ``queue_size`` by dropping the
+oldest) so they are resent before anything new. A step the server refused
+(:meth:`refuse`) is discarded and never sent again.
+
+Counters are exact: ``submitted == acked + dropped + refused + pending``
+at every moment (``pending`` = steps in either deque).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Step:
+    """One decode step waiting for its acknowledgement."""
+
+    sequence: int
+    #: Transport payload (for the forwarders: the encoded arrays, later the message).
+    payload: Any
+    #: Times written to a stream.
+    attempts: int = 0
+    #: Cached wire message, built on first send.
+    message: Any = None
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Exact counters of a forwarder (a consistent snapshot)."""
+
+    #: Steps given to ``submit`` and accepted into the queue (sequence numbers assigned).
+    submitted: int = 0
+    #: Step messages written to a stream, resends included.
+    sent: int = 0
+    #: Writes that were resends of a step already written on an earlier stream.
+    resent: int = 0
+    #: Distinct steps covered by an acknowledgement.
+    acked: int = 0
+    #: Steps discarded locally (queue or in-flight bound), never acknowledged.
+    dropped: int = 0
+    #: Steps the server refused (INVALID_ARGUMENT / NOT_FOUND); dropped, never resent.
+    refused: int = 0
+    #: Steps refused locally by ``submit`` (bad shapes or dtypes); not counted in ``submitted``.
+    invalid: int = 0
+    #: Streams opened after the first one.
+    reconnects: int = 0
+    #: Steps still held (queued or in flight).
+    pending: int = 0
+    #: Highest sequence number acknowledged by the server.
+    acked_sequence: int = 0
+    #: Last sequence number assigned.
+    last_sequence: int = 0
+
+
+@dataclass
+class _Counters:
+    submitted: int = 0
+    sent: int = 0
+    resent: int = 0
+    acked: int = 0
+    dropped: int = 0
+    refused: int = 0
+    invalid: int = 0
+    reconnects: int = 0
+
+
+class Ledger:
+    """Sequence numbers, bounded queue and in-flight window, ack watermark (thread-safe)."""
+
+    def __init__(self, queue_size: int = 1024, max_unacked: int | None = None) -> None:
+        if queue_size < 1:
+            raise ValueError("queue_size must be >= 1")
+        self.queue_size = int(queue_size)
+        self.max_unacked = int(max_unacked if max_unacked is not None else queue_size)
+        if self.max_unacked < 1:
+            raise ValueError("max_unacked must be >= 1")
+        self._lock = threading.Lock()
+        self._queue: deque[Step] = deque()
+        self._inflight: deque[Step] = deque()
+        self._next = 1
+        self._watermark = 0
+        self._c = _Counters()
+
+    # -- producer side ------------------------------------------------------
+
+    def submit(self, payload: Any) -> int:
+        """Queue a step; drops the oldest waiting one when full. Returns its sequence."""
+        with self._lock:
+            seq = self._next
+            self._next += 1
+            if len(self._queue) >= self.queue_size:
+                self._queue.popleft()
+                self._c.dropped += 1
+            self._queue.append(Step(seq, payload))
+            self._c.submitted += 1
+            return seq
+
+    def count_invalid(self) -> None:
+        with self._lock:
+            self._c.invalid += 1
+
+    # -- sender side ----------------------------------------------------------
+
+    def next_to_send(self) -> Step | None:
+        """The next step to write on the current stream (moved to in-flight), or None."""
+        with self._lock:
+            if not self._queue:
+                return None
+            step = self._queue.popleft()
+            if len(self._inflight) >= self.max_unacked:
+                self._inflight.popleft()
+                self._c.dropped += 1
+            self._inflight.append(step)
+            if step.attempts:
+                self._c.resent += 1
+            step.attempts += 1
+            self._c.sent += 1
+            return step
+
+    def has_unsent(self) -> bool:
+        with self._lock:
+            return bool(self._queue)
+
+    def ack(self, watermark: int) -> int:
+        """Apply an acknowledgement watermark; returns how many steps it released."""
+        with self._lock:
+            if watermark <= self._watermark:
+                return 0
+            self._watermark = watermark
+            released = 0
+            for dq in (self._inflight, self._queue):
+                while dq and dq[0].sequence <= watermark:
+                    dq.popleft()
+                    released += 1
+            self._c.acked += released
+            return released
+
+    def refuse(self, sequence: int | None) -> bool:
+        """Discard the step the server refused (``None``: the oldest in flight).
+
+        Returns whether a held step was discarded.
+        """
+        with self._lock:
+            for dq in (self._inflight, self._queue):
+                for i, step in enumerate(dq):
+                    if sequence is None or step.sequence == sequence:
+                        del dq[i]
+                        self._c.refused += 1
+                        return True
+                    if sequence is not None and step.sequence > sequence:
+                        break
+            return False
+
+    def rewind(self) -> int:
+        """A stream ended: in-flight steps go back in front of the queue (to be resent).
+
+        Keeps at most ``queue_size`` steps waiting, dropping the oldest.
+        Returns how many steps were moved back.
+        """
+        with self._lock:
+            moved = len(self._inflight)
+            self._inflight.extend(self._queue)
+            self._queue, self._inflight = self._inflight, deque()
+            while len(self._queue) > self.queue_size:
+                self._queue.popleft()
+                self._c.dropped += 1
+            return moved
+
+    def count_reconnect(self) -> None:
+        with self._lock:
+            self._c.reconnects += 1
+
+    # -- inspection -----------------------------------------------------------
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._queue) + len(self._inflight)
+
+    @property
+    def watermark(self) -> int:
+        return self._watermark
+
+    def sequences(self) -> tuple[list[int], list[int]]:
+        """``(in_flight, queued)`` sequence numbers, oldest first."""
+        with self._lock:
+            return [s.sequence for s in self._inflight], [s.sequence for s in self._queue]
+
+    def stats(self) -> Stats:
+        with self._lock:
+            c = self._c
+            return Stats(
+                submitted=c.submitted,
+                sent=c.sent,
+                resent=c.resent,
+                acked=c.acked,
+                dropped=c.dropped,
+                refused=c.refused,
+                invalid=c.invalid,
+                reconnects=c.reconnects,
+                pending=len(self._queue) + len(self._inflight),
+                acked_sequence=self._watermark,
+                last_sequence=self._next - 1,
+            )

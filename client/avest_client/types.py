@@ -1,0 +1,94 @@
+"""Plain values the client returns: no protobuf objects leak to callers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """A pair's model ``p_i = sigmoid(slope * x + intercepts[i])`` at one version."""
+
+    version: int
+    round: int
+    slope: float
+    intercepts: tuple[float, ...]
+    pair_id: str = ""
+    #: When this version came into force (server clock, seconds since the epoch).
+    update_time: float = 0.0
+
+    @property
+    def k(self) -> int:
+        return len(self.intercepts)
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What :meth:`register` returns: the pair's id, the rule and interval in force."""
+
+    pair_id: str
+    rule: str
+    refit_interval: int
+    coefficients: Coefficients
+    #: True when this call created the pair.
+    created: bool = False
+
+
+@dataclass(frozen=True)
+class BudgetResult:
+    """A budget decision: ``verify_lengths[r]`` drafts of request ``r`` are verified."""
+
+    budget: int
+    verify_lengths: npt.NDArray[np.int64]
+    expected_tokens: float
+    cost_ms: float
+    rule: str
+    lossless: bool
+
+
+@dataclass(frozen=True)
+class PairKey:
+    target: str
+    draft: str
+    method: str
+    k: int
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PositionCalibration:
+    auc: float
+    logloss: float
+    ece: float
+    mean_predicted: float
+    observed: float
+    count: int
+
+
+@dataclass(frozen=True)
+class Calibration:
+    count: int
+    auc: float
+    logloss: float
+    ece: float
+    mean_predicted: float
+    observed: float
+    by_position: tuple[PositionCalibration, ...] = ()
+
+
+@dataclass(frozen=True)
+class PairInfo:
+    """A registered pair and its state (``ListPairs`` / ``GetPair``)."""
+
+    pair_id: str
+    key: PairKey
+    rule: str
+    refit_interval: int
+    coefficients: Coefficients
+    drafts_observed: int
+    steps_observed: int
+    calibration: Calibration
+    cost_curve_hardware: tuple[str, ...] = ()

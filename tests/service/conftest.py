@@ -1,0 +1,176 @@
+"""A real avest server on 127.0.0.1:0, on a thread with its own event loop.
+
+Fixtures:
+
+- ``server``: a started server (function scope) with ``flush_interval_ms=20``
+  and a fresh data directory; stopped cleanly at teardown.
+- ``start_server(data_dir, **overrides)``: a factory for restart tests; every
+  server it starts is stopped at teardown unless the test stopped it.
+
+Both give a :class:`ServerHandle`: ``.grpc_address`` (``"127.0.0.1:PORT"``),
+``.http_url`` (``"http://127.0.0.1:PORT"``), ``.settings``, ``.server`` (the
+:class:`avest.server.Server`), ``.call(coro_fn, *args)`` to run a coroutine
+on the server's loop and get its result, ``.stop()`` (idempotent) and
+``.kill_streams()`` (cancel every RPC at once, acks in flight lost, as a
+crash would, while the state stays for the final snapshot).
+
+Importable from other test folders (``tests/client`` loads it by path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from avest.server import Server
+from avest.settings import Settings
+
+T = TypeVar("T")
+
+#: Seconds allowed for starting and for stopping a server.
+START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 30.0
+
+
+class ServerHandle:
+    """One :class:`~avest.server.Server` running on a background event loop."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._run_loop, name="avest-test-server", daemon=True
+        )
+        self._thread.start()
+        self._stopped = False
+        self.server: Server = self.call(self._build, timeout=START_TIMEOUT_S)
+        try:
+            self.call(self.server.start, timeout=START_TIMEOUT_S)
+        except BaseException:
+            self.stop()
+            raise
+
+    async def _build(self) -> Server:
+        # Built on the loop: asyncio primitives inside bind to it.
+        return Server(self.settings)
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    @property
+    def grpc_address(self) -> str:
+        return self.server.grpc_address
+
+    @property
+    def grpc_port(self) -> int:
+        return self.server.grpc_port
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.server.http_address}"
+
+    def call(self, coro_fn: Callable[..., Awaitable[T]], *args: Any, timeout: float = 30.0) -> T:
+        """Run ``coro_fn(*args)`` on the server loop; its result (or exception)."""
+        if not self.loop.is_running():
+            raise RuntimeError("the server loop is not running")
+
+        async def run() -> T:
+            return await coro_fn(*args)
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout)
+
+    def kill_streams(self) -> None:
+        """Cancel every RPC now (no grace): open streams end without their pending acks."""
+        grpc_server = self.server._grpc
+        if grpc_server is not None:
+            self.call(grpc_server.stop, 0)
+
+    def stop(self) -> None:
+        """Drain and stop the server, then the loop and its thread (idempotent)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            if self.loop.is_running() and getattr(self, "server", None) is not None:
+                self.call(self.server.stop, timeout=STOP_TIMEOUT_S)
+        finally:
+            if self.loop.is_running():
+                with contextlib.suppress(Exception):
+                    asyncio.run_coroutine_threadsafe(_cancel_leftovers(), self.loop).result(10)
+                self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(STOP_TIMEOUT_S)
+            if not self._thread.is_alive():
+                self.loop.close()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    def __enter__(self) -> ServerHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+async def _cancel_leftovers() -> None:
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=5)
+
+
+def settings_for(data_dir: str | Path, **overrides: Any) -> Settings:
+    values: dict[str, Any] = dict(
+        grpc_address="127.0.0.1:0",
+        http_address="127.0.0.1:0",
+        data_dir=str(data_dir),
+        flush_interval_ms=20,
+        grace_s=5.0,
+    )
+    values.update(overrides)
+    return Settings(**values)
+
+
+def launch(data_dir: str | Path, **overrides: Any) -> ServerHandle:
+    """Start a server on ``data_dir`` (settings overridable); the caller stops it."""
+    Path(data_dir).mkdir(parents=True, exist_ok=True)
+    return ServerHandle(settings_for(data_dir, **overrides))
+
+
+@pytest.fixture
+def start_server() -> Iterator[Callable[..., ServerHandle]]:
+    started: list[ServerHandle] = []
+
+    def start(data_dir: str | Path, **overrides: Any) -> ServerHandle:
+        handle = launch(data_dir, **overrides)
+        started.append(handle)
+        return handle
+
+    yield start
+    errors = []
+    for handle in reversed(started):
+        try:
+            handle.stop()
+        except Exception as exc:  # stop the others anyway
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ServerHandle]:
+    handle = launch(tmp_path / "data")
+    try:
+        yield handle
+    finally:
+        handle.stop()
