@@ -20,10 +20,6 @@ BUDGET_FROM_PB = {
 BUDGET_TO_PB = {v: k for k, v in BUDGET_FROM_PB.items() if k != pb.BUDGET_RULE_UNSPECIFIED}
 
 
-def _nan_to_zero(v: float) -> float:
-    return 0.0 if v != v else float(v)
-
-
 def coefficients_pb(pair: Pair) -> pb.Coefficients:
     c = pair.coefficients
     ts = Timestamp()
@@ -57,18 +53,18 @@ def pair_pb(pair: Pair) -> pb.Pair:
         steps_observed=pair.estimator.steps,
         calibration=pb.Calibration(
             count=int(s.count),
-            auc=_nan_to_zero(s.auc),
-            logloss=_nan_to_zero(s.logloss),
-            ece=_nan_to_zero(s.ece),
-            mean_predicted=_nan_to_zero(s.mean_predicted),
-            observed=_nan_to_zero(s.observed),
+            auc=float(s.auc),
+            logloss=float(s.logloss),
+            ece=float(s.ece),
+            mean_predicted=float(s.mean_predicted),
+            observed=float(s.observed),
             by_position=[
                 pb.PositionCalibration(
-                    auc=_nan_to_zero(p.auc),
-                    logloss=_nan_to_zero(p.logloss),
-                    ece=_nan_to_zero(p.ece),
-                    mean_predicted=_nan_to_zero(p.mean_predicted),
-                    observed=_nan_to_zero(p.observed),
+                    auc=float(p.auc),
+                    logloss=float(p.logloss),
+                    ece=float(p.ece),
+                    mean_predicted=float(p.mean_predicted),
+                    observed=float(p.observed),
                     count=int(p.count),
                 )
                 for p in s.by_position

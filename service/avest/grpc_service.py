@@ -203,8 +203,8 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
                 raise InvalidInput("hardware", "at most 128 bytes")
             curves = CostCurves(
                 request.hardware,
-                tuple((int(p.size), float(p.ms)) for p in request.draft_curve),
-                tuple((int(p.size), float(p.ms)) for p in request.verify_curve),
+                tuple(sorted((int(p.size), float(p.ms)) for p in request.draft_curve)),
+                tuple(sorted((int(p.size), float(p.ms)) for p in request.verify_curve)),
                 int(request.cudagraph_capture_limit),
             )
             pair.set_costs(curves)

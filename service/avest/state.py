@@ -7,6 +7,7 @@ here and writes them on a thread of its own.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import time
@@ -73,7 +74,7 @@ class PairKey:
             "labels": dict(self.labels),
         }
 
-    @property
+    @functools.cached_property
     def pair_id(self) -> str:
         """Stable id: the same key gives the same id in every process, forever."""
         blob = json.dumps(self.as_dict(), sort_keys=True, separators=(",", ":"))
