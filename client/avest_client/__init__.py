@@ -29,30 +29,50 @@ lazily in the process that uses them, so a client built before ``fork`` is
 safe to use in the child.
 """
 
-from avest_client._stream import Backoff
-from avest_client.aio import AsyncCoefficientsWatch, AsyncEstimatorClient, AsyncWatcher
-from avest_client.client import CoefficientsWatch, EstimatorClient, Watcher
-from avest_client.errors import (
-    AvestError,
-    CancelledError,
-    DeadlineExceededError,
-    FailedPreconditionError,
-    InvalidArgumentError,
-    NotFoundError,
-    ResourceExhaustedError,
-    UnavailableError,
-)
-from avest_client.forwarder import AsyncForwarder, Forwarder, default_worker_id
-from avest_client.ledger import Ledger, Stats
-from avest_client.types import (
-    BudgetResult,
-    Calibration,
-    Coefficients,
-    PairInfo,
-    PairKey,
-    PositionCalibration,
-    Registration,
-)
+# Imported on first use (PEP 562): the vLLM plugin imports this package in
+# every vLLM process, and only the workers that stream need grpc and the wire
+# code.
+_EXPORTS = {
+    "AsyncCoefficientsWatch": "avest_client.aio",
+    "AsyncEstimatorClient": "avest_client.aio",
+    "AsyncForwarder": "avest_client.forwarder",
+    "AsyncWatcher": "avest_client.aio",
+    "AvestError": "avest_client.errors",
+    "Backoff": "avest_client._stream",
+    "BudgetResult": "avest_client.types",
+    "Calibration": "avest_client.types",
+    "CancelledError": "avest_client.errors",
+    "Coefficients": "avest_client.types",
+    "CoefficientsWatch": "avest_client.client",
+    "DeadlineExceededError": "avest_client.errors",
+    "EstimatorClient": "avest_client.client",
+    "FailedPreconditionError": "avest_client.errors",
+    "Forwarder": "avest_client.forwarder",
+    "InvalidArgumentError": "avest_client.errors",
+    "Ledger": "avest_client.ledger",
+    "NotFoundError": "avest_client.errors",
+    "PairInfo": "avest_client.types",
+    "PairKey": "avest_client.types",
+    "PositionCalibration": "avest_client.types",
+    "Registration": "avest_client.types",
+    "ResourceExhaustedError": "avest_client.errors",
+    "Stats": "avest_client.ledger",
+    "UnavailableError": "avest_client.errors",
+    "Watcher": "avest_client.client",
+    "default_worker_id": "avest_client.forwarder",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'avest_client' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "AsyncCoefficientsWatch",
