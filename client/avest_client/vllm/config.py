@@ -10,6 +10,9 @@ variable               default     meaning
 ``AVEST_LABELS``       (empty)     workload labels ``k=v,k=v`` added to the pair key
 ``AVEST_SYNC_STEPS``   ``16``      with tensor parallelism, rank 0 broadcasts the
                                    coefficients every this many steps
+``AVEST_HARDWARE``     (empty)     hardware label of the cost curves sent to the
+                                   sidecar; empty = the CUDA device name, else
+                                   ``default``
 =====================  ==========  ===================================================
 """
 
@@ -26,6 +29,7 @@ ENV_TIMEOUT = "AVEST_TIMEOUT_S"
 ENV_QUEUE = "AVEST_QUEUE_SIZE"
 ENV_LABELS = "AVEST_LABELS"
 ENV_SYNC = "AVEST_SYNC_STEPS"
+ENV_HARDWARE = "AVEST_HARDWARE"
 
 _LABEL_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
 
@@ -41,6 +45,7 @@ class ShimConfig:
     queue_size: int = 64
     labels: tuple[tuple[str, str], ...] = ()
     sync_steps: int = 16
+    hardware: str = ""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
@@ -49,6 +54,8 @@ class ShimConfig:
             raise ConfigError(f"{ENV_QUEUE} must be >= 1, got {self.queue_size}")
         if self.sync_steps < 1:
             raise ConfigError(f"{ENV_SYNC} must be >= 1, got {self.sync_steps}")
+        if len(self.hardware.encode()) > 128:
+            raise ConfigError(f"{ENV_HARDWARE} must be at most 128 bytes")
 
     @property
     def enabled(self) -> bool:
@@ -64,6 +71,7 @@ class ShimConfig:
             queue_size=_number(env, ENV_QUEUE, 64, int),
             labels=parse_labels(env.get(ENV_LABELS, "")),
             sync_steps=_number(env, ENV_SYNC, 16, int),
+            hardware=env.get(ENV_HARDWARE, "").strip(),
         )
 
 

@@ -240,5 +240,7 @@ ENTRIES: tuple[Entry, ...] = (
         path=f"{_SPEC}/adaptive_verification.py",
         name="AdaptiveVerificationManager",
         methods=(Method("set_cost_curves", ("self", "draft_curve", "verify_curve")),),
+        # read (best effort, 0 if absent) to send the capture limit with the curves
+        init_attributes=("_cudagraph_limit",),
     ),
 )

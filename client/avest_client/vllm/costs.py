@@ -24,14 +24,16 @@ class CostCurveRecorder:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._latest: tuple[Curve, Curve] | None = None
+        self._cudagraph_limit = 0
         self.version = 0
         self._subscribers: list[Callable[[Curve, Curve], None]] = []
 
-    def record(self, draft_curve: Any, verify_curve: Any) -> None:
+    def record(self, draft_curve: Any, verify_curve: Any, cudagraph_limit: int = 0) -> None:
         draft = [(int(s), float(ms)) for s, ms in draft_curve]
         verify = [(int(s), float(ms)) for s, ms in verify_curve]
         with self._lock:
             self._latest = (draft, verify)
+            self._cudagraph_limit = max(0, int(cudagraph_limit or 0))
             self.version += 1
             subscribers = list(self._subscribers)
         for fn in subscribers:
@@ -43,6 +45,13 @@ class CostCurveRecorder:
     def latest(self) -> tuple[Curve, Curve] | None:
         with self._lock:
             return self._latest
+
+    def snapshot(self) -> tuple[int, Curve, Curve, int] | None:
+        """``(version, draft, verify, cudagraph_limit)`` of the latest curves, or None."""
+        with self._lock:
+            if self._latest is None:
+                return None
+            return self.version, self._latest[0], self._latest[1], self._cudagraph_limit
 
     def subscribe(self, fn: Callable[[Curve, Curve], None]) -> None:
         """Call ``fn(draft, verify)`` now if curves are known, and on every later record."""
@@ -70,7 +79,8 @@ def install_cost_curve_hook(manager_cls: type, recorder: CostCurveRecorder | Non
     def set_cost_curves(self: Any, draft_curve: Any, verify_curve: Any, *a: Any, **kw: Any) -> Any:
         result = original(self, draft_curve, verify_curve, *a, **kw)
         try:
-            rec.record(draft_curve, verify_curve)
+            limit = getattr(self, "_cudagraph_limit", 0)
+            rec.record(draft_curve, verify_curve, limit if isinstance(limit, int) else 0)
         except Exception:  # noqa: BLE001
             logger.exception("avest: recording cost curves failed")
         return result

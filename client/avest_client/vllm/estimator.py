@@ -115,6 +115,8 @@ class _Runtime:
             "submitted": fwd.submitted if fwd else 0,
             "dropped": fwd.dropped if fwd else 0,
             "submit_errors": fwd.submit_errors if fwd else 0,
+            # the sink's own counters, where it keeps any (the sidecar sink does)
+            "sink": getattr(self.sink, "stats", None),
         }
 
     def close(self) -> None:
