@@ -159,11 +159,14 @@ class Session:
         elif event == "coefficients_update":
             self.update(resp.coefficients_update.coefficients)
 
-    def update(self, c: pb.Coefficients) -> None:
+    def update(self, c: pb.Coefficients, current: bool = False) -> None:
+        """Keep pushed coefficients newer than the last; ``current`` (the server's
+        answer on connecting) replaces whatever is held, since a sidecar restarted
+        without its state counts versions from 0 again."""
         if c.pair_id and c.pair_id != self.pair_id:
             return
         latest = self.latest
-        if latest is None or c.version > latest[0]:
+        if current or latest is None or c.version > latest[0]:
             self.latest = (int(c.version), float(c.slope), tuple(float(v) for v in c.intercepts))
 
     def message(self, step: Step) -> pb.ObserveRequest:
@@ -334,7 +337,7 @@ class ThreadDriver:
             # Reachable (e.g. NOT_FOUND: the stream will say which steps fail).
         else:
             if self.fetch_coefficients:
-                session.update(current.coefficients)
+                session.update(current.coefficients, current=True)
         alive = [True]
         session.stream_opened()
         call = stub.Observe(self._requests(alive))
@@ -531,4 +534,4 @@ class AsyncDriver:
         except grpc.aio.AioRpcError as exc:
             log.debug("GetCoefficients after connect failed: %s", exc.code())
             return
-        self.session.update(resp.coefficients)
+        self.session.update(resp.coefficients, current=True)
