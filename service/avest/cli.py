@@ -15,6 +15,19 @@ from collections.abc import Sequence
 
 from avest import __version__
 
+#: Packages of the ``server`` extra, absent from a client-only install.
+SERVER_DEPENDENCIES = {
+    "fastapi",
+    "uvicorn",
+    "prometheus_client",
+    "grpc_health",
+    "grpc_reflection",
+    "tqdm",
+    "matplotlib",
+    "starlette",
+    "pydantic",
+}
+
 #: Subcommand modules, in the order ``avest --help`` lists them.
 COMMANDS = ("serve", "demo", "replay", "pairs", "evaluate", "simulate", "audit")
 
@@ -59,7 +72,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ModuleNotFoundError as exc:
+        # A client-only install (``pip install avest``) lacks the service's stack.
+        if exc.name and exc.name.split(".")[0] in SERVER_DEPENDENCIES:
+            print(
+                f"avest {args.command}: needs {exc.name}, from the server extra: "
+                "pip install 'avest[server]'",
+                file=sys.stderr,
+            )
+            return 2
+        raise
 
 
 if __name__ == "__main__":
