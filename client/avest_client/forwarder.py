@@ -32,14 +32,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from avest_client._stream import (
-    AsyncDriver,
-    Backoff,
-    ChannelOptions,
-    Session,
-    StepData,
-    ThreadDriver,
-)
+from avest_client._drivers import AsyncDriver, ThreadDriver
+from avest_client._stream import Backoff, ChannelOptions, Session, StepData
 from avest_client.ledger import Ledger, Stats
 
 log = logging.getLogger("avest_client.forwarder")
