@@ -1,0 +1,320 @@
+"""Rows about the pair's model: Overview, Coefficients, Acceptance, Calibration."""
+
+from __future__ import annotations
+
+from avest import metrics as m
+from avest.core.estimator import DEFAULT_RECENT_DECAY
+
+from .panels import DATASOURCE, Layout, dashed, refs, row, stat, target, timeseries
+from .queries import (
+    DIVERGENCE_THRESHOLD,
+    ECE_THRESHOLD,
+    PAIR,
+    RI,
+    VLLM_ACCEPTED,
+    VLLM_ACCEPTED_PER_POS,
+    VLLM_DRAFTS,
+    survival,
+    vllm_acceptance_length,
+    vllm_per_position,
+)
+
+
+def overview(lay: Layout) -> list[dict]:
+    """The "Overview" row and its panels."""
+    p: list[dict] = []
+
+    p.append(row(lay, "Overview"))
+    p.append(
+        stat(
+            lay,
+            "Sidecar",
+            "Prometheus's scrape of the avest admin HTTP port (job avest): UP or DOWN. "
+            "Alert AvestSidecarDown fires after a minute down.",
+            'up{job="avest"}',
+            mappings=[
+                {
+                    "type": "value",
+                    "options": {
+                        "0": {"text": "DOWN", "color": "red", "index": 0},
+                        "1": {"text": "UP", "color": "green", "index": 1},
+                    },
+                }
+            ],
+            thresholds=[{"color": "red", "value": None}, {"color": "green", "value": 1}],
+        )
+    )
+    p.append(
+        stat(lay, "Pairs", "Model pairs registered with (or restored by) the sidecar.", m.PAIRS)
+    )
+    p.append(
+        stat(
+            lay,
+            "Coefficients version",
+            "Version of the pair's coefficients in force: +1 per applied refit; what every "
+            "worker of the pair is pushed.",
+            f"{m.COEFFICIENTS_VERSION}{{{PAIR}}}",
+        )
+    )
+    p.append(
+        stat(
+            lay,
+            "Refit rounds",
+            "Refit rounds closed for the pair (applied or not); one round per refit "
+            "interval of observed steps pooled over all workers.",
+            f"{m.ROUND}{{{PAIR}}}",
+        )
+    )
+    p.append(
+        stat(
+            lay,
+            "Drafts ingested",
+            "Verified drafts per second folded into the pair's estimator, all workers together.",
+            f"sum(rate({m.DRAFTS_OBSERVED}{{{PAIR}}}[{RI}]))",
+            unit="ops",
+        )
+    )
+    p.append(
+        stat(
+            lay,
+            "Open streams",
+            "Open Observe and WatchCoefficients streams: roughly one per connected vLLM "
+            "worker (rank 0 of each tensor-parallel group).",
+            m.OPEN_STREAMS,
+        )
+    )
+    pair_table = {
+        "datasource": DATASOURCE,
+        "description": "The selected pair's key (avest_pair_info): target and draft model, "
+        "speculative method, K, update rule and workload labels.",
+        "fieldConfig": {"defaults": {}, "overrides": []},
+        "gridPos": lay.place(24, 3),
+        "id": lay.id(),
+        "options": {"showHeader": True, "cellHeight": "sm"},
+        "targets": [target(f"{m.PAIR_INFO}{{{PAIR}}}", "__auto", instant=True)],
+        "title": "Pair",
+        "transformations": [
+            {
+                "id": "organize",
+                "options": {
+                    "excludeByName": {
+                        "Time": True,
+                        "Value": True,
+                        "__name__": True,
+                        "instance": True,
+                        "job": True,
+                    },
+                    "indexByName": {
+                        "pair": 0,
+                        "target": 1,
+                        "draft": 2,
+                        "method": 3,
+                        "k": 4,
+                        "rule": 5,
+                        "labels": 6,
+                    },
+                },
+            }
+        ],
+        "type": "table",
+    }
+    p.append(pair_table)
+    return p
+
+
+def coefficients(lay: Layout) -> list[dict]:
+    """The "Coefficients" row and its panels."""
+    p: list[dict] = []
+
+    p.append(row(lay, "Coefficients"))
+    p.append(
+        timeseries(
+            lay,
+            "Slope",
+            "Shared slope w of the pair's logistic model p_i = sigmoid(w * x + b_i), x the "
+            "draft's logit(q_max). Steps mark refits; a flat line while drafts flow means "
+            "refits are held or rejected (see Refits by outcome).",
+            [target(f"{m.SLOPE}{{{PAIR}}}", "slope")],
+        )
+    )
+    p.append(
+        timeseries(
+            lay,
+            "Intercepts by position",
+            "Per-position intercepts b_i of the coefficients in force (position 0 is the "
+            "first draft token).",
+            [target(f"{m.INTERCEPT}{{{PAIR}}}", "b{{position}}")],
+        )
+    )
+    return p
+
+
+def acceptance(lay: Layout) -> list[dict]:
+    """The "Acceptance" row and its panels."""
+    p: list[dict] = []
+
+    p.append(row(lay, "Acceptance"))
+    p.append(
+        timeseries(
+            lay,
+            "Acceptance per position: predicted vs observed (avest)",
+            "For drafts whose position was verified: avest's mean predicted acceptance "
+            "probability (solid) and the observed acceptance rate (dashed), per position, "
+            "cumulative since the pair was registered or reset. Calibrated estimates "
+            "put each pair of lines together.",
+            refs(
+                (f"{m.PREDICTED_ACCEPTANCE}{{{PAIR}}}", "predicted {{position}}"),
+                (f"{m.OBSERVED_ACCEPTANCE}{{{PAIR}}}", "observed {{position}}"),
+            ),
+            unit="percentunit",
+            minimum=0,
+            maximum=1,
+            overrides=[dashed("observed.*")],
+        )
+    )
+    p.append(
+        timeseries(
+            lay,
+            "Recent acceptance per position: predicted vs observed (avest)",
+            "The same over recent drafts only: each refit round down-weights older drafts "
+            f"by {DEFAULT_RECENT_DECAY:g} (a window of about 20 rounds), so a workload shift shows here within "
+            "a few thousand steps while the cumulative panel beside it barely moves. "
+            "Alert AvestAcceptanceDivergence watches these.",
+            refs(
+                (f"{m.RECENT_PREDICTED_ACCEPTANCE}{{{PAIR}}}", "predicted {{position}}"),
+                (f"{m.RECENT_OBSERVED_ACCEPTANCE}{{{PAIR}}}", "observed {{position}}"),
+            ),
+            unit="percentunit",
+            minimum=0,
+            maximum=1,
+            overrides=[dashed("observed.*")],
+        )
+    )
+    p.append(
+        timeseries(
+            lay,
+            "Acceptance through position i: avest vs vLLM",
+            "Probability that drafts 0..i are all accepted. avest predicted / observed: "
+            "running product of its per-position rates (cumulative). vLLM: "
+            f"rate({VLLM_ACCEPTED_PER_POS}) / rate({VLLM_DRAFTS}) for model_name = the "
+            "pair's target (vLLM's own counters, over the rate window). With adaptive "
+            "verification vLLM counts positions the budget did not verify as not "
+            "accepted, so its curve can sit below avest's at late positions.",
+            refs(
+                (survival(m.PREDICTED_ACCEPTANCE), "avest predicted {{position}}"),
+                (survival(m.OBSERVED_ACCEPTANCE), "avest observed {{position}}"),
+                (vllm_per_position(), "vLLM {{position}}"),
+            ),
+            unit="percentunit",
+            minimum=0,
+            maximum=1,
+            overrides=[
+                dashed("avest observed.*"),
+                {
+                    "matcher": {"id": "byRegexp", "options": "vLLM.*"},
+                    "properties": [{"id": "custom.lineWidth", "value": 3}],
+                },
+            ],
+        )
+    )
+    p.append(
+        timeseries(
+            lay,
+            "Mean acceptance length (tokens per verification, incl. bonus)",
+            "1 + expected accepted drafts per verification. avest: 1 + the sum of the "
+            "'through position i' curves (predicted and observed). vLLM: 1 + "
+            f"rate({VLLM_ACCEPTED}) / rate({VLLM_DRAFTS}), vLLM's own definition.",
+            refs(
+                (f"1 + sum by (pair) ({survival(m.PREDICTED_ACCEPTANCE)})", "avest predicted"),
+                (f"1 + sum by (pair) ({survival(m.OBSERVED_ACCEPTANCE)})", "avest observed"),
+                (vllm_acceptance_length(), "vLLM"),
+            ),
+            overrides=[dashed("avest observed")],
+        )
+    )
+    return p
+
+
+def calibration(lay: Layout) -> list[dict]:
+    """The "Calibration" row and its panels."""
+    p: list[dict] = []
+
+    p.append(row(lay, "Calibration"))
+    p.append(
+        timeseries(
+            lay,
+            "AUC",
+            "Area under the ROC curve of avest's predictions against accept/reject: how "
+            "well confidences rank drafts (0.5 = no better than chance), over recent drafts "
+            "(solid; about the last 20 refit rounds) and all drafts since registration or "
+            "reset (dashed). Empty until both outcomes are seen.",
+            refs((f"{m.RECENT_AUC}{{{PAIR}}}", "recent"), (f"{m.AUC}{{{PAIR}}}", "all drafts")),
+            unit="none",
+            w=8,
+            decimals=3,
+            overrides=[dashed("all drafts")],
+        )
+    )
+    p.append(
+        timeseries(
+            lay,
+            "ECE",
+            "Expected calibration error over 15 probability bins: mean |predicted - "
+            "observed| weighted by drafts, over recent drafts (solid; about the last 20 "
+            "refit rounds) and all drafts (dashed). Dashed red line: the threshold of "
+            "AvestCalibrationDrift, which watches the recent ECE.",
+            refs((f"{m.RECENT_ECE}{{{PAIR}}}", "recent"), (f"{m.ECE}{{{PAIR}}}", "all drafts")),
+            unit="none",
+            w=8,
+            minimum=0,
+            threshold=ECE_THRESHOLD,
+            decimals=3,
+            overrides=[dashed("all drafts")],
+        )
+    )
+    p.append(
+        timeseries(
+            lay,
+            "Log loss",
+            "Mean log loss of the predictions, nats per draft (lower is better), over "
+            "recent drafts (solid; about the last 20 refit rounds) and all drafts (dashed).",
+            refs(
+                (f"{m.RECENT_LOG_LOSS}{{{PAIR}}}", "recent"),
+                (f"{m.LOG_LOSS}{{{PAIR}}}", "all drafts"),
+            ),
+            unit="none",
+            w=8,
+            decimals=3,
+            overrides=[dashed("all drafts")],
+        )
+    )
+    p.append(
+        timeseries(
+            lay,
+            "Predicted minus observed, by position (recent)",
+            "Absolute gap between avest's mean predicted and the observed acceptance per "
+            "position, over recent drafts (about the last 20 refit rounds). Dashed line: "
+            "the AvestAcceptanceDivergence threshold (the alert watches exactly this).",
+            [
+                target(
+                    f"abs({m.RECENT_PREDICTED_ACCEPTANCE}{{{PAIR}}}"
+                    f" - {m.RECENT_OBSERVED_ACCEPTANCE}{{{PAIR}}})",
+                    "position {{position}}",
+                )
+            ],
+            unit="none",
+            minimum=0,
+            threshold=DIVERGENCE_THRESHOLD,
+            decimals=3,
+        )
+    )
+    p.append(
+        timeseries(
+            lay,
+            "Labelled drafts behind the calibration",
+            "Drafts the cumulative calibration gauges are computed over (since registration "
+            "or reset). The calibration alerts wait for 10,000 before judging a pair.",
+            [target(f"{m.CALIBRATION_DRAFTS}{{{PAIR}}}", "drafts")],
+        )
+    )
+    return p
