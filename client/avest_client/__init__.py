@@ -43,7 +43,7 @@ _EXPORTS = {
     "Calibration": "avest_client.types",
     "CancelledError": "avest_client.errors",
     "Coefficients": "avest_client.types",
-    "CoefficientsWatch": "avest_client.client",
+    "CoefficientsWatch": "avest_client.watch",
     "DeadlineExceededError": "avest_client.errors",
     "EstimatorClient": "avest_client.client",
     "FailedPreconditionError": "avest_client.errors",
@@ -58,7 +58,7 @@ _EXPORTS = {
     "ResourceExhaustedError": "avest_client.errors",
     "Stats": "avest_client.ledger",
     "UnavailableError": "avest_client.errors",
-    "Watcher": "avest_client.client",
+    "Watcher": "avest_client.watch",
     "default_worker_id": "avest_client.forwarder",
 }
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import grpc
@@ -15,19 +15,15 @@ import numpy.typing as npt
 from avest.v1 import estimator_pb2 as pb
 from avest.v1 import estimator_pb2_grpc as pb_grpc
 from avest_client import codec
-from avest_client._stream import Backoff, ChannelOptions, channel_options
+from avest_client._stream import ChannelOptions, channel_options
 from avest_client.errors import AvestError, InvalidArgumentError, from_rpc_error
 from avest_client.forwarder import Forwarder
 from avest_client.types import BudgetResult, Coefficients, PairInfo, Registration
+from avest_client.watch import CoefficientsWatch, Watcher
 
 log = logging.getLogger("avest_client")
 
 DEFAULT_TIMEOUT = 5.0
-#: Codes after which a watch gives up instead of reconnecting.
-_FATAL_WATCH_CODES = frozenset(
-    {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED}
-)
-
 _DEFAULT: Any = object()
 
 
@@ -39,117 +35,6 @@ class _Lazy:
         self.pid = os.getpid()
         self.channel: Any = None
         self.stub: Any = None
-
-
-class CoefficientsWatch(Iterator[Coefficients]):
-    """Iterator over a pair's coefficient versions (first the current ones).
-
-    Blocks until the next version; :meth:`cancel` (from any thread) ends it.
-    """
-
-    def __init__(self, call: Any, method: str = "WatchCoefficients") -> None:
-        self._call = call
-        self._method = method
-
-    def __iter__(self) -> CoefficientsWatch:
-        return self
-
-    def __next__(self) -> Coefficients:
-        try:
-            msg = next(self._call)
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.CANCELLED:
-                raise StopIteration from None
-            raise from_rpc_error(exc, self._method) from None
-        return codec.coefficients(msg.coefficients)
-
-    def cancel(self) -> None:
-        self._call.cancel()
-
-    def __enter__(self) -> CoefficientsWatch:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.cancel()
-
-
-class Watcher:
-    """A background watch: calls ``callback(coefficients)`` for each new version.
-
-    Runs on a daemon thread, reconnects with backoff when the stream breaks,
-    delivers each version at most once and in increasing order; gives up on
-    NOT_FOUND / INVALID_ARGUMENT (calling ``on_error``).
-    """
-
-    def __init__(
-        self,
-        client: EstimatorClient,
-        pair_id: str,
-        callback: Callable[[Coefficients], Any],
-        on_error: Callable[[AvestError], Any] | None = None,
-        backoff: Backoff | None = None,
-    ) -> None:
-        self._client = client
-        self._pair_id = pair_id
-        self._callback = callback
-        self._on_error = on_error
-        self._backoff = backoff or Backoff(initial_s=0.1, max_s=5.0)
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._current: CoefficientsWatch | None = None
-        #: Last version delivered (-1: none yet).
-        self.version = -1
-        self.error: AvestError | None = None
-        self._thread = threading.Thread(
-            target=self._run, name=f"avest-watch-{pair_id}", daemon=True
-        )
-        self._thread.start()
-
-    @property
-    def running(self) -> bool:
-        return self._thread.is_alive()
-
-    def _run(self) -> None:
-        attempt = 0
-        while not self._stop.is_set():
-            try:
-                watch = self._client.watch(self._pair_id)
-                with self._lock:
-                    self._current = watch
-                if self._stop.is_set():
-                    watch.cancel()
-                for c in watch:
-                    attempt = 0
-                    if c.version > self.version:
-                        self.version = c.version
-                        try:
-                            self._callback(c)
-                        except Exception:
-                            log.exception("avest watch callback failed")
-                if self._stop.is_set():
-                    return
-            except AvestError as exc:
-                if self._stop.is_set():
-                    return
-                if exc.code in _FATAL_WATCH_CODES:
-                    self.error = exc
-                    if self._on_error is not None:
-                        self._on_error(exc)
-                    return
-                log.debug("avest watch of %s broke: %s", self._pair_id, exc)
-            self._stop.wait(self._backoff.delay(attempt))
-            attempt += 1
-
-    def cancel(self, timeout: float = 5.0) -> None:
-        """Stop watching and join the thread."""
-        self._stop.set()
-        with self._lock:
-            if self._current is not None:
-                self._current.cancel()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-
-    close = cancel
 
 
 class EstimatorClient:
