@@ -46,16 +46,13 @@ coefficients govern while connected, vLLM's own refits otherwise.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
-import weakref
 from collections import deque
 from dataclasses import asdict
 from typing import Any
 
-import grpc
 import numpy as np
 
 from avest_client import Backoff, EstimatorClient, Stats
@@ -64,28 +61,32 @@ from avest_client.forwarder import Forwarder
 from avest_client.vllm import costs
 from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.pair import PairKey
+from avest_client.vllm.sidecar_fork import LIVE as _LIVE
+from avest_client.vllm.sidecar_fork import after_fork_in_child as _after_fork_in_child
+from avest_client.vllm.sidecar_labels import (
+    DEFAULT_HARDWARE,
+    SAMPLE_METHOD_LABEL,
+    default_hardware,
+    pair_labels,
+)
+from avest_client.vllm.sidecar_supervisor import POLL_S, Supervisor, logger
+from avest_client.vllm.sidecar_sync import FATAL_CODES, REPOLL_S, PairSync
 from avest_client.vllm.sink import Coefficients
 
-logger = logging.getLogger(__name__)
-
-#: How often the supervisor looks at the forwarder, the cost curves and the clock.
-POLL_S = 0.02
-#: How often coefficients are fetched directly while the stream's view is stale.
-REPOLL_S = 1.0
-#: Registration answers that retrying cannot change: the sink gives up (local refits).
-FATAL_CODES = frozenset(
-    {
-        grpc.StatusCode.INVALID_ARGUMENT,
-        grpc.StatusCode.FAILED_PRECONDITION,
-        grpc.StatusCode.ALREADY_EXISTS,
-        grpc.StatusCode.UNIMPLEMENTED,
-        grpc.StatusCode.PERMISSION_DENIED,
-        grpc.StatusCode.UNAUTHENTICATED,
-    }
-)
-#: Label added to the pair key from vLLM's speculative config (AVEST_LABELS may override).
-SAMPLE_METHOD_LABEL = "draft_sample_method"
-DEFAULT_HARDWARE = "default"
+__all__ = [
+    "DEFAULT_HARDWARE",
+    "FATAL_CODES",
+    "POLL_S",
+    "REPOLL_S",
+    "SAMPLE_METHOD_LABEL",
+    "SidecarSink",
+    "_LIVE",
+    "_after_fork_in_child",
+    "default_hardware",
+    "logger",
+    "make_sink",
+    "pair_labels",
+]
 
 
 def make_sink(config: ShimConfig, pair_key: PairKey) -> SidecarSink:
@@ -100,32 +101,7 @@ def make_sink(config: ShimConfig, pair_key: PairKey) -> SidecarSink:
     return SidecarSink(config, pair_key)
 
 
-def pair_labels(pair_key: PairKey) -> dict[str, str]:
-    """The labels registered with the pair: AVEST_LABELS plus vLLM's draft sampling method."""
-    labels = dict(pair_key.labels)
-    if pair_key.draft_sample_method:
-        labels.setdefault(SAMPLE_METHOD_LABEL, pair_key.draft_sample_method)
-    return labels
-
-
-def default_hardware() -> str:
-    """The CUDA device name when CUDA is already initialised here, else ``"default"``.
-
-    Never initialises CUDA itself (the sink may be built in a process that
-    must not, and the label is not worth it).
-    """
-    try:
-        import torch
-
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            name = torch.cuda.get_device_name()
-            return name.encode()[:128].decode(errors="ignore") or DEFAULT_HARDWARE
-    except Exception:  # noqa: BLE001
-        pass
-    return DEFAULT_HARDWARE
-
-
-class SidecarSink:
+class SidecarSink(Supervisor, PairSync):
     """See the module docstring. Implements :class:`avest_client.vllm.sink.Sink`."""
 
     def __init__(
@@ -312,213 +288,3 @@ class SidecarSink:
                 return False
             time.sleep(0.005)
         return True
-
-    # -- the supervisor ------------------------------------------------------------
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._tick(time.monotonic())
-            except Exception:  # noqa: BLE001 - keep supervising whatever happens
-                if self._failures_logged < 5:
-                    self._failures_logged += 1
-                    logger.exception("avest: sink supervisor step failed")
-            self._stop.wait(self._poll_s)
-
-    def _tick(self, now: float) -> None:
-        if self.error is not None:
-            self._connected = False
-            return
-        fwd = self._fwd
-        if fwd is not None:
-            self._watch_forwarder(fwd, fwd.stats)
-        if self._need_register and now >= self._register_at:
-            self._try_register(now)
-        if self.pair_id:
-            self._maybe_send_costs(now)
-            if self._stale_above is not None and now >= self._repoll_at:
-                self._repoll(now)
-        fwd = self._fwd
-        if fwd is None:
-            self._connected = False
-        else:
-            self._refresh(fwd, fwd.stats, time.monotonic())
-
-    def _watch_forwarder(self, fwd: Forwarder, st: Stats) -> None:
-        reconnects = st.reconnects
-        if reconnects != self._reconnects_seen:
-            # A new stream: the sidecar may have restarted. Register again
-            # (idempotent) so a sidecar without our pair learns it, resend curves.
-            self._reconnects_seen = reconnects
-            self._need_register = True
-        err = fwd.last_error
-        if err != self._error_seen:
-            self._error_seen = err
-            if err.startswith("NOT_FOUND"):
-                self._need_register = True
-
-    def _try_register(self, now: float) -> None:
-        key = self.pair_key
-        try:
-            reg = self._client.register(
-                key.target, key.draft, key.method, key.num_speculative_tokens, self.labels
-            )
-        except AvestError as exc:
-            if self._stop.is_set():
-                return
-            if exc.code in FATAL_CODES:
-                self.error = exc
-                self._connected = False
-                logger.error("avest: the sidecar refused the pair; local refits only: %s", exc)
-                return
-            delay = self._backoff.delay(self._attempt)
-            if self._attempt == 0:
-                logger.warning(
-                    "avest: cannot register with the sidecar at %s (%s); retrying, "
-                    "local refits meanwhile",
-                    self.config.address,
-                    exc,
-                )
-            self._attempt += 1
-            self._register_at = now + delay
-            return
-        c = reg.coefficients
-        known: Coefficients = (int(c.version), float(c.slope), [float(b) for b in c.intercepts])
-        if self.pair_id and reg.pair_id != self.pair_id:
-            logger.warning("avest: pair id changed %s -> %s", self.pair_id, reg.pair_id)
-        self.rule, self.refit_interval = reg.rule, reg.refit_interval
-        self._attempt = 0
-        self._need_register = False
-        self._known = known
-        self._costs_due = True
-        self._costs_attempt = 0
-        self._costs_at = 0.0
-        self.registrations += 1
-        fwd = self._fwd
-        if fwd is None:
-            # The stream opens in a moment: connected meanwhile (the warm start
-            # applies at once), for at most AVEST_TIMEOUT_S.
-            self._registered_at, self._stream_seen = time.monotonic(), False
-            self.pair_id = reg.pair_id
-            self._start_forwarder(reg.pair_id)
-            logger.info(
-                "avest: registered pair %s (%s, refit every %d); coefficients version %d",
-                reg.pair_id,
-                reg.rule,
-                reg.refit_interval,
-                known[0],
-            )
-        else:
-            live = fwd.latest_coefficients()
-            if live is not None and known[0] < live[0]:
-                # A sidecar that lost its state counts from the start again.
-                logger.warning(
-                    "avest: the sidecar's coefficients went back from version %d to %d",
-                    live[0],
-                    known[0],
-                )
-                self._stale_above = live[0]
-                self._repoll_at = time.monotonic() + REPOLL_S
-
-    def _start_forwarder(self, pair_id: str) -> None:
-        fwd = self._client.forwarder(
-            pair_id,
-            queue_size=self._capacity,
-            k=self.pair_key.num_speculative_tokens,
-            connect_timeout=self._timeout,
-            backoff=self._backoff,
-        )
-        fwd.start()
-        with self._lock:
-            if not self._closed:
-                # In order, before anything submitted after this point.
-                while self._buffer:
-                    fwd.submit(*self._buffer.popleft())
-                self._fwd = fwd
-        if self._fwd is not fwd:  # closed meanwhile
-            fwd.close(timeout=0.0)
-            return
-        self._reconnects_seen = fwd.stats.reconnects
-
-    def _maybe_send_costs(self, now: float) -> None:
-        snap = self._recorder.snapshot()
-        if snap is None or now < self._costs_at:
-            return
-        version, draft, verify, limit = snap
-        if version == self._costs_sent_version and not self._costs_due:
-            return
-        try:
-            self._client.set_cost_curves(
-                self.pair_id, draft, verify, cudagraph_limit=limit, hardware=self.hardware
-            )
-        except AvestError as exc:
-            if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
-                logger.error("avest: the sidecar refused the cost curves: %s", exc)
-                self._costs_sent_version, self._costs_due = version, False
-                return
-            self._costs_at = now + self._backoff.delay(self._costs_attempt)
-            self._costs_attempt += 1
-            return
-        self._costs_sent_version, self._costs_due = version, False
-        self._costs_attempt = 0
-        self.cost_curves_sent += 1
-        logger.info("avest: cost curves for %r sent to pair %s", self.hardware, self.pair_id)
-
-    def _repoll(self, now: float) -> None:
-        self._repoll_at = now + REPOLL_S
-        try:
-            c = self._client.coefficients(self.pair_id)
-        except AvestError:
-            return
-        self._known = (int(c.version), float(c.slope), [float(b) for b in c.intercepts])
-
-    def _refresh(self, fwd: Forwarder, st: Stats, now: float) -> None:
-        streaming = fwd.connected
-        if streaming:
-            self._stream_seen = True
-        opening = not self._stream_seen and now - self._registered_at < self._timeout
-        # A stream that stays open while nothing it carries is acknowledged for
-        # AVEST_TIMEOUT_S (a hung sidecar) is as good as lost: local refits resume.
-        if not streaming or not self._was_streaming or st.pending == 0:
-            self._progress_at = now
-        if st.acked_sequence != self._acked_seen:
-            self._acked_seen, self._progress_at = st.acked_sequence, now
-        self._was_streaming = streaming
-        stalled = streaming and now - self._progress_at > self._timeout
-        if stalled != self._stalled:
-            self._stalled = stalled
-            if stalled:
-                self.stalls += 1
-                logger.warning(
-                    "avest: the sidecar acknowledged nothing for %.1fs; local refits meanwhile",
-                    now - self._progress_at,
-                )
-        live = fwd.latest_coefficients()
-        if self._stale_above is not None:
-            if live is not None and live[0] > self._stale_above:
-                self._stale_above = None  # the stream's view caught up
-            else:
-                live = None
-        known = self._known
-        best = known if live is None or (known is not None and known[0] > live[0]) else live
-        if best != self._coef:
-            self._coef = best
-        self._connected = (streaming or opening) and not stalled and self.registrations > 0
-
-
-#: Sinks of this process, so a forked child can disarm the copies it inherits.
-_LIVE: weakref.WeakSet[SidecarSink] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    # The parent's threads and channel do not exist here: an inherited sink
-    # must neither claim a connection nor serve coefficients nobody updates.
-    for sink in list(_LIVE):
-        sink._forked = True
-        sink._connected = False
-        sink._coef = None
-    _LIVE.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
