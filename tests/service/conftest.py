@@ -174,3 +174,7 @@ def server(tmp_path: Path) -> Iterator[ServerHandle]:
         yield handle
     finally:
         handle.stop()
+
+
+# The admin HTTP and metrics tests' live server (a stub and an HTTP client on top).
+from service.live import live, open_server  # noqa: E402, F401

@@ -9,11 +9,9 @@ import math
 import re
 import threading
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-import grpc
 import httpx
 import pytest
 
@@ -24,81 +22,18 @@ from avest.http import build_http
 from avest.settings import Settings
 from avest.trace import Trace
 from avest.v1 import estimator_pb2 as pb
-from avest.v1 import estimator_pb2_grpc as pb_grpc
+from service.live import TOKEN
+from service.live import Live as _Live
+from service.live import register as shared_register
 
 SVG = "{http://www.w3.org/2000/svg}"
-TOKEN = "s3cret"
-
-# -- the live server (tests/service/conftest.py's ``start_server``) plus clients --
-
-
-class _Live:
-    """A started server (conftest ``ServerHandle``) with a gRPC stub and an HTTP client."""
-
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
-        self.grpc_address = handle.grpc_address
-        self.http_url = handle.http_url
-        self.channel = grpc.insecure_channel(self.grpc_address)
-        self.stub = pb_grpc.EstimatorServiceStub(self.channel)
-        self.http = httpx.Client(base_url=self.http_url, timeout=10)
-
-    def close(self) -> None:
-        self.http.close()
-        self.channel.close()
-
-    def stop(self) -> None:
-        self.close()
-        self.handle.stop()
-
-
-@pytest.fixture
-def open_server(start_server: Callable[..., Any], tmp_path: Path) -> Iterator[Callable[..., _Live]]:
-    """``open_server(**settings)``: a live server on free ports, on one data directory
-    (so a second call after ``stop()`` restarts on the same state)."""
-    opened: list[_Live] = []
-
-    def open_(**overrides: Any) -> _Live:
-        values: dict[str, Any] = {
-            "refit_interval": 10,
-            "flush_interval_ms": 10,
-            "admin_token": TOKEN,
-            "grace_s": 2.0,
-        }
-        values.update(overrides)
-        live = _Live(start_server(tmp_path / "data", **values))
-        opened.append(live)
-        return live
-
-    yield open_
-    for live in opened:
-        live.close()
-
-
-@pytest.fixture
-def live(open_server: Callable[..., _Live]) -> _Live:
-    return open_server()
-
-
 # -- helpers --------------------------------------------------------------------
 
 
 def register(live: _Live, k: int = 5, refit_interval: int = 10, **labels: str) -> str:
-    resp = live.stub.RegisterPair(
-        pb.RegisterPairRequest(
-            key=pb.PairKey(
-                target_model="target <model> & co",
-                draft_model="draft-model",
-                method="eagle",
-                num_speculative_tokens=k,
-                labels=labels,
-            ),
-            update_rule=pb.UPDATE_RULE_VLLM,
-            refit_interval=refit_interval,
-        ),
-        timeout=10,
+    return shared_register(
+        live, k, refit_interval, target="target <model> & co", rule=pb.UPDATE_RULE_VLLM, **labels
     )
-    return str(resp.pair_id)
 
 
 def feed(live: _Live, trace: Trace, pair_id: str) -> None:
