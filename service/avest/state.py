@@ -15,8 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from avest.core.costs import CostTable
 from avest.core.errors import InvalidInput
 from avest.core.estimator import Batch, OnlineEstimator
@@ -257,7 +255,7 @@ class Registry:
             "key": pair.key.as_dict(),
             "rule": pair.rule_name,
             "refit_interval": pair.estimator.refit_interval,
-            "arrays": {n: np.array(v, copy=True) for n, v in pair.estimator.snapshot().items()},
+            "arrays": pair.estimator.snapshot(),  # fresh copies already
             "applied": dict(pair.applied),
             "costs": [
                 {
