@@ -50,12 +50,8 @@ class _Control:
         return min(delay, max(0.0, self.remaining())) if self.closing else delay
 
 
-class ThreadDriver:
-    """The sync-stack transport: call :meth:`run` on a thread of its own.
-
-    The close deadline bounds reconnect attempts; a stream still open at the
-    deadline is ended by :meth:`cancel` (the forwarder's ``close`` does it).
-    """
+class _Driver:
+    """What both transports hold: the session, channel options, timeouts, close state."""
 
     def __init__(
         self,
@@ -75,6 +71,17 @@ class ThreadDriver:
         self.rpc_timeout = rpc_timeout
         self.fetch_coefficients = fetch_coefficients
         self.control = _Control()
+
+
+class ThreadDriver(_Driver):
+    """The sync-stack transport: call :meth:`run` on a thread of its own.
+
+    The close deadline bounds reconnect attempts; a stream still open at the
+    deadline is ended by :meth:`cancel` (the forwarder's ``close`` does it).
+    """
+
+    def __init__(self, address: str, session: Session, **options: Any) -> None:
+        super().__init__(address, session, **options)
         self._cond = threading.Condition(threading.Lock())
         self._waiting = False
         self._wake = threading.Event()
@@ -191,27 +198,11 @@ class ThreadDriver:
             yield session.message(step)
 
 
-class AsyncDriver:
+class AsyncDriver(_Driver):
     """The ``grpc.aio`` transport: await :meth:`run` as a task."""
 
-    def __init__(
-        self,
-        address: str,
-        session: Session,
-        *,
-        channel_options: ChannelOptions = (),
-        connect_timeout: float = 5.0,
-        rpc_timeout: float = 5.0,
-        fetch_coefficients: bool = True,
-    ) -> None:
-        self.address = address
-        self.session = session
-        self.ledger = session.ledger
-        self.channel_options = reconnect_options(session.backoff, channel_options)
-        self.connect_timeout = connect_timeout
-        self.rpc_timeout = rpc_timeout
-        self.fetch_coefficients = fetch_coefficients
-        self.control = _Control()
+    def __init__(self, address: str, session: Session, **options: Any) -> None:
+        super().__init__(address, session, **options)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
         self._wakeup: asyncio.Event | None = None
