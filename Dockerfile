@@ -19,7 +19,7 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
-# .dockerignore keeps the context to pyproject.toml, README.md, service/, client/.
+# .dockerignore keeps the context to pyproject.toml, README.md, service/, client/, wire/.
 COPY . .
 RUN python -m venv /opt/avest \
  && /opt/avest/bin/pip install --no-cache-dir ".[server]" \

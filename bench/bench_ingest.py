@@ -39,13 +39,13 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from avest import wire
 from avest.core.estimator import OnlineEstimator
 from avest.core.rules import make_rule
 from avest.settings import Settings
-from avest.v1 import estimator_pb2 as pb
-from avest.v1 import estimator_pb2_grpc as pb_grpc
 from avest_client import EstimatorClient, Forwarder
+from avest_wire import matrix as wire
+from avest_wire.v1 import estimator_pb2 as pb
+from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 
 B, K = 64, 8
 LAT_B, LAT_K = 256, 16
@@ -57,7 +57,7 @@ def start_server(data_dir: str) -> tuple[subprocess.Popen[str], str]:
         [
             sys.executable,
             "-c",
-            "import sys; from avest.cli import main; sys.exit(main())",
+            "import sys; from avest.commands.cli import main; sys.exit(main())",
             "serve",
             "--grpc-address",
             "127.0.0.1:0",

@@ -6,7 +6,7 @@ at B live requests and K draft positions, plain and wrapped by the shim with
 * an in-memory sink (the shim's own cost): healthy (connected, pooled
   coefficients govern), absent (``connected`` False), slow (every ``submit``
   sleeps 500 ms);
-* the real :class:`~avest_client.vllm.sidecar_sink.SidecarSink` (what runs in
+* the real :class:`~avest_client.vllm.sidecar.sink.SidecarSink` (what runs in
   vLLM) against a real sidecar in a subprocess: healthy (``avest serve
   --grpc-address 127.0.0.1:0 ...``), absent (an unused port), slow (the same
   server with every Observe message handled 500 ms after it arrives).
@@ -58,7 +58,7 @@ from avest_client import Backoff  # noqa: E402
 from avest_client.vllm import costs  # noqa: E402
 from avest_client.vllm.config import ShimConfig  # noqa: E402
 from avest_client.vllm.pair import PairKey  # noqa: E402
-from avest_client.vllm.sidecar_sink import SidecarSink  # noqa: E402
+from avest_client.vllm.sidecar.sink import SidecarSink  # noqa: E402
 
 TARGET_US = 20.0
 

@@ -28,7 +28,7 @@ from avest_client.vllm import costs  # noqa: E402
 from avest_client.vllm.config import ShimConfig  # noqa: E402
 from avest_client.vllm.estimator import make_sidecar_estimator  # noqa: E402
 from avest_client.vllm.pair import PairKey  # noqa: E402
-from avest_client.vllm.sidecar_sink import SidecarSink  # noqa: E402
+from avest_client.vllm.sidecar.sink import SidecarSink  # noqa: E402
 
 SLOW_S = 0.5
 CPU = torch.device("cpu")
@@ -37,7 +37,7 @@ CPU = torch.device("cpu")
 SLOW_SERVER = f"""
 import asyncio, sys
 import avest.server
-from avest.grpc_service import EstimatorService
+from avest.grpc.service import EstimatorService
 
 class SlowObserve(EstimatorService):
     async def Observe(self, request_iterator, context):
@@ -49,7 +49,7 @@ class SlowObserve(EstimatorService):
             yield resp
 
 avest.server.EstimatorService = SlowObserve
-from avest.cli import main
+from avest.commands.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -89,7 +89,11 @@ class Sidecar:
 
     def __init__(self, slow: bool = False) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="avest-bench-")
-        head = [sys.executable, "-c", SLOW_SERVER] if slow else [sys.executable, "-m", "avest.cli"]
+        head = (
+            [sys.executable, "-c", SLOW_SERVER]
+            if slow
+            else [sys.executable, "-m", "avest.commands.cli"]
+        )
         args = ["serve", "--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0"]
         args += ["--data-dir", self._dir.name, "--log-level", "warning"]
         env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -1,6 +1,6 @@
 """Shared fixtures: real traces (shared or bundled) and synthetic traces with known truth.
 
-- ``trace_slice(name="sample", start=0, stop=None)`` -> :class:`avest.trace.Trace`:
+- ``trace_slice(name="sample", start=0, stop=None)`` -> :class:`avest.offline.trace.Trace`:
   decode steps ``[start, stop)`` of a trace. ``name`` is ``"sample"`` (the
   bundled slice of the chat trace, always available), ``"chat"`` / ``"code"``
   (the shared traces in ``../shared/traces`` next to the repository; the test
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from avest.core.numeric import sigmoid
-from avest.trace import FORMAT, Trace, bundled_sample_path, read_trace
+from avest.offline.trace import FORMAT, Trace, bundled_sample_path, read_trace
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED_TRACES_DIR = REPO_ROOT.parent / "shared" / "traces"

@@ -20,10 +20,10 @@ from typing import Any
 
 import grpc
 
-from avest.v1 import estimator_pb2 as pb
-from avest.v1 import estimator_pb2_grpc as pb_grpc
 from avest_client._stream import ChannelOptions, Session, reconnect_options
 from avest_client.ledger import Ledger
+from avest_wire.v1 import estimator_pb2 as pb
+from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 
 log = logging.getLogger("avest_client.forwarder")
 

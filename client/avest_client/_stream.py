@@ -31,8 +31,8 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
-from avest.v1 import estimator_pb2 as pb
 from avest_client.ledger import Ledger, Step
+from avest_wire.v1 import estimator_pb2 as pb
 
 log = logging.getLogger("avest_client.forwarder")
 

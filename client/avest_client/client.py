@@ -12,14 +12,14 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
-from avest.v1 import estimator_pb2 as pb
-from avest.v1 import estimator_pb2_grpc as pb_grpc
 from avest_client import codec
 from avest_client._stream import ChannelOptions, channel_options
 from avest_client.errors import AvestError, InvalidArgumentError, from_rpc_error
 from avest_client.forwarder import Forwarder
 from avest_client.types import BudgetResult, Coefficients, PairInfo, Registration
 from avest_client.watch import CoefficientsWatch, Watcher
+from avest_wire.v1 import estimator_pb2 as pb
+from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 
 log = logging.getLogger("avest_client")
 

@@ -8,8 +8,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from avest import wire
-from avest.v1 import estimator_pb2 as pb
 from avest_client.types import (
     BudgetResult,
     Calibration,
@@ -19,6 +17,8 @@ from avest_client.types import (
     PositionCalibration,
     Registration,
 )
+from avest_wire import matrix as wire
+from avest_wire.v1 import estimator_pb2 as pb
 
 UPDATE_RULES = {
     "": pb.UPDATE_RULE_UNSPECIFIED,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -14,8 +14,12 @@ from avest_client._stream import Backoff
 from avest_client.errors import AvestError, from_rpc_error
 from avest_client.types import Coefficients
 
-if TYPE_CHECKING:
-    from avest_client.client import EstimatorClient
+
+class Watchable(Protocol):
+    """What a :class:`Watcher` needs of its client (an ``EstimatorClient``)."""
+
+    def watch(self, pair_id: str) -> CoefficientsWatch: ...
+
 
 log = logging.getLogger("avest_client")
 
@@ -67,7 +71,7 @@ class Watcher:
 
     def __init__(
         self,
-        client: EstimatorClient,
+        client: Watchable,
         pair_id: str,
         callback: Callable[[Coefficients], Any],
         on_error: Callable[[AvestError], Any] | None = None,

@@ -27,7 +27,7 @@ import threading
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 
-from avest.trace import bundled_sample_path, read_trace
+from avest.offline.trace import bundled_sample_path, read_trace
 
 LABELS = ["model_name", "engine"]
 

@@ -3,7 +3,7 @@
     python deploy/grafana/build_dashboard.py          # write it
     python deploy/grafana/build_dashboard.py --check  # exit 1 if it is stale
 
-Metric names come from :mod:`avest.metrics` (the service's single definition)
+Metric names come from :mod:`avest.http.names` (the service's single definition)
 and from vLLM 0.33's ``SpecDecodingProm``; every panel uses the provisioned
 Prometheus datasource by its fixed uid, so the file needs no import step.
 
@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from avest import metrics as m
+from avest.http import metrics as m
 
 # The dashboard's builders live beside this file (deploy/grafana/avest_dashboard/);
 # make them importable however this file is run or loaded.

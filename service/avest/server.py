@@ -21,13 +21,14 @@ import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from avest.app import Avest
-from avest.grpc_service import EstimatorService
-from avest.http import build_http
-from avest.metrics import Metrics
+from avest.grpc.interceptor import RpcInterceptor
+from avest.grpc.service import EstimatorService
+from avest.http.api import build_http
+from avest.http.metrics import Metrics
 from avest.settings import Settings, split_address
-from avest.v1 import estimator_pb2 as pb
-from avest.v1 import estimator_pb2_grpc as pb_grpc
+from avest.state.app import Avest
+from avest_wire.v1 import estimator_pb2 as pb
+from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 
 log = logging.getLogger("avest")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EstimatorService"].full_name
@@ -68,7 +69,7 @@ class Server:
         await self.app.start()
         limit = self.settings.max_message_bytes
         self._grpc = grpc.aio.server(
-            interceptors=[self.metrics.interceptor()],
+            interceptors=[RpcInterceptor(self.metrics.rpc_duration)],
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),

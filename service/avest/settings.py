@@ -2,110 +2,118 @@
 
 Every setting has a flag and an environment variable (the flag's name upper
 cased with ``AVEST_`` in front); a flag given on the command line wins over
-the environment, which wins over the default.
+the environment, which wins over the default. pydantic-settings reads the
+environment and checks the values; the flags are argparse's, one per field.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "AVEST_"
 
 
-@dataclass(frozen=True)
-class Settings:
-    grpc_address: str = "127.0.0.1:50051"
-    http_address: str = "127.0.0.1:8000"
-    data_dir: str = "./avest-data"
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="ignore")
+
+    grpc_address: str = Field(
+        "127.0.0.1:50051", description="gRPC listen address HOST:PORT (port 0 picks a free port)"
+    )
+    http_address: str = Field(
+        "127.0.0.1:8000",
+        description="admin HTTP listen address HOST:PORT (port 0 picks a free port)",
+    )
+    data_dir: str = Field("./avest-data", description="directory holding the SQLite database")
     #: Update rule for pairs that do not ask for one (see README: measured).
-    default_rule: str = "recursive"
-    refit_interval: int = 100
-    #: Recursive rule: forgetting per round and prior precision.
-    forgetting: float = 0.95
-    prior: float = 1.0
-    #: Group commit: acknowledged batches are made durable at least this often.
-    flush_interval_ms: int = 100
-    max_pairs: int = 1024
-    max_message_bytes: int = 4 * 1024 * 1024
-    max_rows: int = 8192
-    #: Token for POST /v1/pairs/{id}/reset; empty means no token needed.
-    admin_token: str = ""
-    #: Seconds SIGTERM waits for streams to close before the final snapshot.
-    grace_s: float = 5.0
-    log_level: str = "info"
+    default_rule: str = Field(
+        "recursive", description="update rule for pairs that do not name one: vllm or recursive"
+    )
+    refit_interval: int = Field(
+        100, ge=1, description="refit every N observed steps (pooled across workers)"
+    )
+    forgetting: float = Field(
+        0.95, gt=0.0, le=1.0, description="recursive rule: information kept per round, in (0, 1]"
+    )
+    prior: float = Field(
+        1.0, description="recursive rule: precision of the pull toward the starting coefficients"
+    )
+    flush_interval_ms: int = Field(
+        100, description="make applied batches durable (and acknowledge them) this often"
+    )
+    max_pairs: int = Field(1024, description="refuse to register more pairs than this")
+    max_message_bytes: int = Field(4 * 1024 * 1024, description="largest gRPC message accepted")
+    max_rows: int = Field(8192, description="largest number of requests (rows) in one message")
+    admin_token: str = Field(
+        "", description="bearer token required by POST /v1/pairs/{id}/reset (empty: none)"
+    )
+    grace_s: float = Field(5.0, description="seconds SIGTERM waits for streams to drain")
+    log_level: str = Field("info", description="debug, info, warning or error")
+
+    @field_validator("default_rule")
+    @classmethod
+    def _known_rule(cls, v: str) -> str:
+        if v not in ("vllm", "recursive"):
+            raise ValueError(f"default_rule must be vllm or recursive, got {v!r}")
+        return v
+
+    @field_validator("grpc_address", "http_address")
+    @classmethod
+    def _host_port(cls, v: str) -> str:
+        split_address(v)
+        return v
 
     @property
     def database(self) -> Path:
         return Path(self.data_dir) / "avest.sqlite3"
 
 
-HELP = {
-    "grpc_address": "gRPC listen address HOST:PORT (port 0 picks a free port)",
-    "http_address": "admin HTTP listen address HOST:PORT (port 0 picks a free port)",
-    "data_dir": "directory holding the SQLite database",
-    "default_rule": "update rule for pairs that do not name one: vllm or recursive",
-    "refit_interval": "refit every N observed steps (pooled across workers)",
-    "forgetting": "recursive rule: information kept per round, in (0, 1]",
-    "prior": "recursive rule: precision of the pull toward the starting coefficients",
-    "flush_interval_ms": "make applied batches durable (and acknowledge them) this often",
-    "max_pairs": "refuse to register more pairs than this",
-    "max_message_bytes": "largest gRPC message accepted",
-    "max_rows": "largest number of requests (rows) in one message",
-    "admin_token": "bearer token required by POST /v1/pairs/{id}/reset (empty: none)",
-    "grace_s": "seconds SIGTERM waits for streams to drain",
-    "log_level": "debug, info, warning or error",
-}
-
-
 def env_name(field_name: str) -> str:
-    return "AVEST_" + field_name.upper()
+    return ENV_PREFIX + field_name.upper()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One ``--flag`` per setting; defaults come from the environment."""
-    for f in fields(Settings):
-        flag = "--" + f.name.replace("_", "-")
+    for name, f in Settings.model_fields.items():
         parser.add_argument(
-            flag,
-            dest=f.name,
+            "--" + name.replace("_", "-"),
+            dest=name,
             type=type(f.default),
             default=None,
-            metavar=f.name.upper(),
-            help=f"{HELP[f.name]} [env {env_name(f.name)}, default {f.default!r}]",
+            metavar=name.upper(),
+            help=f"{f.description} [env {env_name(name)}, default {f.default!r}]",
         )
 
 
 def from_sources(
-    args: argparse.Namespace | None = None, env: dict[str, str] | None = None
+    args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None
 ) -> Settings:
-    """Flags over ``AVEST_*`` environment over defaults; validates values."""
-    environ = os.environ if env is None else env
-    values: dict[str, object] = {}
-    for f in fields(Settings):
-        flag = getattr(args, f.name, None) if args is not None else None
-        if flag is not None:
-            values[f.name] = flag
-        elif env_name(f.name) in environ:
-            raw = environ[env_name(f.name)]
-            try:
-                values[f.name] = type(f.default)(raw)
-            except ValueError as exc:
-                raise ValueError(f"{env_name(f.name)}={raw!r}: {exc}") from None
-    settings = Settings(**values)  # type: ignore[arg-type]
-    validate(settings)
-    return settings
+    """Flags over ``AVEST_*`` environment over defaults; validates values.
 
-
-def validate(s: Settings) -> None:
-    if s.default_rule not in ("vllm", "recursive"):
-        raise ValueError(f"default_rule must be vllm or recursive, got {s.default_rule!r}")
-    if s.refit_interval < 1:
-        raise ValueError("refit_interval must be >= 1")
-    if not 0.0 < s.forgetting <= 1.0:
-        raise ValueError("forgetting must be in (0, 1]")
-    for name in ("grpc_address", "http_address"):
-        split_address(getattr(s, name))
+    ``env`` replaces the process environment (for tests).
+    """
+    flags = {
+        name: getattr(args, name)
+        for name in Settings.model_fields
+        if args is not None and getattr(args, name, None) is not None
+    }
+    try:
+        if env is None:
+            return Settings(**flags)
+        values: dict[str, Any] = {
+            name: env[env_name(name)] for name in Settings.model_fields if env_name(name) in env
+        }
+        return Settings.model_validate({**values, **flags})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        name = str(err["loc"][0]) if err["loc"] else "?"
+        source = "--" + name.replace("_", "-") if name in flags else env_name(name)
+        raise ValueError(f"{source}: {err['msg']}") from None
 
 
 def split_address(address: str) -> tuple[str, int]:

@@ -61,7 +61,7 @@ def serve_subprocess(data_dir: str | Path, port: int = 0) -> tuple[subprocess.Po
         [
             sys.executable,
             "-c",
-            "import sys; from avest.cli import main; sys.exit(main())",
+            "import sys; from avest.commands.cli import main; sys.exit(main())",
             "serve",
             "--grpc-address",
             f"127.0.0.1:{port}",

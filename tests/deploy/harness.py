@@ -119,7 +119,7 @@ def start_avest(data_dir: Path, timeout: float = 30.0) -> AvestService:
     cmd = [
         sys.executable,
         "-c",
-        "import sys; from avest.cli import main; sys.exit(main())",
+        "import sys; from avest.commands.cli import main; sys.exit(main())",
         "serve",
         "--grpc-address",
         "127.0.0.1:0",
@@ -183,9 +183,9 @@ def feed_sample_trace(
     import grpc
     import numpy as np
 
-    from avest.trace import bundled_sample_path, read_trace
-    from avest.v1 import estimator_pb2 as pb
-    from avest.v1 import estimator_pb2_grpc as pb_grpc
+    from avest.offline.trace import bundled_sample_path, read_trace
+    from avest_wire.v1 import estimator_pb2 as pb
+    from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 
     trace = read_trace(bundled_sample_path())
     meta = trace.meta

@@ -171,7 +171,7 @@ def test_the_service_image_runs_avest_serve_on_all_interfaces_with_a_data_volume
     assert env["AVEST_GRPC_ADDRESS"] == "0.0.0.0:50051"
     assert env["AVEST_HTTP_ADDRESS"] == "0.0.0.0:8000"
     assert env["AVEST_DATA_DIR"] == "/data"
-    known = {env_name(f) for f in Settings.__dataclass_fields__}
+    known = {env_name(f) for f in Settings.model_fields}
     assert {k for k in env if k.startswith("AVEST_")} <= known
     by_word: dict[str, list[str]] = {}
     for word, rest in runtime:
@@ -211,7 +211,7 @@ def test_dockerignore_keeps_the_context_to_what_the_images_copy() -> None:
     ]
     assert lines[0] == "*", "an allow-list: exclude everything first"
     allowed = {ln[1:].rstrip("/") for ln in lines if ln.startswith("!")}
-    assert {"pyproject.toml", "service", "client", "deploy/vllm/install_shim.py"} <= allowed
+    assert {"pyproject.toml", "service", "client", "wire", "deploy/vllm/install_shim.py"} <= allowed
     for path in allowed:
         if path not in ("README.md", "LICENSE"):
             assert (REPO / path).exists(), path
@@ -417,7 +417,7 @@ def test_the_demo_replay_command_is_accepted_by_avest_replay(live_avest: Any) ->
     if "--rate" in args:
         args[args.index("--rate") + 1] = "0"
     r = subprocess.run(
-        [sys.executable, "-c", "import sys; from avest.cli import main; sys.exit(main())"]
+        [sys.executable, "-c", "import sys; from avest.commands.cli import main; sys.exit(main())"]
         + ["replay", *args, "--json"],
         capture_output=True,
         text=True,

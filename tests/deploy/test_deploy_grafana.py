@@ -190,7 +190,7 @@ def test_every_metric_name_is_exposed_by_avest_or_vllm(
 ) -> None:
     """Names in the dashboards exist in the live service's /metrics (after a
     trace was observed) or among vLLM 0.33's spec-decode counters."""
-    from avest import metrics as avest_metrics
+    from avest.http import metrics as avest_metrics
 
     live = sample_names(live_avest.service.metrics_text())
     declared = avest_metrics.exposed_names()
@@ -316,7 +316,7 @@ def test_the_running_products_match_vllms_definition(live_prometheus: Any) -> No
     assert sorted(avest) == [str(i) for i in range(fed.k)]
     assert sorted(vllm) == sorted(avest)
     # The fed trace, counted the way vLLM's SpecDecodingStats.observe_draft does.
-    from avest.trace import bundled_sample_path, read_trace
+    from avest.offline.trace import bundled_sample_path, read_trace
 
     trace = read_trace(bundled_sample_path())
     drafts = int((trace.num_verified > 0).sum())

@@ -11,8 +11,8 @@ import grpc
 import httpx
 import pytest
 
-from avest.v1 import estimator_pb2 as pb
-from avest.v1 import estimator_pb2_grpc as pb_grpc
+from avest_wire.v1 import estimator_pb2 as pb
+from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 
 TOKEN = "s3cret"
 

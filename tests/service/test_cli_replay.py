@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from avest.cli import main
+from avest.commands.cli import main
 from avest.core.rules import VllmRule
-from avest.trace import write_trace
-from test_cli import replay_core
+from avest.offline.trace import write_trace
+from commands.test_cli import replay_core
 
 
 def test_replay_and_pairs_against_a_real_service(server, trace_slice, tmp_path, capsys):

@@ -15,13 +15,13 @@ from typing import Any
 import httpx
 import pytest
 
-from avest import wire
 from avest.core.estimator import DEFAULT_RECENT_DECAY
 from avest.core.model import INIT_INTERCEPT, INIT_SLOPE
-from avest.http import build_http
+from avest.http.api import build_http
+from avest.offline.trace import Trace
 from avest.settings import Settings
-from avest.trace import Trace
-from avest.v1 import estimator_pb2 as pb
+from avest_wire import matrix as wire
+from avest_wire.v1 import estimator_pb2 as pb
 from service.live import TOKEN
 from service.live import Live as _Live
 from service.live import register as shared_register
@@ -273,7 +273,7 @@ def test_reliability_svg_has_one_point_per_non_empty_bin(fed: tuple[_Live, str])
     assert len(bins) == 15
     non_empty = [b for b in bins if b["count"] > 0]
     assert len(non_empty) >= 3
-    points = [c for c in root.iter(SVG + "circle") if c.get("class") == "bin"]
+    points = [c for c in root.iter() if c.get("class") == "bin"]
     assert [int(c.get("data-bin")) for c in points] == [b["bin"] for b in non_empty]
     for c, b in zip(points, non_empty, strict=True):
         assert float(c.get("data-count")) == pytest.approx(b["count"], rel=1e-5)
@@ -309,7 +309,7 @@ def test_reliability_of_one_position(fed: tuple[_Live, str]) -> None:
     )
     svg = live.http.get(f"/v1/pairs/{pid}/reliability.svg", params={"position": 2})
     root = ET.fromstring(svg.content)
-    points = [c for c in root.iter(SVG + "circle") if c.get("class") == "bin"]
+    points = [c for c in root.iter() if c.get("class") == "bin"]
     assert len(points) == sum(1 for b in one["bins"] if b["count"] > 0)
     for bad in (5, -1):
         r = live.http.get(f"/v1/pairs/{pid}/reliability.svg", params={"position": bad})
@@ -322,7 +322,7 @@ def test_reliability_svg_of_a_fresh_pair_is_valid_and_empty(live: _Live) -> None
     r = live.http.get(f"/v1/pairs/{pid}/reliability.svg")
     assert r.status_code == 200
     root = ET.fromstring(r.content)
-    assert not [c for c in root.iter(SVG + "circle") if c.get("class") == "bin"]
+    assert not [c for c in root.iter() if c.get("class") == "bin"]
     assert not [e for e in root.iter() if e.get("class") in ("predicted", "observed")]
     assert "no verified drafts yet" in r.text
 

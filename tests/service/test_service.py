@@ -17,16 +17,16 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from avest import wire
 from avest.core.budget import decide
 from avest.core.costs import CostTable
 from avest.core.estimator import OnlineEstimator
 from avest.core.model import Coefficients, linear_predictor, predict, survival
 from avest.core.rules import RecursiveRule, VllmRule
 from avest.core.stats import fold
-from avest.replay import messages_for, pair_key, replay, step_bounds
-from avest.v1 import estimator_pb2 as pb
-from avest.v1 import estimator_pb2_grpc as pb_grpc
+from avest.offline.replay import messages_for, pair_key, replay, step_bounds
+from avest_wire import matrix as wire
+from avest_wire.v1 import estimator_pb2 as pb
+from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 
 RULE = {"vllm": pb.UPDATE_RULE_VLLM, "recursive": pb.UPDATE_RULE_RECURSIVE}
 
@@ -226,7 +226,7 @@ def _spawn(data_dir):
         [
             sys.executable,
             "-m",
-            "avest.cli",
+            "avest.commands.cli",
             "serve",
             "--grpc-address",
             "127.0.0.1:0",

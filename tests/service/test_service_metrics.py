@@ -18,14 +18,16 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from avest import __version__, wire
-from avest import metrics as M
+from avest import __version__
 from avest.core.estimator import OnlineEstimator
 from avest.core.metrics import CalibrationState, CalibrationSummary
 from avest.core.rules import OUTCOMES
-from avest.state import Pair, PairKey
-from avest.trace import Trace
-from avest.v1 import estimator_pb2 as pb
+from avest.grpc.interceptor import method_label
+from avest.http import metrics as M
+from avest.offline.trace import Trace
+from avest.state.pairs import Pair, PairKey
+from avest_wire import matrix as wire
+from avest_wire.v1 import estimator_pb2 as pb
 from service.live import Live as _Live
 from service.live import register as shared_register
 
@@ -445,8 +447,8 @@ def test_queue_depth_definition() -> None:
 
 
 def test_method_labels() -> None:
-    assert M.method_label("/avest.v1.EstimatorService/Observe") == "Observe"
-    assert M.method_label("/grpc.health.v1.Health/Check") == "grpc.health.v1.Health/Check"
+    assert method_label("/avest.v1.EstimatorService/Observe") == "Observe"
+    assert method_label("/grpc.health.v1.Health/Check") == "grpc.health.v1.Health/Check"
 
 
 class _CountingEstimator(OnlineEstimator):

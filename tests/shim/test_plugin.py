@@ -11,10 +11,11 @@ from importlib.metadata import entry_points
 import pytest
 import torch
 
-from avest_client.vllm import contract, costs, exclusion, plugin, sidecar_sink
+from avest_client.vllm import contract, costs, exclusion, plugin
 from avest_client.vllm.config import ConfigError, ShimConfig, parse_labels
 from avest_client.vllm.hooks import _FINDER, when_imported
 from avest_client.vllm.pair import PairKey, pair_from_vllm_config
+from avest_client.vllm.sidecar import sink as sidecar_sink
 
 from .fakes import FakeSink
 from .standin import StandinAcceptanceEstimator

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import avest.server
-from avest.grpc_service import EstimatorService
+from avest.grpc.service import EstimatorService
 from avest_client import EstimatorClient
 
 from .standin import StandinAcceptanceEstimator

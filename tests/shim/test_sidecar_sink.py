@@ -29,11 +29,12 @@ from avest.core.costs import CostTable
 from avest.core.estimator import OnlineEstimator
 from avest.core.rules import make_rule
 from avest_client import Backoff, EstimatorClient
-from avest_client.vllm import contract, costs, exclusion, plugin, sidecar_sink
+from avest_client.vllm import contract, costs, exclusion, plugin
 from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.estimator import make_sidecar_estimator
 from avest_client.vllm.pair import PairKey
-from avest_client.vllm.sidecar_sink import SidecarSink
+from avest_client.vllm.sidecar import sink as sidecar_sink
+from avest_client.vllm.sidecar.sink import SidecarSink
 from service.conftest import ServerHandle, launch
 
 from .standin import StandinAcceptanceEstimator
@@ -389,7 +390,7 @@ FORK_SCRIPT = textwrap.dedent(
     import torch
     sys.path.insert(0, sys.argv[2])
     from shim.standin import StandinAcceptanceEstimator
-    from avest_client.vllm import sidecar_sink
+    from avest_client.vllm.sidecar import sink as sidecar_sink
     from avest_client.vllm.config import ShimConfig
     from avest_client.vllm.estimator import make_sidecar_estimator
     from avest_client.vllm.pair import PairKey

@@ -45,7 +45,7 @@ def register() -> None:
 
 def make_production_sink(config: ShimConfig, pair_key: Any) -> Any:
     """The network sink, imported only when a rank-0 estimator is built."""
-    from avest_client.vllm import sidecar_sink
+    from avest_client.vllm.sidecar import sink as sidecar_sink
 
     return sidecar_sink.make_sink(config, pair_key)
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from avest import metrics as m
 from avest.core.estimator import DEFAULT_RECENT_DECAY
+from avest.http import metrics as m
 
 from .panels import DATASOURCE, Layout, dashed, refs, row, stat, target, timeseries
 from .queries import (

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from avest import metrics as m
+from avest.http import metrics as m
 
 from .panels import Layout, dashed, refs, row, target, timeseries
 from .queries import PAIR, RI

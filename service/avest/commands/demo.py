@@ -32,12 +32,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 async def _demo(args: argparse.Namespace) -> int:
     import grpc
 
-    from avest.replay import pair_key, replay
+    from avest.offline.replay import pair_key, replay
+    from avest.offline.trace import bundled_sample_path, read_trace
     from avest.server import Server
     from avest.settings import Settings
-    from avest.trace import bundled_sample_path, read_trace
-    from avest.v1 import estimator_pb2 as pb
-    from avest.v1 import estimator_pb2_grpc as pb_grpc
+    from avest_wire.v1 import estimator_pb2 as pb
+    from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 
     trace = read_trace(args.trace or bundled_sample_path())
     data_dir = args.data_dir or tempfile.mkdtemp(prefix="avest-demo-")

@@ -52,8 +52,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from avest.evaluate import evaluate, format_table
-    from avest.trace import TraceError, bundled_sample_path, read_trace
+    from avest.offline.evaluate import evaluate, format_table
+    from avest.offline.trace import TraceError, bundled_sample_path, read_trace
 
     path = args.trace or str(bundled_sample_path())
     try:
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_table(report))
     if args.plot:
-        from avest.plots import write_plots
+        from avest.offline.plots import write_plots
 
         for written in write_plots(report, args.plot):
             print(f"wrote {written}", file=sys.stderr)

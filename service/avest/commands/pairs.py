@@ -66,8 +66,8 @@ def print_pair(pair: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import grpc
 
-    from avest.v1 import estimator_pb2 as pb
-    from avest.v1 import estimator_pb2_grpc as pb_grpc
+    from avest_wire.v1 import estimator_pb2 as pb
+    from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 
     try:
         with grpc.insecure_channel(args.address) as channel:

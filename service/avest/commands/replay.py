@@ -48,8 +48,8 @@ def run(args: argparse.Namespace) -> int:
     import grpc
     from tqdm import tqdm
 
-    from avest.replay import replay, step_bounds
-    from avest.trace import TraceError, bundled_sample_path, read_trace
+    from avest.offline.replay import replay, step_bounds
+    from avest.offline.trace import TraceError, bundled_sample_path, read_trace
 
     path = args.trace or str(bundled_sample_path())
     try:

@@ -132,10 +132,10 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from avest.core.budget import DEFAULT_RULE
-    from avest.simulate import make_policies, planned_steps, simulate
-    from avest.simulate_profiles import ProfileError, load_profile, shipped_profiles
-    from avest.simulate_report import format_table, write_plot
-    from avest.trace import TraceError, bundled_sample_path, read_trace
+    from avest.offline.simulate.engine import make_policies, planned_steps, simulate
+    from avest.offline.simulate.profiles import ProfileError, load_profile, shipped_profiles
+    from avest.offline.simulate.report import format_table, write_plot
+    from avest.offline.trace import TraceError, bundled_sample_path, read_trace
 
     def fail(message: object) -> int:
         print(f"avest simulate: {message}", file=sys.stderr)

@@ -1,0 +1,74 @@
+"""Conversions between the service's state and ``avest.v1`` messages (``avest_wire.v1``)."""
+
+from __future__ import annotations
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from avest.core import budget as budget_rules
+from avest.state.pairs import Pair
+from avest_wire.v1 import estimator_pb2 as pb
+
+RULE_TO_PB = {"vllm": pb.UPDATE_RULE_VLLM, "recursive": pb.UPDATE_RULE_RECURSIVE}
+RULE_FROM_PB = {pb.UPDATE_RULE_UNSPECIFIED: "", **{v: k for k, v in RULE_TO_PB.items()}}
+BUDGET_FROM_PB = {
+    pb.BUDGET_RULE_UNSPECIFIED: budget_rules.DEFAULT_RULE,
+    pb.BUDGET_RULE_STALE: "stale",
+    pb.BUDGET_RULE_LOSSLESS_WALK: "lossless-walk",
+    pb.BUDGET_RULE_ARGMAX: "argmax",
+    pb.BUDGET_RULE_FULL: "full",
+}
+BUDGET_TO_PB = {v: k for k, v in BUDGET_FROM_PB.items() if k != pb.BUDGET_RULE_UNSPECIFIED}
+
+
+def coefficients_pb(pair: Pair) -> pb.Coefficients:
+    c = pair.coefficients
+    ts = Timestamp()
+    ts.FromNanoseconds(int(pair.updated * 1e9))
+    return pb.Coefficients(
+        pair_id=pair.id,
+        version=pair.estimator.version,
+        round=pair.estimator.round,
+        slope=c.slope,
+        intercepts=list(c.intercepts),
+        update_time=ts,
+    )
+
+
+def pair_pb(pair: Pair) -> pb.Pair:
+    s = pair.estimator.calibration.summary()
+    key = pair.key
+    return pb.Pair(
+        pair_id=pair.id,
+        key=pb.PairKey(
+            target_model=key.target,
+            draft_model=key.draft,
+            method=key.method,
+            num_speculative_tokens=key.k,
+            labels=dict(key.labels),
+        ),
+        update_rule=RULE_TO_PB[pair.rule_name],
+        refit_interval=pair.estimator.refit_interval,
+        coefficients=coefficients_pb(pair),
+        drafts_observed=pair.estimator.drafts,
+        steps_observed=pair.estimator.steps,
+        calibration=pb.Calibration(
+            count=int(s.count),
+            auc=float(s.auc),
+            logloss=float(s.logloss),
+            ece=float(s.ece),
+            mean_predicted=float(s.mean_predicted),
+            observed=float(s.observed),
+            by_position=[
+                pb.PositionCalibration(
+                    auc=float(p.auc),
+                    logloss=float(p.logloss),
+                    ece=float(p.ece),
+                    mean_predicted=float(p.mean_predicted),
+                    observed=float(p.observed),
+                    count=int(p.count),
+                )
+                for p in s.by_position
+            ],
+        ),
+        cost_curve_hardware=sorted(pair.costs),
+    )

@@ -1,0 +1,42 @@
+"""Refusals: the core's and registry's errors as gRPC status codes."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import grpc
+
+from avest.core.errors import InvalidInput
+from avest.state.pairs import Conflict, Exhausted, NotFound
+from avest_wire.matrix import MatrixError
+
+
+class Refused(Exception):
+    """A refusal with its gRPC status code; raised before any state changes."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.reason = {
+            grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument",
+            grpc.StatusCode.NOT_FOUND: "not_found",
+            grpc.StatusCode.RESOURCE_EXHAUSTED: "resource_exhausted",
+            grpc.StatusCode.FAILED_PRECONDITION: "failed_precondition",
+        }.get(code, "other")
+
+
+@contextlib.contextmanager
+def refusals() -> Any:
+    """Translate the core's and the registry's errors into :class:`Refused`."""
+    try:
+        yield
+    except (InvalidInput, MatrixError) as exc:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+    except NotFound as exc:
+        raise Refused(grpc.StatusCode.NOT_FOUND, str(exc.args[0])) from None
+    except Exhausted as exc:
+        raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
+    except Conflict as exc:
+        raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None

@@ -1,0 +1,289 @@
+"""The gRPC adapter: ``avest.v1.EstimatorService`` over :class:`~avest.state.app.Avest`.
+
+Each RPC validates its request completely (through the core's checks)
+before touching any state, and maps refusals to status codes:
+``InvalidInput`` -> INVALID_ARGUMENT, unknown pair -> NOT_FOUND, limits ->
+RESOURCE_EXHAUSTED, all with a message that names the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import numpy as np
+
+from avest.core import budget as budget_rules
+from avest.core.errors import InvalidInput
+from avest.core.estimator import make_batch
+from avest.core.features import check_features
+from avest.core.model import predict, survival
+from avest.grpc.convert import (
+    BUDGET_FROM_PB,
+    BUDGET_TO_PB,
+    RULE_FROM_PB,
+    RULE_TO_PB,
+    coefficients_pb,
+    pair_pb,
+)
+from avest.grpc.observe import ObserveStream
+from avest.grpc.refusals import Refused, refusals
+from avest.state.app import Avest
+from avest.state.pairs import CostCurves, Exhausted, NotFound, Pair, PairKey
+from avest_wire import matrix as wire
+from avest_wire.v1 import estimator_pb2 as pb
+from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
+
+log = logging.getLogger("avest.grpc")
+
+
+class EstimatorService(pb_grpc.EstimatorServiceServicer):
+    def __init__(self, app: Avest, on_refused: Callable[[str, str], None] | None = None) -> None:
+        self.app = app
+        self.on_refused = on_refused or (lambda method, reason: None)
+        #: Open Observe streams: each a callback taking pushed responses.
+        self.streams: set[ObserveStream] = set()
+        self.watchers: dict[str, set[asyncio.Queue[pb.Coefficients | None]]] = {}
+        self.open_streams = 0
+        #: Set when the server drains: streams stop applying steps, so the
+        #: final snapshot covers (and acknowledges) everything applied.
+        self.draining = False
+        app.hooks.coefficients.append(self._coefficients_changed)
+        app.hooks.durable.append(self._durable)
+
+    # -- helpers --------------------------------------------------------------
+
+    def _pair(self, pair_id: str) -> Pair:
+        if not pair_id:
+            raise InvalidInput("pair_id", "must not be empty")
+        return self.app.registry.get(pair_id)
+
+    async def _unary(
+        self, method: str, context: grpc.aio.ServicerContext, fn: Callable[[], Any]
+    ) -> Any:
+        try:
+            with refusals():
+                return fn()
+        except Refused as r:
+            self.on_refused(method, r.reason)
+            await context.abort(r.code, r.message)
+
+    def _coefficients_changed(self, pair: Pair) -> None:
+        msg = coefficients_pb(pair)
+        for stream in list(self.streams):
+            stream.coefficients(pair.id, msg)
+        for q in self.watchers.get(pair.id, ()):
+            q.put_nowait(msg)
+
+    def _durable(self, pair_ids: set[str]) -> None:
+        for stream in list(self.streams):
+            stream.durable(pair_ids)
+
+    # -- RPCs -------------------------------------------------------------------
+
+    async def RegisterPair(
+        self, request: pb.RegisterPairRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterPairResponse:
+        def run() -> pb.RegisterPairResponse:
+            k = request.key
+            if request.update_rule not in RULE_FROM_PB:
+                raise InvalidInput("update_rule", f"unknown value {request.update_rule}")
+            key = PairKey.of(
+                k.target_model, k.draft_model, k.method, k.num_speculative_tokens, dict(k.labels)
+            )
+            pair, created = self.app.register(
+                key, RULE_FROM_PB[request.update_rule], request.refit_interval
+            )
+            return pb.RegisterPairResponse(
+                pair_id=pair.id,
+                update_rule=RULE_TO_PB[pair.rule_name],
+                refit_interval=pair.estimator.refit_interval,
+                coefficients=coefficients_pb(pair),
+                created=created,
+            )
+
+        return await self._unary("RegisterPair", context, run)
+
+    async def GetCoefficients(
+        self, request: pb.GetCoefficientsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetCoefficientsResponse:
+        return await self._unary(
+            "GetCoefficients",
+            context,
+            lambda: pb.GetCoefficientsResponse(
+                coefficients=coefficients_pb(self._pair(request.pair_id))
+            ),
+        )
+
+    async def GetPair(
+        self, request: pb.GetPairRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetPairResponse:
+        return await self._unary(
+            "GetPair",
+            context,
+            lambda: pb.GetPairResponse(pair=pair_pb(self._pair(request.pair_id))),
+        )
+
+    async def ListPairs(
+        self, request: pb.ListPairsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListPairsResponse:
+        return pb.ListPairsResponse(pairs=[pair_pb(p) for p in self.app.registry.pairs.values()])
+
+    async def Score(
+        self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ScoreResponse:
+        def run() -> pb.ScoreResponse:
+            pair = self._pair(request.pair_id)
+            self._check_shape(pair, request.rows, request.k)
+            x = check_features(wire.decode(request.features, request.rows, request.k), pair.k)
+            p = predict(pair.coefficients, x)
+            return pb.ScoreResponse(
+                confidences=wire.encode(p)[0],
+                survival=wire.encode(survival(p))[0],
+                coefficients_version=pair.estimator.version,
+            )
+
+        return await self._unary("Score", context, run)
+
+    async def Budget(
+        self, request: pb.BudgetRequest, context: grpc.aio.ServicerContext
+    ) -> pb.BudgetResponse:
+        def run() -> pb.BudgetResponse:
+            pair = self._pair(request.pair_id)
+            self._check_shape(pair, request.rows, request.k)
+            if request.rule not in BUDGET_FROM_PB:
+                raise InvalidInput("rule", f"unknown budget rule {request.rule}")
+            conf = wire.decode(request.confidences, request.rows, request.k, "confidences")
+            stale = (
+                wire.decode(request.stale_confidences, request.rows, request.k, "stale_confidences")
+                if request.stale_confidences
+                else None
+            )
+            try:
+                table = pair.cost_table(request.hardware)
+            except NotFound as exc:
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(exc.args[0])) from None
+            rule = BUDGET_FROM_PB[request.rule]
+            if request.rule == pb.BUDGET_RULE_UNSPECIFIED and stale is not None:
+                rule = "stale"  # the contract's default: stale when given, else the walk
+            decision = budget_rules.decide(
+                rule,
+                conf.astype(np.float64),
+                np.asarray(request.scheduled_drafts, dtype=np.int64),
+                table,
+                num_non_draft_tokens=request.num_non_draft_tokens,
+                num_sampling=request.num_sampling_requests,
+                stale_confidences=None if stale is None else stale.astype(np.float64),
+                min_per_request=request.min_drafts_per_request,
+            )
+            return pb.BudgetResponse(
+                budget=int(decision.budget),
+                verify_lengths=[int(v) for v in decision.verify_lengths],
+                expected_tokens=float(decision.expected_tokens),
+                cost_ms=float(decision.cost_ms),
+                rule=BUDGET_TO_PB[decision.rule],
+                lossless=bool(decision.lossless),
+            )
+
+        try:
+            return await self._unary("Budget", context, run)
+        except Refused as r:  # FAILED_PRECONDITION raised inside run
+            self.on_refused("Budget", r.reason)
+            await context.abort(r.code, r.message)
+
+    async def SetCostCurves(
+        self, request: pb.SetCostCurvesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SetCostCurvesResponse:
+        def run() -> pb.SetCostCurvesResponse:
+            pair = self._pair(request.pair_id)
+            if len(request.hardware) > 128:
+                raise InvalidInput("hardware", "at most 128 bytes")
+            curves = CostCurves(
+                request.hardware,
+                tuple(sorted((int(p.size), float(p.ms)) for p in request.draft_curve)),
+                tuple(sorted((int(p.size), float(p.ms)) for p in request.verify_curve)),
+                int(request.cudagraph_capture_limit),
+            )
+            pair.set_costs(curves)
+            return pb.SetCostCurvesResponse()
+
+        return await self._unary("SetCostCurves", context, run)
+
+    async def WatchCoefficients(
+        self, request: pb.WatchCoefficientsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WatchCoefficientsResponse]:
+        try:
+            with refusals():
+                pair = self._pair(request.pair_id)
+        except Refused as r:
+            self.on_refused("WatchCoefficients", r.reason)
+            await context.abort(r.code, r.message)
+        queue: asyncio.Queue[pb.Coefficients | None] = asyncio.Queue()
+        self.watchers.setdefault(pair.id, set()).add(queue)
+        self.open_streams += 1
+        try:
+            yield pb.WatchCoefficientsResponse(coefficients=coefficients_pb(pair))
+            while True:
+                msg = await queue.get()
+                if msg is None:
+                    return
+                yield pb.WatchCoefficientsResponse(coefficients=msg)
+        finally:
+            self.open_streams -= 1
+            self.watchers.get(pair.id, set()).discard(queue)
+
+    async def Observe(
+        self, request_iterator: AsyncIterator[pb.ObserveRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ObserveResponse]:
+        async for response in ObserveStream(self, request_iterator, context).run():
+            yield response
+
+    def _check_shape(self, pair: Pair, rows: int, k: int) -> None:
+        if k != pair.k:
+            raise InvalidInput("k", f"is {k}, the pair has K={pair.k}")
+        if rows > self.app.settings.max_rows:
+            raise Exhausted(
+                "rows", f"{rows} exceeds the limit of {self.app.settings.max_rows} rows per message"
+            )
+
+    def validate_observe(self, req: pb.ObserveRequest) -> tuple[Pair, Any]:
+        """The pair and validated batch of one Observe message, or a refusal."""
+        with refusals():
+            pair = self._pair(req.pair_id)
+            if not req.worker_id or len(req.worker_id) > 128:
+                raise InvalidInput("worker_id", "must be 1 to 128 bytes")
+            if req.sequence < 1:
+                raise InvalidInput("sequence", "must be >= 1")
+            self._check_shape(pair, req.rows, req.k)
+            x = wire.decode(req.features, req.rows, req.k)
+            if len(req.num_verified) != req.rows:
+                raise InvalidInput(
+                    "num_verified", f"has {len(req.num_verified)} entries, rows={req.rows}"
+                )
+            if len(req.num_accepted) != req.rows:
+                raise InvalidInput(
+                    "num_accepted", f"has {len(req.num_accepted)} entries, rows={req.rows}"
+                )
+            batch = make_batch(
+                x,
+                np.asarray(req.num_verified, dtype=np.int64),
+                np.asarray(req.num_accepted, dtype=np.int64),
+                pair.k,
+                np.asarray(req.exclude, dtype=bool) if len(req.exclude) else None,
+            )
+        return pair, batch
+
+    def stop_applying(self) -> None:
+        """First step of a drain: no stream applies another step."""
+        self.draining = True
+
+    async def drain(self) -> None:
+        """Close every stream (after the final snapshot told it what is durable)."""
+        for stream in list(self.streams):
+            stream.close()
+        for queues in self.watchers.values():
+            for q in queues:
+                q.put_nowait(None)

@@ -1,0 +1,264 @@
+"""Admin HTTP API (FastAPI), served by uvicorn in the service's process.
+
+Every handler is ``async def`` so that it runs on the event loop thread, the
+thread that owns the registry (a plain ``def`` would run in a worker thread
+and read the state while the loop mutates it); each one is cheap and does no
+blocking I/O.
+
+==========================================  ==========================================
+``GET /healthz``                            liveness: 200 while the loop answers
+``GET /readyz``                             200 once started; 503 before and while draining
+``GET /metrics``                            Prometheus text exposition
+``GET /v1/pairs``                           every pair (see ``PairOut``)
+``GET /v1/pairs/{id}``                      one pair: key, rule, coefficients, calibration
+                                            (all-time and recent)
+``GET /v1/pairs/{id}/history``              coefficient history (newest last, at most 256)
+``GET /v1/pairs/{id}/reliability``          reliability-diagram data (JSON)
+``GET /v1/pairs/{id}/reliability.svg``      the reliability diagram and per-position plot
+``POST /v1/pairs/{id}/reset``               forget what the pair learned (bearer token)
+``GET /docs``, ``GET /openapi.json``        OpenAPI
+==========================================  ==========================================
+
+Floats that are undefined (NaN: AUC with one class, anything with no drafts)
+are ``null`` in JSON. An unknown pair is a 404 whose ``detail`` names the id.
+The response models are in :mod:`avest.http.models`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi.responses import JSONResponse, RedirectResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from avest import __version__
+from avest.http.models import (
+    ErrorOut,
+    HistoryEntryOut,
+    HistoryOut,
+    PairOut,
+    PairsOut,
+    ReliabilityBinOut,
+    ReliabilityOut,
+    Status,
+    finite,
+    pair_out,
+)
+from avest.state.pairs import NotFound, Pair
+
+#: Module level: the handlers' annotations are strings resolved in this module.
+_BEARER = HTTPBearer(auto_error=False, description="settings.admin_token (AVEST_ADMIN_TOKEN)")
+
+_NOT_FOUND: dict[int | str, dict[str, Any]] = {
+    404: {"model": ErrorOut, "description": "No pair with that id"}
+}
+
+
+# -- the app ---------------------------------------------------------------------
+
+
+def build_http(app: Any, metrics: Any, settings: Any) -> FastAPI:
+    """The admin API over ``app`` (an :class:`avest.state.app.Avest`)."""
+    api = FastAPI(
+        title="avest admin",
+        version=__version__,
+        description="Admin API of the avest acceptance-estimator sidecar: pairs, "
+        "coefficients, calibration, reliability diagrams, Prometheus metrics.",
+    )
+
+    @api.exception_handler(NotFound)
+    async def not_found(request: Request, exc: NotFound) -> JSONResponse:
+        return JSONResponse({"detail": str(exc.args[0])}, status_code=404)
+
+    def get_pair(pair_id: str) -> Pair:
+        pair: Pair = app.registry.get(pair_id)  # NotFound names the id
+        return pair
+
+    @api.get("/", include_in_schema=False)
+    async def index() -> RedirectResponse:
+        return RedirectResponse("/docs")
+
+    @api.get("/healthz", response_model=Status, tags=["health"])
+    async def healthz() -> Status:
+        """Liveness: the process and its event loop answer."""
+        return Status(status="ok")
+
+    @api.get(
+        "/readyz",
+        response_model=Status,
+        tags=["health"],
+        responses={503: {"model": Status, "description": "Starting or draining"}},
+    )
+    async def readyz(response: Response) -> Status:
+        """Readiness: 200 once the state is restored; 503 before that and while draining."""
+        if getattr(app, "draining", False):
+            response.status_code = 503
+            return Status(status="draining")
+        if not app.ready:
+            response.status_code = 503
+            return Status(status="starting" if not getattr(app, "_closed", False) else "stopped")
+        return Status(status="ready")
+
+    @api.get(
+        "/metrics",
+        tags=["health"],
+        response_class=Response,
+        responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text"}},
+    )
+    async def metrics_endpoint() -> Response:
+        """Prometheus metrics (text exposition format)."""
+        body, ctype = metrics.exposition()
+        return Response(body, media_type=ctype, headers={"Cache-Control": "no-store"})
+
+    @api.get("/v1/pairs", response_model=PairsOut, tags=["pairs"])
+    async def list_pairs() -> PairsOut:
+        """Every registered pair."""
+        return PairsOut(pairs=[pair_out(p, metrics) for p in list(app.registry.pairs.values())])
+
+    @api.get("/v1/pairs/{pair_id}", response_model=PairOut, tags=["pairs"], responses=_NOT_FOUND)
+    async def get_pair_endpoint(pair_id: str) -> PairOut:
+        """One pair: key, rule, coefficients in force, counters and calibration."""
+        return pair_out(get_pair(pair_id), metrics)
+
+    @api.get(
+        "/v1/pairs/{pair_id}/history",
+        response_model=HistoryOut,
+        tags=["pairs"],
+        responses=_NOT_FOUND,
+    )
+    async def history(
+        pair_id: str,
+        limit: Annotated[
+            int, Query(ge=1, le=256, description="At most this many, newest last")
+        ] = 256,
+    ) -> HistoryOut:
+        """Coefficient history: registration, each refit, resets (newest last)."""
+        pair = get_pair(pair_id)
+        return HistoryOut(
+            id=pair.id,
+            history=[
+                HistoryEntryOut(
+                    version=h.version,
+                    round=h.round,
+                    time=h.time,
+                    slope=h.slope,
+                    intercepts=list(h.intercepts),
+                    outcome=h.outcome,
+                )
+                for h in pair.history[-limit:]
+            ],
+        )
+
+    def _reliability(pair: Pair, position: int | None) -> Any:
+        if position is not None and not 0 <= position < pair.k:
+            raise HTTPException(
+                422, detail=f"position must lie in [0, {pair.k}) for pair {pair.id}, got {position}"
+            )
+        return pair.estimator.calibration.reliability(position)
+
+    @api.get(
+        "/v1/pairs/{pair_id}/reliability",
+        response_model=ReliabilityOut,
+        tags=["calibration"],
+        responses=_NOT_FOUND,
+    )
+    async def reliability(
+        pair_id: str,
+        position: Annotated[
+            int | None, Query(description="One position; all positions pooled if absent")
+        ] = None,
+    ) -> ReliabilityOut:
+        """Reliability-diagram data: per probability bin, drafts, mean predicted, observed."""
+        pair = get_pair(pair_id)
+        rel = _reliability(pair, position)
+        return ReliabilityOut(
+            id=pair.id,
+            position=position,
+            bins=[
+                ReliabilityBinOut(
+                    bin=i,
+                    lower=float(rel.edges[i]),
+                    upper=float(rel.edges[i + 1]),
+                    count=float(rel.count[i]),
+                    mean_predicted=finite(rel.mean_predicted[i]),
+                    observed=finite(rel.observed[i]),
+                )
+                for i in range(len(rel.count))
+            ],
+        )
+
+    @api.get(
+        "/v1/pairs/{pair_id}/reliability.svg",
+        tags=["calibration"],
+        response_class=Response,
+        responses={
+            200: {"content": {"image/svg+xml": {}}, "description": "SVG document"},
+            **_NOT_FOUND,
+        },
+    )
+    async def reliability_svg(
+        pair_id: str,
+        position: Annotated[
+            int | None, Query(description="Reliability of one position; all pooled if absent")
+        ] = None,
+    ) -> Response:
+        """Reliability diagram (predicted vs observed per bin, with counts) beside
+        predicted vs observed acceptance per draft position."""
+        pair = get_pair(pair_id)
+        rel = _reliability(pair, position)
+        s = metrics.summary(pair)
+        est = pair.estimator
+        key = pair.key
+        labels = ", ".join(f"{k}={v}" for k, v in key.labels)
+        title = f"{key.target} \u2190 {key.draft}" + (f" [{labels}]" if labels else "")
+        subtitle = (
+            f"pair {pair.id}  method {key.method or '-'}  K={key.k}  rule {pair.rule_name}  "
+            f"version {est.version}  round {est.round}  drafts {est.drafts}  "
+            f"AUC {_fmt(s.auc)}  log loss {_fmt(s.logloss)}"
+            + (f"  (reliability of position {position})" if position is not None else "")
+        )
+        ece = s.ece if position is None else s.by_position[position].ece
+        from avest.offline.reliability import render
+
+        svg = render(rel, s.by_position, title=title, subtitle=subtitle, ece=ece)
+        return Response(svg, media_type="image/svg+xml", headers={"Cache-Control": "no-store"})
+
+    @api.post(
+        "/v1/pairs/{pair_id}/reset",
+        response_model=PairOut,
+        tags=["pairs"],
+        responses={
+            401: {"model": ErrorOut, "description": "Token required"},
+            403: {"model": ErrorOut, "description": "Wrong token"},
+            **_NOT_FOUND,
+        },
+    )
+    async def reset(
+        pair_id: str,
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)],
+    ) -> PairOut:
+        """Forget what the pair learned: cold-start coefficients, round 0, empty
+        counters, calibration and history; the version moves forward by one. Needs ``Authorization: Bearer <token>`` when the
+        service has an admin token."""
+        token = getattr(settings, "admin_token", "")
+        if token:
+            if credentials is None:
+                raise HTTPException(
+                    401,
+                    detail="admin token required: Authorization: Bearer <token>",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+            if not hmac.compare_digest(credentials.credentials.encode(), token.encode()):
+                raise HTTPException(403, detail="wrong admin token")
+        pair = get_pair(pair_id)
+        app.reset(pair)
+        return pair_out(pair, metrics)
+
+    return api
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.3f}" if math.isfinite(v) else "n/a"

@@ -1,0 +1,192 @@
+"""The per-pair collector: every pair's gauges and totals, read on each scrape.
+
+Reading the registry at scrape time (rather than updating gauges as the state
+changes) means each pair's series exist from its registration (or restoration
+from the store) on, before any observation, and cost nothing between scrapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from avest import __version__
+from avest.core.metrics import CalibrationSummary
+from avest.core.rules import OUTCOMES
+from avest.http.names import (
+    AUC,
+    CALIBRATION_DRAFTS,
+    COEFFICIENTS_VERSION,
+    DRAFTS_OBSERVED,
+    ECE,
+    INFO,
+    INTERCEPT,
+    LAST_OBSERVED,
+    LOG_LOSS,
+    OBSERVED_ACCEPTANCE,
+    OPEN_STREAMS,
+    PAIR_INFO,
+    PAIRS,
+    PREDICTED_ACCEPTANCE,
+    QUEUE_DEPTH,
+    RECENT_AUC,
+    RECENT_ECE,
+    RECENT_LOG_LOSS,
+    RECENT_OBSERVED_ACCEPTANCE,
+    RECENT_PREDICTED_ACCEPTANCE,
+    REFITS,
+    ROUND,
+    SLOPE,
+    SPECS,
+    STEPS_OBSERVED,
+    family_name,
+)
+
+
+class PairSource(Protocol):
+    """What the collector reads on a scrape (the service's :class:`~avest.http.metrics.Metrics`)."""
+
+    app: Any
+    open_streams: Callable[[], int]
+
+    def summary(self, pair: Any) -> CalibrationSummary: ...
+
+    def recent_summary(self, pair: Any) -> CalibrationSummary: ...
+
+    def refit_counts(self, pair_id: str) -> dict[str, int]: ...
+
+
+#: The families this collector exposes, in exposition order.
+COLLECTED = (
+    INFO,
+    PAIRS,
+    PAIR_INFO,
+    SLOPE,
+    INTERCEPT,
+    COEFFICIENTS_VERSION,
+    ROUND,
+    AUC,
+    ECE,
+    LOG_LOSS,
+    CALIBRATION_DRAFTS,
+    PREDICTED_ACCEPTANCE,
+    OBSERVED_ACCEPTANCE,
+    RECENT_AUC,
+    RECENT_ECE,
+    RECENT_LOG_LOSS,
+    RECENT_PREDICTED_ACCEPTANCE,
+    RECENT_OBSERVED_ACCEPTANCE,
+    LAST_OBSERVED,
+    DRAFTS_OBSERVED,
+    STEPS_OBSERVED,
+    REFITS,
+    OPEN_STREAMS,
+    QUEUE_DEPTH,
+)
+
+Families = dict[str, GaugeMetricFamily | CounterMetricFamily]
+
+
+class PairCollector:
+    """Reads the registry on each scrape: every pair's gauges and totals."""
+
+    def __init__(self, metrics: PairSource) -> None:
+        self._metrics = metrics
+
+    def _families(self) -> Families:
+        out: Families = {}
+        for name in COLLECTED:
+            spec = SPECS[name]
+            if spec.kind == "counter":
+                out[name] = CounterMetricFamily(
+                    family_name(name), spec.help, labels=list(spec.labels)
+                )
+            else:
+                out[name] = GaugeMetricFamily(name, spec.help, labels=list(spec.labels))
+        return out
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self._families().values())
+
+    def collect(self) -> Iterable[Metric]:
+        m = self._metrics
+        f = self._families()
+        f[INFO].add_metric([__version__], 1.0)
+        f[OPEN_STREAMS].add_metric([], float(m.open_streams()))
+        pairs = list(m.app.registry.pairs.values())
+        f[PAIRS].add_metric([], float(len(pairs)))
+        depth = 0
+        for pair in pairs:
+            pid = pair.id
+            est = pair.estimator
+            key = pair.key
+            f[PAIR_INFO].add_metric(
+                [
+                    pid,
+                    key.target,
+                    key.draft,
+                    key.method,
+                    str(key.k),
+                    pair.rule_name,
+                    ",".join(f"{k}={v}" for k, v in key.labels),
+                ],
+                1.0,
+            )
+            coef = est.coefficients
+            f[SLOPE].add_metric([pid], coef.slope)
+            for i, b in enumerate(coef.intercepts):
+                f[INTERCEPT].add_metric([pid, str(i)], b)
+            f[COEFFICIENTS_VERSION].add_metric([pid], float(est.version))
+            f[ROUND].add_metric([pid], float(est.round))
+            s = m.summary(pair)
+            _calibration(f, pid, s, AUC, ECE, LOG_LOSS, PREDICTED_ACCEPTANCE, OBSERVED_ACCEPTANCE)
+            f[CALIBRATION_DRAFTS].add_metric([pid], s.count)
+            _calibration(
+                f,
+                pid,
+                m.recent_summary(pair),
+                RECENT_AUC,
+                RECENT_ECE,
+                RECENT_LOG_LOSS,
+                RECENT_PREDICTED_ACCEPTANCE,
+                RECENT_OBSERVED_ACCEPTANCE,
+            )
+            f[LAST_OBSERVED].add_metric([pid], float(pair.updated))
+            f[DRAFTS_OBSERVED].add_metric([pid], float(est.drafts))
+            f[STEPS_OBSERVED].add_metric([pid], float(est.steps))
+            counts = m.refit_counts(pid)
+            for outcome in OUTCOMES:
+                f[REFITS].add_metric([pid, outcome], float(counts.get(outcome, 0)))
+            depth += queue_depth(pair.applied, pair.durable)
+        f[QUEUE_DEPTH].add_metric([], float(depth))
+        return list(f.values())
+
+
+def _calibration(
+    f: Families,
+    pid: str,
+    s: CalibrationSummary,
+    auc: str,
+    ece: str,
+    log_loss: str,
+    predicted: str,
+    observed: str,
+) -> None:
+    """One calibration summary into its pair-level and per-position gauges."""
+    f[auc].add_metric([pid], s.auc)
+    f[ece].add_metric([pid], s.ece)
+    f[log_loss].add_metric([pid], s.logloss)
+    for i, p in enumerate(s.by_position):
+        f[predicted].add_metric([pid, str(i)], p.mean_predicted)
+        f[observed].add_metric([pid, str(i)], p.observed)
+
+
+def queue_depth(applied: dict[str, int], durable: dict[str, int]) -> int:
+    """Sequence numbers applied but not yet durable, summed over workers.
+
+    Exact when a worker numbers its steps consecutively (the client does);
+    a gap in a worker's sequence counts as that many steps.
+    """
+    return sum(max(0, seq - durable.get(worker, 0)) for worker, seq in applied.items())

@@ -1,0 +1,226 @@
+"""Prometheus metrics of the avest service: the :class:`Metrics` facade.
+
+The pieces live in their own modules and are re-exported here, so that the
+server, the tests and ``deploy/grafana/build_dashboard.py`` import everything
+from ``avest.http.metrics``:
+
+- :mod:`avest.http.names`: every metric's name, type, labels and help
+  (:data:`METRICS`, :data:`SPECS`, :func:`exposed_names`, the name constants),
+  and what the labels and calibration gauges mean;
+- :mod:`avest.http.collector`: the per-pair series, read from the registry
+  on each scrape;
+- :mod:`avest.grpc.interceptor` (the gRPC adapter's) times calls by method and code into
+  :attr:`Metrics.rpc_duration`; the server attaches it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+
+from avest.core.metrics import CalibrationState, CalibrationSummary
+from avest.core.rules import Refit
+from avest.http.collector import PairCollector, queue_depth
+from avest.http.names import (
+    AUC,
+    CALIBRATION_DRAFTS,
+    COEFFICIENTS_VERSION,
+    DRAFTS_OBSERVED,
+    ECE,
+    INFO,
+    INTERCEPT,
+    LAST_OBSERVED,
+    LOG_LOSS,
+    METRICS,
+    OBSERVED_ACCEPTANCE,
+    OPEN_STREAMS,
+    PAIR_INFO,
+    PAIRS,
+    PREDICTED_ACCEPTANCE,
+    PREFIX,
+    QUEUE_DEPTH,
+    RECENT_AUC,
+    RECENT_ECE,
+    RECENT_LOG_LOSS,
+    RECENT_OBSERVED_ACCEPTANCE,
+    RECENT_PREDICTED_ACCEPTANCE,
+    REFIT_BUCKETS,
+    REFIT_DURATION,
+    REFITS,
+    REFUSAL_REASONS,
+    REFUSED_BATCHES,
+    ROUND,
+    RPC_BUCKETS,
+    RPC_DURATION,
+    SLOPE,
+    SPECS,
+    STEPS_OBSERVED,
+    MetricSpec,
+    exposed_names,
+    family_name,
+)
+
+__all__ = [
+    "AUC",
+    "CALIBRATION_DRAFTS",
+    "COEFFICIENTS_VERSION",
+    "DRAFTS_OBSERVED",
+    "ECE",
+    "INFO",
+    "INTERCEPT",
+    "LAST_OBSERVED",
+    "LOG_LOSS",
+    "METRICS",
+    "OBSERVED_ACCEPTANCE",
+    "OPEN_STREAMS",
+    "PAIRS",
+    "PAIR_INFO",
+    "PREDICTED_ACCEPTANCE",
+    "PREFIX",
+    "QUEUE_DEPTH",
+    "RECENT_AUC",
+    "RECENT_ECE",
+    "RECENT_LOG_LOSS",
+    "RECENT_OBSERVED_ACCEPTANCE",
+    "RECENT_PREDICTED_ACCEPTANCE",
+    "REFITS",
+    "REFIT_BUCKETS",
+    "REFIT_DURATION",
+    "REFUSAL_REASONS",
+    "REFUSED_BATCHES",
+    "ROUND",
+    "RPC_BUCKETS",
+    "RPC_DURATION",
+    "SLOPE",
+    "SPECS",
+    "STEPS_OBSERVED",
+    "MetricSpec",
+    "Metrics",
+    "exposed_names",
+    "queue_depth",
+]
+
+log = logging.getLogger("avest.metrics")
+
+#: What a cached calibration summary is valid for: (steps, version, round, drafts).
+#: The estimator's calibration changes only when a step is applied (steps), a
+#: round closes (round), or the pair is reset (version).
+_Stamp = tuple[int, int, int, int]
+
+
+class Metrics:
+    """The service's Prometheus metrics on their own (injected) registry.
+
+    Attaches to ``app.hooks`` (refits); reads ``app.registry`` on each scrape.
+    """
+
+    def __init__(self, app: Any, registry: CollectorRegistry | None = None) -> None:
+        self.app = app
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.open_streams: Callable[[], int] = lambda: 0
+        self._refits: dict[str, dict[str, int]] = {}
+        #: (pair id, "all" | "recent") -> (stamp, summary)
+        self._summaries: dict[tuple[str, str], tuple[_Stamp, CalibrationSummary]] = {}
+        self.refit_duration = Histogram(
+            family_name(REFIT_DURATION),
+            SPECS[REFIT_DURATION].help,
+            buckets=REFIT_BUCKETS,
+            registry=self.registry,
+        )
+        self.rpc_duration = Histogram(
+            RPC_DURATION,
+            SPECS[RPC_DURATION].help,
+            labelnames=SPECS[RPC_DURATION].labels,
+            buckets=RPC_BUCKETS,
+            registry=self.registry,
+        )
+        self.refused_batches = Counter(
+            REFUSED_BATCHES,
+            SPECS[REFUSED_BATCHES].help,
+            labelnames=SPECS[REFUSED_BATCHES].labels,
+            registry=self.registry,
+        )
+        self._refused_children: dict[tuple[str, str], Any] = {}
+        for method in _estimator_methods():
+            self.rpc_duration.labels(method, "OK")
+            for reason in REFUSAL_REASONS:
+                self._refused_child(method, reason)
+        self.registry.register(PairCollector(self))
+        try:
+            ProcessCollector(registry=self.registry)
+        except Exception:  # pragma: no cover - platforms without /proc
+            log.debug("process metrics unavailable", exc_info=True)
+        app.hooks.refit.append(self._on_refit)
+
+    # -- wiring used by the server ----------------------------------------
+
+    def set_open_streams(self, fn: Callable[[], int]) -> None:
+        self.open_streams = fn
+
+    def refused(self, method: str, reason: str) -> None:
+        """Count one refused request (``reason`` outside REFUSAL_REASONS -> ``other``)."""
+        if reason not in REFUSAL_REASONS:
+            reason = "other"
+        self._refused_child(method, reason).inc()
+
+    def exposition(self) -> tuple[bytes, str]:
+        """The text exposition of every metric, and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    # -- state shared with the HTTP API -------------------------------------
+
+    def summary(self, pair: Any) -> CalibrationSummary:
+        """The pair's cumulative calibration summary, recomputed only when it changed."""
+        return self._summary(pair, "all", lambda est: est.calibration)
+
+    def recent_summary(self, pair: Any) -> CalibrationSummary:
+        """The pair's recent (decayed per round) calibration summary, cached likewise."""
+        return self._summary(pair, "recent", lambda est: est.recent_calibration)
+
+    def _summary(
+        self, pair: Any, kind: str, state: Callable[[Any], CalibrationState]
+    ) -> CalibrationSummary:
+        # The estimator's calibration properties build a fresh merged state on
+        # every access: read one only when the stamp says the cache is stale.
+        est = pair.estimator
+        stamp: _Stamp = (est.steps, est.version, est.round, est.drafts)
+        cached = self._summaries.get((pair.id, kind))
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        s = state(est).summary()
+        self._summaries[(pair.id, kind)] = (stamp, s)
+        return s
+
+    def refit_counts(self, pair_id: str) -> dict[str, int]:
+        return self._refits.get(pair_id, {})
+
+    # -- hooks --------------------------------------------------------------
+
+    def _on_refit(self, pair: Any, refit: Refit, seconds: float) -> None:
+        counts = self._refits.setdefault(pair.id, {})
+        counts[refit.outcome] = counts.get(refit.outcome, 0) + 1
+        self.refit_duration.observe(seconds)
+
+    def _refused_child(self, method: str, reason: str) -> Any:
+        child = self._refused_children.get((method, reason))
+        if child is None:
+            child = self._refused_children[(method, reason)] = self.refused_batches.labels(
+                method, reason
+            )
+        return child
+
+
+def _estimator_methods() -> Iterator[str]:
+    from avest_wire.v1 import estimator_pb2 as pb
+
+    yield from pb.DESCRIPTOR.services_by_name["EstimatorService"].methods_by_name

@@ -1,0 +1,185 @@
+"""Response models of the admin HTTP API and their conversion from the state.
+
+Floats that are undefined (NaN: AUC with one class, anything with no drafts)
+become ``None`` (JSON ``null``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from avest.core.estimator import DEFAULT_RECENT_DECAY
+from avest.core.metrics import CalibrationSummary, PositionSummary
+from avest.state.pairs import Pair
+
+
+class Status(BaseModel):
+    status: str = Field(description="ok / ready, or why not: starting, draining")
+
+
+class ErrorOut(BaseModel):
+    detail: str = Field(description="What went wrong, naming the offending value")
+
+
+class PairKeyOut(BaseModel):
+    target: str = Field(description="Target model")
+    draft: str = Field(description="Draft model (or speculative method's drafter)")
+    method: str = Field(description="Speculative decoding method")
+    k: int = Field(description="Draft positions K (num_speculative_tokens)")
+    labels: dict[str, str] = Field(description="Free-form labels of the key")
+
+
+class CoefficientsOut(BaseModel):
+    slope: float = Field(description="Shared slope on the feature logit(q_max)")
+    intercepts: list[float] = Field(description="One intercept per draft position")
+
+
+class PositionCalibrationOut(BaseModel):
+    position: int = Field(description="Draft position, 0-based")
+    count: float = Field(description="Labelled drafts at this position")
+    auc: float | None
+    logloss: float | None
+    ece: float | None
+    mean_predicted: float | None = Field(description="Mean predicted acceptance")
+    observed: float | None = Field(
+        description="Observed acceptance rate, given the position was verified"
+    )
+
+
+class CalibrationOut(BaseModel):
+    count: float = Field(
+        description="Labelled drafts the measures cover (recent_calibration: a weighted count)"
+    )
+    auc: float | None = Field(description="AUC; null until both outcomes are seen")
+    logloss: float | None = Field(description="Mean log loss in nats; null with no drafts")
+    ece: float | None = Field(description="Expected calibration error (15 bins)")
+    mean_predicted: float | None
+    observed: float | None
+    by_position: list[PositionCalibrationOut]
+
+
+class PairOut(BaseModel):
+    id: str = Field(description="Stable pair id (hash of the key)")
+    key: PairKeyOut
+    K: int = Field(description="Draft positions")
+    rule: str = Field(description="Update rule: vllm or recursive")
+    refit_interval: int = Field(description="Refit every this many observed steps")
+    coefficients: CoefficientsOut
+    version: int = Field(
+        description="Coefficients version: +1 per applied refit and per reset; never decreases"
+    )
+    round: int = Field(description="Refit rounds closed")
+    observed_drafts: int = Field(description="Labelled drafts observed")
+    observed_steps: int = Field(description="Observe steps applied")
+    steps_in_round: int = Field(description="Steps in the open round")
+    last_outcome: str = Field(description="Outcome of the last refit ('' before any)")
+    updated: float = Field(description="Unix time of the last applied step")
+    cost_curve_hardware: list[str] = Field(description="Hardware labels with cost curves")
+    calibration: CalibrationOut = Field(
+        description="Every draft since registration or the last reset"
+    )
+    recent_calibration: CalibrationOut = Field(
+        description="Recent drafts: each refit round down-weights older ones by "
+        f"{DEFAULT_RECENT_DECAY:g} (a window of about 20 rounds); what the drift alerts watch"
+    )
+
+
+class PairsOut(BaseModel):
+    pairs: list[PairOut]
+
+
+class HistoryEntryOut(BaseModel):
+    version: int
+    round: int
+    time: float = Field(description="Unix time")
+    slope: float
+    intercepts: list[float]
+    outcome: str = Field(description="registered, reset, applied, slope_held or rejected")
+
+
+class HistoryOut(BaseModel):
+    id: str
+    history: list[HistoryEntryOut]
+
+
+class ReliabilityBinOut(BaseModel):
+    bin: int
+    lower: float
+    upper: float
+    count: float
+    mean_predicted: float | None
+    observed: float | None
+
+
+class ReliabilityOut(BaseModel):
+    id: str
+    position: int | None = Field(description="The position, or null for all pooled")
+    bins: list[ReliabilityBinOut]
+
+
+# -- conversion ----------------------------------------------------------------
+
+
+def finite(v: float) -> float | None:
+    """NaN/inf -> None (JSON null)."""
+    v = float(v)
+    return v if math.isfinite(v) else None
+
+
+def _position(i: int, p: PositionSummary) -> PositionCalibrationOut:
+    return PositionCalibrationOut(
+        position=i,
+        count=float(p.count),
+        auc=finite(p.auc),
+        logloss=finite(p.logloss),
+        ece=finite(p.ece),
+        mean_predicted=finite(p.mean_predicted),
+        observed=finite(p.observed),
+    )
+
+
+def calibration_out(s: CalibrationSummary) -> CalibrationOut:
+    return CalibrationOut(
+        count=float(s.count),
+        auc=finite(s.auc),
+        logloss=finite(s.logloss),
+        ece=finite(s.ece),
+        mean_predicted=finite(s.mean_predicted),
+        observed=finite(s.observed),
+        by_position=[_position(i, p) for i, p in enumerate(s.by_position)],
+    )
+
+
+def pair_out(pair: Pair, metrics: Any) -> PairOut:
+    """``metrics``: the :class:`avest.http.metrics.Metrics` whose summary cache to use."""
+    est = pair.estimator
+    key = pair.key
+    return PairOut(
+        id=pair.id,
+        key=PairKeyOut(
+            target=key.target,
+            draft=key.draft,
+            method=key.method,
+            k=key.k,
+            labels=dict(key.labels),
+        ),
+        K=pair.k,
+        rule=pair.rule_name,
+        refit_interval=est.refit_interval,
+        coefficients=CoefficientsOut(
+            slope=est.coefficients.slope, intercepts=list(est.coefficients.intercepts)
+        ),
+        version=est.version,
+        round=est.round,
+        observed_drafts=est.drafts,
+        observed_steps=est.steps,
+        steps_in_round=est.steps_in_round,
+        last_outcome=est.last_outcome,
+        updated=pair.updated,
+        cost_curve_hardware=sorted(pair.costs),
+        calibration=calibration_out(metrics.summary(pair)),
+        recent_calibration=calibration_out(metrics.recent_summary(pair)),
+    )

@@ -1,0 +1,290 @@
+"""Names, types, labels and help of every avest Prometheus metric.
+
+Every metric is defined once, here, in :data:`METRICS` (the dashboards, alert
+rules and tests import the constants below, through :mod:`avest.http.metrics`,
+rather than spelling names). All names start with ``avest_``, use base units
+(seconds, Unix time) and carry bounded labels only:
+
+``pair``      the pair id (16 hex digits, at most ``max_pairs`` of them)
+``position``  draft position, ``"0"`` .. ``"K-1"`` (0-based, as vLLM's
+              ``vllm:spec_decode_num_accepted_tokens_per_pos_total``)
+``method``    gRPC method: ``"Observe"`` etc. for ``avest.v1.EstimatorService``,
+              ``"grpc.health.v1.Health/Check"`` style for the other services
+``code``      gRPC status code name (``OK``, ``INVALID_ARGUMENT``, ...)
+``outcome``   refit outcome, one of :data:`avest.core.rules.OUTCOMES`
+``reason``    refusal reason, one of :data:`REFUSAL_REASONS`
+
+Per-pair series exist from the pair's registration (or restoration from the
+store) on, before any observation. ``avest_drafts_observed_total`` and
+``avest_steps_observed_total`` are the estimator's persisted totals, so they
+continue across restarts and drop to 0 when the pair is reset through the
+admin API (Prometheus treats that as a counter reset). ``avest_refits_total``
+counts refits seen by this process.
+
+Calibration gauges (AUC, ECE, log loss, predicted and observed acceptance) are
+the pair's cumulative calibration state (every draft since registration or the
+last reset, each scored with the coefficients in force when it was applied).
+The ``avest_recent_*`` gauges are the same measures over recent drafts: at
+each refit the drafts of older rounds are down-weighted by
+:data:`~avest.core.estimator.DEFAULT_RECENT_DECAY` (0.95, a window of about 20
+refit rounds), so drift shows in them within a few thousand pooled steps while
+the cumulative gauges move ever more slowly; the drift alerts watch them.
+All are NaN while undefined (no drafts yet; AUC with only one class).
+``avest_observed_acceptance{position=i}`` is the acceptance rate of drafts at
+position ``i`` *given that position was verified* (the earlier drafts of the
+row were accepted): a conditional rate. vLLM's
+``rate(vllm:spec_decode_num_accepted_tokens_per_pos_total[5m]) /
+rate(vllm:spec_decode_num_drafts_total[5m])`` is the unconditional rate,
+comparable to the running product of avest's per-position rates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from avest.core.estimator import DEFAULT_RECENT_DECAY
+
+PREFIX = "avest_"
+
+# -- names ---------------------------------------------------------------------
+
+INFO = "avest_info"
+PAIRS = "avest_pairs"
+PAIR_INFO = "avest_pair_info"
+SLOPE = "avest_slope"
+INTERCEPT = "avest_intercept"
+COEFFICIENTS_VERSION = "avest_coefficients_version"
+ROUND = "avest_round"
+AUC = "avest_auc"
+ECE = "avest_ece"
+LOG_LOSS = "avest_log_loss"
+CALIBRATION_DRAFTS = "avest_calibration_drafts"
+PREDICTED_ACCEPTANCE = "avest_predicted_acceptance"
+OBSERVED_ACCEPTANCE = "avest_observed_acceptance"
+RECENT_AUC = "avest_recent_auc"
+RECENT_ECE = "avest_recent_ece"
+RECENT_LOG_LOSS = "avest_recent_log_loss"
+RECENT_PREDICTED_ACCEPTANCE = "avest_recent_predicted_acceptance"
+RECENT_OBSERVED_ACCEPTANCE = "avest_recent_observed_acceptance"
+LAST_OBSERVED = "avest_last_observed_timestamp_seconds"
+DRAFTS_OBSERVED = "avest_drafts_observed_total"
+STEPS_OBSERVED = "avest_steps_observed_total"
+REFITS = "avest_refits_total"
+REFIT_DURATION = "avest_refit_duration_seconds"
+RPC_DURATION = "avest_rpc_duration_seconds"
+OPEN_STREAMS = "avest_open_streams"
+QUEUE_DEPTH = "avest_queue_depth"
+REFUSED_BATCHES = "avest_refused_batches_total"
+
+#: Values of the ``reason`` label of :data:`REFUSED_BATCHES` (the gRPC adapter's
+#: refusal reasons); anything else is counted as ``other``.
+REFUSAL_REASONS = (
+    "invalid_argument",
+    "not_found",
+    "resource_exhausted",
+    "failed_precondition",
+    "other",
+)
+
+#: Buckets of :data:`RPC_DURATION`: unary calls take 0.1 ms to tens of ms,
+#: streams (Observe, WatchCoefficients) last seconds to hours.
+RPC_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    300.0,
+    900.0,
+    3600.0,
+)
+#: Buckets of :data:`REFIT_DURATION` (one Newton step on K+1 parameters).
+REFIT_BUCKETS = (
+    0.00001,
+    0.000025,
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    1.0,
+)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric family as exposed: ``name`` is what PromQL uses (counters
+    end in ``_total``; a histogram's samples add ``_bucket``, ``_sum`` and
+    ``_count``)."""
+
+    name: str
+    kind: str  # "gauge" | "counter" | "histogram"
+    labels: tuple[str, ...]
+    help: str
+
+    def sample_names(self) -> tuple[str, ...]:
+        if self.kind == "histogram":
+            return (f"{self.name}_bucket", f"{self.name}_sum", f"{self.name}_count")
+        return (self.name,)
+
+
+#: How the help of the ``avest_recent_*`` gauges describes their window.
+_RECENT = (
+    f"recent drafts (each refit round down-weights older ones by {DEFAULT_RECENT_DECAY:g}: "
+    "a window of about 20 rounds)"
+)
+
+#: Every avest metric, in exposition order.
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(INFO, "gauge", ("version",), "Always 1; the avest version serving."),
+    MetricSpec(PAIRS, "gauge", (), "Model pairs registered (or restored)."),
+    MetricSpec(
+        PAIR_INFO,
+        "gauge",
+        ("pair", "target", "draft", "method", "k", "rule", "labels"),
+        "Always 1; names of each pair (labels: its key labels as k=v,... sorted).",
+    ),
+    MetricSpec(SLOPE, "gauge", ("pair",), "Shared slope of the coefficients in force."),
+    MetricSpec(
+        INTERCEPT, "gauge", ("pair", "position"), "Per-position intercept of the coefficients."
+    ),
+    MetricSpec(
+        COEFFICIENTS_VERSION,
+        "gauge",
+        ("pair",),
+        "Version of the coefficients in force (+1 per applied refit and per reset).",
+    ),
+    MetricSpec(ROUND, "gauge", ("pair",), "Refit rounds closed (applied or not)."),
+    MetricSpec(
+        AUC, "gauge", ("pair",), "AUC of the predictions (NaN until both outcomes are seen)."
+    ),
+    MetricSpec(ECE, "gauge", ("pair",), "Expected calibration error over 15 probability bins."),
+    MetricSpec(LOG_LOSS, "gauge", ("pair",), "Mean log loss (nats per draft) of the predictions."),
+    MetricSpec(
+        CALIBRATION_DRAFTS,
+        "gauge",
+        ("pair",),
+        "Labelled drafts the calibration gauges are computed over.",
+    ),
+    MetricSpec(
+        PREDICTED_ACCEPTANCE,
+        "gauge",
+        ("pair", "position"),
+        "Mean predicted acceptance probability of verified drafts at the position.",
+    ),
+    MetricSpec(
+        OBSERVED_ACCEPTANCE,
+        "gauge",
+        ("pair", "position"),
+        "Observed acceptance rate of verified drafts at the position (conditional on reaching it).",
+    ),
+    MetricSpec(
+        RECENT_AUC,
+        "gauge",
+        ("pair",),
+        f"AUC of the predictions over {_RECENT}; NaN until both outcomes are seen.",
+    ),
+    MetricSpec(
+        RECENT_ECE,
+        "gauge",
+        ("pair",),
+        f"Expected calibration error (15 bins) over {_RECENT}.",
+    ),
+    MetricSpec(
+        RECENT_LOG_LOSS,
+        "gauge",
+        ("pair",),
+        f"Mean log loss (nats per draft) of the predictions over {_RECENT}.",
+    ),
+    MetricSpec(
+        RECENT_PREDICTED_ACCEPTANCE,
+        "gauge",
+        ("pair", "position"),
+        f"Mean predicted acceptance probability of verified drafts at the position, over {_RECENT}.",
+    ),
+    MetricSpec(
+        RECENT_OBSERVED_ACCEPTANCE,
+        "gauge",
+        ("pair", "position"),
+        "Observed acceptance rate of verified drafts at the position (conditional on reaching "
+        f"it), over {_RECENT}.",
+    ),
+    MetricSpec(
+        LAST_OBSERVED,
+        "gauge",
+        ("pair",),
+        "Unix time of the last step applied to the pair (its registration before any).",
+    ),
+    MetricSpec(
+        DRAFTS_OBSERVED,
+        "counter",
+        ("pair",),
+        "Labelled (verified) drafts folded into the pair since registration or reset.",
+    ),
+    MetricSpec(
+        STEPS_OBSERVED,
+        "counter",
+        ("pair",),
+        "Observe steps applied to the pair since registration or reset (duplicates excluded).",
+    ),
+    MetricSpec(
+        REFITS, "counter", ("pair", "outcome"), "Refits by outcome, counted by this process."
+    ),
+    MetricSpec(
+        REFIT_DURATION,
+        "histogram",
+        (),
+        "Seconds to apply the step that closes a round and refit.",
+    ),
+    MetricSpec(
+        RPC_DURATION,
+        "histogram",
+        ("method", "code"),
+        "gRPC call duration in seconds (streams: the whole call) by method and status code.",
+    ),
+    MetricSpec(OPEN_STREAMS, "gauge", (), "Open Observe and WatchCoefficients streams."),
+    MetricSpec(
+        QUEUE_DEPTH,
+        "gauge",
+        (),
+        "Observe steps applied but not yet durable (so not yet acknowledged), summed over "
+        "pairs and workers, counted in sequence numbers.",
+    ),
+    MetricSpec(
+        REFUSED_BATCHES,
+        "counter",
+        ("method", "reason"),
+        "Requests refused (state untouched) by method and reason.",
+    ),
+)
+SPECS: dict[str, MetricSpec] = {m.name: m for m in METRICS}
+
+
+def exposed_names() -> frozenset[str]:
+    """Every sample name avest exposes (for checking dashboards and rules)."""
+    return frozenset(n for m in METRICS for n in m.sample_names())
+
+
+def family_name(name: str) -> str:
+    """The name prometheus_client wants for a family (counters without ``_total``)."""
+    return name[: -len("_total")] if name.endswith("_total") else name

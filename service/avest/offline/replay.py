@@ -1,0 +1,132 @@
+"""Stream a recorded trace into a running service as simulated workers.
+
+Each trace step's rows are split among ``workers`` concurrent Observe
+streams (one message per worker per step; with one worker, one message per
+trace step, so the service ends with exactly the coefficients of the core's
+replay). Nothing is dropped: a replay is a load generator and a test
+harness, not a decode loop, so it waits for flow control instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from avest.offline.trace import Trace
+from avest_wire import matrix as wire
+from avest_wire.v1 import estimator_pb2 as pb
+from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
+
+RULES = {
+    "": pb.UPDATE_RULE_UNSPECIFIED,
+    "vllm": pb.UPDATE_RULE_VLLM,
+    "recursive": pb.UPDATE_RULE_RECURSIVE,
+}
+
+
+@dataclass
+class ReplayResult:
+    pair_id: str
+    messages: int
+    acked: int
+    pair: pb.Pair
+
+
+def pair_key(trace: Trace) -> pb.PairKey:
+    """The pair a trace was recorded on, with its sampling as labels."""
+    meta = trace.meta
+    labels = {n: str(meta[n]) for n in ("temperature", "top_p") if n in meta}
+    return pb.PairKey(
+        target_model=str(meta.get("target", "unknown")),
+        draft_model=str(meta.get("draft", "unknown")),
+        method=str(meta.get("method", "")),
+        num_speculative_tokens=trace.k,
+        labels=labels,
+    )
+
+
+def step_bounds(trace: Trace) -> list[tuple[int, int]]:
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(trace.step)) + 1, [trace.rows]))
+    return [(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:], strict=True)]
+
+
+def messages_for(
+    trace: Trace, pair_id: str, worker: int, workers: int, worker_id: str, repeat: int
+) -> list[pb.ObserveRequest]:
+    """The Observe messages one simulated worker sends, in order."""
+    out = []
+    seq = 0
+    for _ in range(repeat):
+        for lo, hi in step_bounds(trace):
+            chunk = np.array_split(np.arange(lo, hi), workers)[worker]
+            if chunk.size == 0:
+                continue
+            sl = slice(int(chunk[0]), int(chunk[-1]) + 1)
+            data, rows, k = wire.encode(trace.features[sl])
+            seq += 1
+            out.append(
+                pb.ObserveRequest(
+                    pair_id=pair_id,
+                    worker_id=worker_id,
+                    sequence=seq,
+                    features=data,
+                    rows=rows,
+                    k=k,
+                    num_verified=trace.num_verified[sl].tolist(),
+                    num_accepted=trace.num_accepted[sl].tolist(),
+                )
+            )
+    return out
+
+
+async def replay(
+    address: str,
+    trace: Trace,
+    workers: int = 1,
+    rule: str = "",
+    refit_interval: int = 0,
+    repeat: int = 1,
+    on_message: Callable[[], None] = lambda: None,
+    timeout: float = 600.0,
+    rate: float = 0.0,
+) -> ReplayResult:
+    """Replay ``trace``; ``rate`` caps messages per second per worker (0: no cap)."""
+    if workers < 1:
+        raise ValueError("workers must be >= 1")
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.EstimatorServiceStub(channel)
+        reg = await stub.RegisterPair(
+            pb.RegisterPairRequest(
+                key=pair_key(trace), update_rule=RULES[rule], refit_interval=refit_interval
+            ),
+            timeout=30,
+        )
+        run = uuid.uuid4().hex[:8]
+        plans = [
+            messages_for(trace, reg.pair_id, w, workers, f"replay:{os.getpid()}:{run}:{w}", repeat)
+            for w in range(workers)
+        ]
+
+        async def worker(msgs: list[pb.ObserveRequest]) -> int:
+            async def requests() -> AsyncIterator[pb.ObserveRequest]:
+                for m in msgs:
+                    yield m
+                    on_message()
+                    if rate > 0:
+                        await asyncio.sleep(1.0 / rate)
+
+            acked = 0
+            async for resp in stub.Observe(requests(), timeout=timeout):
+                if resp.HasField("ack"):
+                    acked = resp.ack.acked_sequence
+            return acked
+
+        acks = await asyncio.gather(*(worker(m) for m in plans))
+        pair = (await stub.GetPair(pb.GetPairRequest(pair_id=reg.pair_id), timeout=30)).pair
+    return ReplayResult(reg.pair_id, sum(len(p) for p in plans), sum(acks), pair)
