@@ -275,34 +275,88 @@ def test_the_shim_installer_pins_vllms_packages_and_checks_the_plugin(tmp_path: 
 # -- docker compose ---------------------------------------------------------------------
 
 
+def compose_major(version_output: str) -> int | None:
+    """The major version in ``docker compose version`` or ``docker-compose
+    version`` output: "Docker Compose version v2.29.2" -> 2, "docker-compose
+    version 1.29.2, build unknown" -> 1 (never 29: the number that follows
+    "version")."""
+    m = re.search(r"\bversion:?\s+v?(\d+)\.\d+", version_output, re.I)
+    return int(m.group(1)) if m else None
+
+
 def compose_command() -> list[str] | None:
+    """A Compose of version 2 or later, whatever comes first on PATH: the
+    docker CLI plugin, then any ``docker-compose`` on PATH or beside this
+    Python whose own version output says 2+ (Debian's 1.29 is passed over)."""
+    candidates: list[list[str]] = []
     docker = shutil.which("docker")
     if docker:
-        r = subprocess.run(
-            [docker, "compose", "version"], capture_output=True, timeout=30, check=False
-        )
-        if r.returncode == 0:
-            return [docker, "compose"]
-    standalone = find_tool("docker-compose")
-    if standalone:
-        r = subprocess.run(
-            [standalone, "version"], capture_output=True, text=True, timeout=30, check=False
-        )
-        if r.returncode == 0 and re.search(r"v?([2-9]|\d\d+)\.\d+", r.stdout):
-            return [standalone]
+        candidates.append([docker, "compose"])
+    standalone = [shutil.which("docker-compose"), find_tool("docker-compose")]
+    beside = Path(sys.executable).parent / "docker-compose"
+    if beside.is_file():
+        standalone.append(str(beside))
+    for path in dict.fromkeys(p for p in standalone if p):
+        candidates.append([path])
+    for cmd in candidates:
+        try:
+            r = subprocess.run(
+                [*cmd, "version"], capture_output=True, text=True, timeout=30, check=False
+            )
+        except OSError:
+            continue
+        major = compose_major(r.stdout + r.stderr) if r.returncode == 0 else None
+        if major is not None and major >= 2:
+            return cmd
     return None
 
 
+@pytest.mark.parametrize(
+    ("output", "major"),
+    [
+        ("Docker Compose version v2.29.2\n", 2),
+        ("Docker Compose version 2.40.3\n", 2),
+        ("docker-compose version 1.29.2, build unknown\ndocker-py version: 5.0.3\n", 1),
+        ("Docker Compose version v5.0.1", 5),
+        ("unknown flag: version", None),
+    ],
+)
+def test_compose_versions_are_read_from_the_version_field(output: str, major: int | None) -> None:
+    assert compose_major(output) == major
+
+
+#: Values for the settings compose requires (deploy/.env.example).
+COMPOSE_ENV = {
+    "AVEST_WORKER_TOKEN": "worker-token-for-tests",
+    "AVEST_ADMIN_TOKEN": "admin-token-for-tests",
+    "GRAFANA_ADMIN_PASSWORD": "grafana-password-for-tests",
+}
+
+
 def compose_config(*profiles: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    r = compose_run(*profiles, env={**COMPOSE_ENV, **(env or {})})
+    assert r.returncode == 0, f"docker compose {' '.join(profiles)} config:\n{r.stderr}"
+    return json.loads(r.stdout)
+
+
+def compose_run(*profiles: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``docker compose config`` with exactly ``env`` for compose's settings
+    (none from the caller's environment, none from a deploy/.env)."""
     cmd = compose_command()
     if cmd is None:
         pytest.skip(f"docker compose (v2+) not found: {COMPOSE_HINT}")
     args = [*cmd, "-f", str(COMPOSE)]
     for p in profiles:
         args += ["--profile", p]
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
-    clean.update({"HOME": os.environ.get("HOME", "/root"), **(env or {})})
-    r = subprocess.run(
+    settings = set(COMPOSE_ENV) | {"TARGET_MODEL", "DRAFT_MODEL", "NUM_SPECULATIVE_TOKENS"}
+    settings |= {"HF_TOKEN", "HF_CACHE", "AVEST_LABELS", "AVEST_REFIT_INTERVAL"}
+    clean = {
+        k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_") and k not in settings
+    }
+    clean.update({"HOME": os.environ.get("HOME", "/root"), **env})
+    # An empty env file: a developer's deploy/.env must not fill in what a test leaves out.
+    args += ["--env-file", os.devnull]
+    return subprocess.run(
         [*args, "config", "--format", "json"],
         capture_output=True,
         text=True,
@@ -311,8 +365,6 @@ def compose_config(*profiles: str, env: dict[str, str] | None = None) -> dict[st
         cwd=DEPLOY,
         env=clean,
     )
-    assert r.returncode == 0, f"docker compose {' '.join(profiles)} config:\n{r.stderr}"
-    return json.loads(r.stdout)
 
 
 def gpu_devices(service: dict[str, Any]) -> list[dict[str, Any]]:
@@ -429,3 +481,65 @@ def test_the_demo_replay_command_is_accepted_by_avest_replay(live_avest: Any) ->
     assert out["messages"] > 0 and out["steps_observed"] >= out["messages"]
     assert out["refit_interval"] == int(args[args.index("--refit-interval") + 1])
     assert out["version"] > 0
+
+
+# -- the stack's exposure (published ports, credentials, admin APIs) -------------------
+
+
+@pytest.mark.parametrize("profiles", [(), ("demo",), ("gpu", "gpu-2")])
+def test_compose_publishes_every_port_on_loopback_only(profiles: tuple[str, ...]) -> None:
+    cfg = compose_config(*profiles)
+    published = [(name, p) for name, svc in cfg["services"].items() for p in svc.get("ports", [])]
+    assert published
+    for name, port in published:
+        assert port.get("host_ip") == "127.0.0.1", (name, port)
+
+
+def test_compose_gives_the_sidecar_and_workers_their_tokens_from_the_env() -> None:
+    cfg = compose_config("demo", "gpu")
+    avest = cfg["services"]["avest"]["environment"]
+    assert avest["AVEST_WORKER_TOKEN"] == COMPOSE_ENV["AVEST_WORKER_TOKEN"]
+    assert avest["AVEST_ADMIN_TOKEN"] == COMPOSE_ENV["AVEST_ADMIN_TOKEN"]
+    for worker in ("vllm-0", "replay"):
+        env = cfg["services"][worker]["environment"]
+        assert env["AVEST_TOKEN"] == COMPOSE_ENV["AVEST_WORKER_TOKEN"], worker
+        assert "AVEST_ADMIN_TOKEN" not in env, worker
+
+
+@pytest.mark.parametrize("missing", sorted(COMPOSE_ENV))
+def test_compose_refuses_to_start_without_each_secret(missing: str) -> None:
+    """No default token or password: left unset or empty, compose stops with
+    a message naming the variable and .env.example."""
+    for value in (None, ""):
+        env = {k: v for k, v in COMPOSE_ENV.items() if k != missing}
+        if value is not None:
+            env[missing] = value
+        r = compose_run("demo", "gpu", env=env)
+        assert r.returncode != 0, f"compose accepted {missing}={value!r}"
+        assert missing in r.stderr and ".env.example" in r.stderr, r.stderr
+
+
+def test_grafana_has_no_anonymous_access_and_no_default_password() -> None:
+    cfg = compose_config()
+    env = cfg["services"]["grafana"]["environment"]
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    assert "GF_AUTH_ANONYMOUS_ORG_ROLE" not in env
+    assert env["GF_SECURITY_ADMIN_PASSWORD"] == COMPOSE_ENV["GRAFANA_ADMIN_PASSWORD"]
+    assert "admin}" not in COMPOSE.read_text() and ":-admin" not in COMPOSE.read_text()
+
+
+def test_prometheus_runs_without_its_lifecycle_and_admin_apis() -> None:
+    cmd = compose_config()["services"]["prometheus"]["command"]
+    assert not [a for a in cmd if "enable-lifecycle" in a or "enable-admin-api" in a], cmd
+
+
+def test_env_example_names_every_variable_compose_reads() -> None:
+    example = (DEPLOY / ".env.example").read_text()
+    named = set(re.findall(r"(?m)^#?\s*([A-Z][A-Z0-9_]+)=", example))
+    used = set(re.findall(r"\$\{([A-Z][A-Z0-9_]*)", COMPOSE.read_text()))
+    used -= {"VLLM_0_GPU", "VLLM_1_GPU"}  # documented in README.md next to the GPU workers
+    assert used <= named, used - named
+    # The required ones are empty in the example: nothing to start with by accident.
+    for key in COMPOSE_ENV:
+        assert re.search(rf"(?m)^{key}=$", example), key
+    assert "/deploy/.env" in (REPO / ".gitignore").read_text()
