@@ -106,7 +106,10 @@ def test_the_service_image_is_multi_stage_slim_and_unprivileged() -> None:
     st = stages(DOCKERFILE)
     assert len(st) >= 2, "multi-stage: a build stage and a runtime stage"
     bases = [resolve(s[0][1].split()[0], args) for s in st]
-    assert all(b == "python:3.11-slim" for b in bases), bases
+    assert len(set(bases)) == 1, bases
+    assert re.fullmatch(r"python:3\.11(\.\d+)?-slim(-bookworm)?@sha256:[0-9a-f]{64}", bases[0]), (
+        bases
+    )
     assert re.search(r"\bAS build\b", st[0][0][1])
     runtime = st[-1]
     users = [rest for word, rest in runtime if word == "USER"]
@@ -121,9 +124,99 @@ def test_the_service_image_is_multi_stage_slim_and_unprivileged() -> None:
     assert copies == ["--from=build /opt/avest /opt/avest"], copies
 
 
+def test_the_base_image_digest_is_commented_with_its_tag() -> None:
+    """The pinned digest says which tag it was taken from, in a comment that
+    names the same tag as the ARG."""
+    image = arg_defaults(DOCKERFILE)["PYTHON_IMAGE"]
+    tag = image.split("@")[0]
+    comments = "\n".join(ln for ln in DOCKERFILE.read_text().splitlines() if ln.startswith("#"))
+    assert tag in comments, tag
+
+
+def test_dependencies_are_installed_from_the_constraints_before_the_source_is_copied() -> None:
+    """Layer order in the build stage: the constraints file alone, the
+    dependencies from it, then the sources; the package goes in without
+    resolving anything again, and pip check guards the constraints."""
+    build = stages(DOCKERFILE)[0]
+    order = [(w, rest) for w, rest in build if w in ("COPY", "RUN")]
+    assert order[0] == ("COPY", "deploy/constraints.txt deploy/constraints.txt"), order
+    assert order[1][0] == "RUN" and "--requirement deploy/constraints.txt" in order[1][1]
+    sources = [i for i, (w, rest) in enumerate(order) if w == "COPY" and "service/" in rest]
+    assert sources and sources[0] > 1
+    install = order[-1][1]
+    assert (
+        order[-1][0] == "RUN"
+        and '--no-deps --constraint deploy/constraints.txt ".[server]"' in install
+    )
+    assert "pip check" in install
+    assert not any(rest.startswith(". ") for w, rest in build if w == "COPY"), "no COPY . ."
+
+
+def test_the_constraints_pin_every_server_dependency_and_nothing_else() -> None:
+    """deploy/constraints.txt has an exact version for each package of
+    avest[server]'s closure (as resolved here), each allowed by pyproject's
+    specifiers, and no plotting, torch or vLLM."""
+    spec = importlib.util.spec_from_file_location("avest_constraints", DEPLOY / "constraints.py")
+    assert spec is not None and spec.loader is not None
+    constraints = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(constraints)
+    pins = constraints.read()
+    assert pins and all(re.fullmatch(r"\d+(\.\w+)*", v) for v in pins.values()), pins
+    assert set(constraints.closure()) <= set(pins), set(constraints.closure()) - set(pins)
+    for req in constraints.top_level():
+        assert req.specifier.contains(pins[constraints.norm(req.name)]), (req, pins)
+    for name in ("matplotlib", "torch", "vllm", "avest"):
+        assert name not in pins, name
+    r = subprocess.run(
+        [sys.executable, str(DEPLOY / "constraints.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+
+
+def test_the_server_extra_leaves_plotting_out() -> None:
+    """matplotlib (``avest evaluate --plot``, ``avest simulate``) is the
+    ``plots`` extra: ``avest serve`` never imports it."""
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert not any(r.startswith("matplotlib") for r in extras["server"])
+    assert any(r.startswith("matplotlib") for r in extras["plots"])
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from avest.cli import build_parser; build_parser(); "
+            "import avest.server, avest.app, avest.http; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+def test_the_license_is_apache_2_0() -> None:
+    text = (REPO / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+    assert 'license = { text = "Apache-2.0" }' in (REPO / "pyproject.toml").read_text()
+    assert "COPY pyproject.toml README.md LICENSE" in " ".join(
+        f"COPY {rest}" for w, rest in instructions(DOCKERFILE) if w == "COPY"
+    )
+
+
 def test_the_service_image_installs_the_server_extra_and_no_torch() -> None:
     build_runs = " ".join(rest for word, rest in stages(DOCKERFILE)[0] if word == "RUN")
-    assert 'pip install --no-cache-dir ".[server]"' in build_runs
+    assert '".[server]"' in build_runs
     installing = " ".join(
         f"{w} {rest}" for w, rest in instructions(DOCKERFILE) if w in ("FROM", "RUN", "COPY", "ENV")
     ).lower()
@@ -212,9 +305,14 @@ def test_dockerignore_keeps_the_context_to_what_the_images_copy() -> None:
     assert lines[0] == "*", "an allow-list: exclude everything first"
     allowed = {ln[1:].rstrip("/") for ln in lines if ln.startswith("!")}
     assert {"pyproject.toml", "service", "client", "deploy/vllm/install_shim.py"} <= allowed
+    assert {"deploy/constraints.txt", "LICENSE", "README.md"} <= allowed
     for path in allowed:
-        if path not in ("README.md", "LICENSE"):
-            assert (REPO / path).exists(), path
+        assert (REPO / path).exists(), path
+    # Everything the service image copies is allowed in.
+    for word, rest in instructions(DOCKERFILE):
+        if word == "COPY" and not rest.startswith("--from"):
+            for src in rest.split()[:-1]:
+                assert src.rstrip("/") in allowed, src
     # The vLLM image runs the installer from the copied context.
     assert "/tmp/avest-src/deploy/vllm/install_shim.py" in VLLM_DOCKERFILE.read_text()
 
