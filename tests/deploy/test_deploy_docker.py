@@ -106,7 +106,10 @@ def test_the_service_image_is_multi_stage_slim_and_unprivileged() -> None:
     st = stages(DOCKERFILE)
     assert len(st) >= 2, "multi-stage: a build stage and a runtime stage"
     bases = [resolve(s[0][1].split()[0], args) for s in st]
-    assert all(b == "python:3.11-slim" for b in bases), bases
+    assert len(set(bases)) == 1, bases
+    assert re.fullmatch(r"python:3\.11(\.\d+)?-slim(-bookworm)?@sha256:[0-9a-f]{64}", bases[0]), (
+        bases
+    )
     assert re.search(r"\bAS build\b", st[0][0][1])
     runtime = st[-1]
     users = [rest for word, rest in runtime if word == "USER"]
@@ -121,9 +124,105 @@ def test_the_service_image_is_multi_stage_slim_and_unprivileged() -> None:
     assert copies == ["--from=build /opt/avest /opt/avest"], copies
 
 
+def test_the_base_image_digest_is_commented_with_its_tag() -> None:
+    """The pinned digest says which tag it was taken from, in a comment that
+    names the same tag as the ARG."""
+    image = arg_defaults(DOCKERFILE)["PYTHON_IMAGE"]
+    tag = image.split("@")[0]
+    comments = "\n".join(ln for ln in DOCKERFILE.read_text().splitlines() if ln.startswith("#"))
+    assert tag in comments, tag
+
+
+def test_dependencies_are_installed_from_the_constraints_before_the_source_is_copied() -> None:
+    """Layer order in the build stage: the constraints file alone, the
+    dependencies from it, then the sources; the package goes in without
+    resolving anything again, and pip check guards the constraints."""
+    build = stages(DOCKERFILE)[0]
+    order = [(w, rest) for w, rest in build if w in ("COPY", "RUN")]
+    assert order[0] == ("COPY", "deploy/constraints.txt deploy/constraints.txt"), order
+    assert order[1][0] == "RUN" and "--requirement deploy/constraints.txt" in order[1][1]
+    sources = [i for i, (w, rest) in enumerate(order) if w == "COPY" and "service/" in rest]
+    assert sources and sources[0] > 1
+    install = order[-1][1]
+    assert (
+        order[-1][0] == "RUN"
+        and '--no-deps --constraint deploy/constraints.txt ".[server]"' in install
+    )
+    assert "pip check" in install
+    assert not any(rest.startswith(". ") for w, rest in build if w == "COPY"), "no COPY . ."
+
+
+def test_the_constraints_pin_every_server_dependency_and_nothing_else() -> None:
+    """deploy/constraints.txt has an exact version for each package of
+    avest[server]'s closure (as resolved here), each allowed by pyproject's
+    specifiers, and no plotting, torch or vLLM."""
+    spec = importlib.util.spec_from_file_location("avest_constraints", DEPLOY / "constraints.py")
+    assert spec is not None and spec.loader is not None
+    constraints = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(constraints)
+    pins = constraints.read()
+    assert pins and all(re.fullmatch(r"\d+(\.\w+)*", v) for v in pins.values()), pins
+    assert set(constraints.closure()) <= set(pins), set(constraints.closure()) - set(pins)
+    for req in constraints.top_level():
+        assert req.specifier.contains(pins[constraints.norm(req.name)]), (req, pins)
+    assert "matplotlib" in pins, "the admin API draws the reliability diagram"
+    for name in ("torch", "vllm", "avest"):
+        assert name not in pins, name
+    r = subprocess.run(
+        [sys.executable, str(DEPLOY / "constraints.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+
+
+def test_avest_serve_loads_plotting_only_when_a_diagram_is_drawn(tmp_path: Path) -> None:
+    """matplotlib draws the reliability diagram (``/v1/pairs/{id}/reliability.svg``)
+    and nothing else the service does: ``avest serve`` starts without importing it."""
+    code = (
+        "import sys; sys.modules['matplotlib'] = None; from avest.commands.cli import main; "
+        "sys.exit(main())"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "serve", "--grpc-address", "127.0.0.1:0"]
+        + ["--http-address", "127.0.0.1:0", "--data-dir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("avest serving "):
+                break
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert lines and lines[-1].startswith("avest serving "), "".join(lines[-40:])
+
+
+def test_the_license_is_apache_2_0() -> None:
+    text = (REPO / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+    assert 'license = { text = "Apache-2.0" }' in (REPO / "pyproject.toml").read_text()
+    assert "COPY pyproject.toml README.md LICENSE" in " ".join(
+        f"COPY {rest}" for w, rest in instructions(DOCKERFILE) if w == "COPY"
+    )
+
+
 def test_the_service_image_installs_the_server_extra_and_no_torch() -> None:
     build_runs = " ".join(rest for word, rest in stages(DOCKERFILE)[0] if word == "RUN")
-    assert 'pip install --no-cache-dir ".[server]"' in build_runs
+    assert '".[server]"' in build_runs
     installing = " ".join(
         f"{w} {rest}" for w, rest in instructions(DOCKERFILE) if w in ("FROM", "RUN", "COPY", "ENV")
     ).lower()
@@ -212,9 +311,14 @@ def test_dockerignore_keeps_the_context_to_what_the_images_copy() -> None:
     assert lines[0] == "*", "an allow-list: exclude everything first"
     allowed = {ln[1:].rstrip("/") for ln in lines if ln.startswith("!")}
     assert {"pyproject.toml", "service", "client", "wire", "deploy/vllm/install_shim.py"} <= allowed
+    assert {"deploy/constraints.txt", "LICENSE", "README.md"} <= allowed
     for path in allowed:
-        if path not in ("README.md", "LICENSE"):
-            assert (REPO / path).exists(), path
+        assert (REPO / path).exists(), path
+    # Everything the service image copies is allowed in.
+    for word, rest in instructions(DOCKERFILE):
+        if word == "COPY" and not rest.startswith("--from"):
+            for src in rest.split()[:-1]:
+                assert src.rstrip("/") in allowed, src
     # The vLLM image runs the installer from the copied context.
     assert "/tmp/avest-src/deploy/vllm/install_shim.py" in VLLM_DOCKERFILE.read_text()
 
@@ -275,34 +379,88 @@ def test_the_shim_installer_pins_vllms_packages_and_checks_the_plugin(tmp_path: 
 # -- docker compose ---------------------------------------------------------------------
 
 
+def compose_major(version_output: str) -> int | None:
+    """The major version in ``docker compose version`` or ``docker-compose
+    version`` output: "Docker Compose version v2.29.2" -> 2, "docker-compose
+    version 1.29.2, build unknown" -> 1 (never 29: the number that follows
+    "version")."""
+    m = re.search(r"\bversion:?\s+v?(\d+)\.\d+", version_output, re.I)
+    return int(m.group(1)) if m else None
+
+
 def compose_command() -> list[str] | None:
+    """A Compose of version 2 or later, whatever comes first on PATH: the
+    docker CLI plugin, then any ``docker-compose`` on PATH or beside this
+    Python whose own version output says 2+ (Debian's 1.29 is passed over)."""
+    candidates: list[list[str]] = []
     docker = shutil.which("docker")
     if docker:
-        r = subprocess.run(
-            [docker, "compose", "version"], capture_output=True, timeout=30, check=False
-        )
-        if r.returncode == 0:
-            return [docker, "compose"]
-    standalone = find_tool("docker-compose")
-    if standalone:
-        r = subprocess.run(
-            [standalone, "version"], capture_output=True, text=True, timeout=30, check=False
-        )
-        if r.returncode == 0 and re.search(r"v?([2-9]|\d\d+)\.\d+", r.stdout):
-            return [standalone]
+        candidates.append([docker, "compose"])
+    standalone = [shutil.which("docker-compose"), find_tool("docker-compose")]
+    beside = Path(sys.executable).parent / "docker-compose"
+    if beside.is_file():
+        standalone.append(str(beside))
+    for path in dict.fromkeys(p for p in standalone if p):
+        candidates.append([path])
+    for cmd in candidates:
+        try:
+            r = subprocess.run(
+                [*cmd, "version"], capture_output=True, text=True, timeout=30, check=False
+            )
+        except OSError:
+            continue
+        major = compose_major(r.stdout + r.stderr) if r.returncode == 0 else None
+        if major is not None and major >= 2:
+            return cmd
     return None
 
 
+@pytest.mark.parametrize(
+    ("output", "major"),
+    [
+        ("Docker Compose version v2.29.2\n", 2),
+        ("Docker Compose version 2.40.3\n", 2),
+        ("docker-compose version 1.29.2, build unknown\ndocker-py version: 5.0.3\n", 1),
+        ("Docker Compose version v5.0.1", 5),
+        ("unknown flag: version", None),
+    ],
+)
+def test_compose_versions_are_read_from_the_version_field(output: str, major: int | None) -> None:
+    assert compose_major(output) == major
+
+
+#: Values for the settings compose requires (deploy/.env.example).
+COMPOSE_ENV = {
+    "AVEST_WORKER_TOKEN": "worker-token-for-tests",
+    "AVEST_ADMIN_TOKEN": "admin-token-for-tests",
+    "GRAFANA_ADMIN_PASSWORD": "grafana-password-for-tests",
+}
+
+
 def compose_config(*profiles: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    r = compose_run(*profiles, env={**COMPOSE_ENV, **(env or {})})
+    assert r.returncode == 0, f"docker compose {' '.join(profiles)} config:\n{r.stderr}"
+    return json.loads(r.stdout)
+
+
+def compose_run(*profiles: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``docker compose config`` with exactly ``env`` for compose's settings
+    (none from the caller's environment, none from a deploy/.env)."""
     cmd = compose_command()
     if cmd is None:
         pytest.skip(f"docker compose (v2+) not found: {COMPOSE_HINT}")
     args = [*cmd, "-f", str(COMPOSE)]
     for p in profiles:
         args += ["--profile", p]
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
-    clean.update({"HOME": os.environ.get("HOME", "/root"), **(env or {})})
-    r = subprocess.run(
+    settings = set(COMPOSE_ENV) | {"TARGET_MODEL", "DRAFT_MODEL", "NUM_SPECULATIVE_TOKENS"}
+    settings |= {"HF_TOKEN", "HF_CACHE", "AVEST_LABELS", "AVEST_REFIT_INTERVAL"}
+    clean = {
+        k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_") and k not in settings
+    }
+    clean.update({"HOME": os.environ.get("HOME", "/root"), **env})
+    # An empty env file: a developer's deploy/.env must not fill in what a test leaves out.
+    args += ["--env-file", os.devnull]
+    return subprocess.run(
         [*args, "config", "--format", "json"],
         capture_output=True,
         text=True,
@@ -311,8 +469,6 @@ def compose_config(*profiles: str, env: dict[str, str] | None = None) -> dict[st
         cwd=DEPLOY,
         env=clean,
     )
-    assert r.returncode == 0, f"docker compose {' '.join(profiles)} config:\n{r.stderr}"
-    return json.loads(r.stdout)
 
 
 def gpu_devices(service: dict[str, Any]) -> list[dict[str, Any]]:
@@ -429,3 +585,65 @@ def test_the_demo_replay_command_is_accepted_by_avest_replay(live_avest: Any) ->
     assert out["messages"] > 0 and out["steps_observed"] >= out["messages"]
     assert out["refit_interval"] == int(args[args.index("--refit-interval") + 1])
     assert out["version"] > 0
+
+
+# -- the stack's exposure (published ports, credentials, admin APIs) -------------------
+
+
+@pytest.mark.parametrize("profiles", [(), ("demo",), ("gpu", "gpu-2")])
+def test_compose_publishes_every_port_on_loopback_only(profiles: tuple[str, ...]) -> None:
+    cfg = compose_config(*profiles)
+    published = [(name, p) for name, svc in cfg["services"].items() for p in svc.get("ports", [])]
+    assert published
+    for name, port in published:
+        assert port.get("host_ip") == "127.0.0.1", (name, port)
+
+
+def test_compose_gives_the_sidecar_and_workers_their_tokens_from_the_env() -> None:
+    cfg = compose_config("demo", "gpu")
+    avest = cfg["services"]["avest"]["environment"]
+    assert avest["AVEST_WORKER_TOKEN"] == COMPOSE_ENV["AVEST_WORKER_TOKEN"]
+    assert avest["AVEST_ADMIN_TOKEN"] == COMPOSE_ENV["AVEST_ADMIN_TOKEN"]
+    for worker in ("vllm-0", "replay"):
+        env = cfg["services"][worker]["environment"]
+        assert env["AVEST_TOKEN"] == COMPOSE_ENV["AVEST_WORKER_TOKEN"], worker
+        assert "AVEST_ADMIN_TOKEN" not in env, worker
+
+
+@pytest.mark.parametrize("missing", sorted(COMPOSE_ENV))
+def test_compose_refuses_to_start_without_each_secret(missing: str) -> None:
+    """No default token or password: left unset or empty, compose stops with
+    a message naming the variable and .env.example."""
+    for value in (None, ""):
+        env = {k: v for k, v in COMPOSE_ENV.items() if k != missing}
+        if value is not None:
+            env[missing] = value
+        r = compose_run("demo", "gpu", env=env)
+        assert r.returncode != 0, f"compose accepted {missing}={value!r}"
+        assert missing in r.stderr and ".env.example" in r.stderr, r.stderr
+
+
+def test_grafana_has_no_anonymous_access_and_no_default_password() -> None:
+    cfg = compose_config()
+    env = cfg["services"]["grafana"]["environment"]
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    assert "GF_AUTH_ANONYMOUS_ORG_ROLE" not in env
+    assert env["GF_SECURITY_ADMIN_PASSWORD"] == COMPOSE_ENV["GRAFANA_ADMIN_PASSWORD"]
+    assert "admin}" not in COMPOSE.read_text() and ":-admin" not in COMPOSE.read_text()
+
+
+def test_prometheus_runs_without_its_lifecycle_and_admin_apis() -> None:
+    cmd = compose_config()["services"]["prometheus"]["command"]
+    assert not [a for a in cmd if "enable-lifecycle" in a or "enable-admin-api" in a], cmd
+
+
+def test_env_example_names_every_variable_compose_reads() -> None:
+    example = (DEPLOY / ".env.example").read_text()
+    named = set(re.findall(r"(?m)^#?\s*([A-Z][A-Z0-9_]+)=", example))
+    used = set(re.findall(r"\$\{([A-Z][A-Z0-9_]*)", COMPOSE.read_text()))
+    used -= {"VLLM_0_GPU", "VLLM_1_GPU"}  # documented in README.md next to the GPU workers
+    assert used <= named, used - named
+    # The required ones are empty in the example: nothing to start with by accident.
+    for key in COMPOSE_ENV:
+        assert re.search(rf"(?m)^{key}=$", example), key
+    assert "/deploy/.env" in (REPO / ".gitignore").read_text()

@@ -5,12 +5,14 @@ unit tests of each alert's firing logic with ``promtool test rules``."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from .harness import (
     ALERTS,
@@ -125,12 +127,74 @@ def test_every_alert_expression_parses_and_its_avest_series_exist(live_prometheu
     assert "avest_" in text
 
 
-def test_the_sidecar_up_series_the_down_alert_watches_is_1(live_prometheus: Any) -> None:
-    body = live_prometheus.prometheus.query('up{job="avest"}')
-    assert [s["value"][1] for s in body["data"]["result"]] == ["1"]
+def test_the_sidecar_is_recognised_by_avest_info_and_not_down(live_prometheus: Any) -> None:
+    """The down alert's right-hand side finds the live sidecar's target (and
+    only it: not the vLLM job), and its expression is empty while it is up."""
+    prom = live_prometheus.prometheus
+    body = prom.query("up and on (job, instance) max_over_time(avest_info[1d])")
+    assert [(s["metric"]["job"], s["value"][1]) for s in body["data"]["result"]] == [("avest", "1")]
+    rules = {r["name"]: r for r in loaded_rules(live_prometheus)}
+    assert prom.query(rules["AvestSidecarDown"]["query"])["data"]["result"] == []
+    assert prom.query(rules["AvestSidecarMissing"]["query"])["data"]["result"] == []
 
 
 # -- unit tests of the alert logic (promtool test rules) -----------------------------
+
+ALERTS_TEST = PROMETHEUS_DIR / "alerts_test.yml"
+
+
+def test_the_unit_cases_cover_every_alert() -> None:
+    """alerts_test.yml has, for every alert, a time it fires and a time it
+    does not; and its series are labelled as a ServiceMonitor labels them."""
+    doc = yaml.safe_load(ALERTS_TEST.read_text())
+    assert doc["rule_files"] == ["alerts.yml"]
+    firing: set[str] = set()
+    silent: set[str] = set()
+    for case in doc["tests"]:
+        for check in case["alert_rule_test"]:
+            (firing if check["exp_alerts"] else silent).add(check["alertname"])
+    assert firing == EXPECTED_ALERTS, EXPECTED_ALERTS ^ firing
+    assert silent == EXPECTED_ALERTS, EXPECTED_ALERTS ^ silent
+    jobs = {
+        m.group(1)
+        for case in doc["tests"]
+        for series in case["input_series"]
+        if (m := re.search(r'\bjob="([^"]*)"', series["series"]))
+    }
+    assert "avest-sidecar" in jobs, jobs
+
+
+def test_alert_logic_with_promtool_test_rules() -> None:
+    """``promtool test rules alerts_test.yml``: every alert against
+    deploy/prometheus/alerts.yml itself, annotations included."""
+    r = run([promtool(), "test", "rules", ALERTS_TEST.name], cwd=PROMETHEUS_DIR)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SUCCESS" in r.stdout + r.stderr
+
+
+def test_no_alert_names_a_scrape_job() -> None:
+    """The rules select avest by its metrics, never by ``job``: nothing in
+    them matches on a job's name."""
+    rules = [r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]]
+    for rule in rules:
+        assert not re.search(r"\bjob\s*=~?", rule["expr"]), (rule["alert"], rule["expr"])
+
+
+def test_alerts_test_catches_rules_tied_to_job_avest(tmp_path: Path) -> None:
+    """The unit tests would catch the old ``up{job="avest"}`` selectors: with
+    them put back, promtool fails on the ServiceMonitor-named cases."""
+    text = ALERTS.read_text()
+    old = text.replace(
+        "up == 0 and on (job, instance) max_over_time(avest_info[1d])", 'up{job="avest"} == 0'
+    ).replace("absent(avest_info)", 'absent(up{job="avest"})')
+    assert old != text
+    (tmp_path / "alerts.yml").write_text(old)
+    (tmp_path / "alerts_test.yml").write_text(ALERTS_TEST.read_text())
+    r = run([promtool(), "test", "rules", "alerts_test.yml"], cwd=tmp_path)
+    assert r.returncode != 0, r.stdout
+    assert "AvestSidecarDown" in r.stdout + r.stderr
+    assert "AvestSidecarMissing" in r.stdout + r.stderr
+
 
 SERIES = 'job="avest", instance="avest:8000"'
 BASE = {"job": "avest", "instance": "avest:8000"}
@@ -138,236 +202,6 @@ BASE = {"job": "avest", "instance": "avest:8000"}
 
 def alert(name: str, severity: str = "warning", **labels: str) -> dict[str, Any]:
     return {"exp_labels": {"alertname": name, "severity": severity, **labels}}
-
-
-#: (alert, input series, [(eval time, expected alerts)]). Interval 1m.
-CASES: list[tuple[str, list[dict[str, str]], list[tuple[str, list[dict[str, Any]]]]]] = [
-    (
-        "AvestSidecarDown",
-        [{"series": f"up{{{SERIES}}}", "values": "1 0 0 0 0 1"}],
-        [
-            ("1m", []),  # pending
-            ("3m", [alert("AvestSidecarDown", "critical", **BASE)]),
-            ("5m", []),  # back up
-        ],
-    ),
-    (
-        "AvestSidecarMissing",
-        [{"series": 'up{job="vllm", instance="vllm:8000"}', "values": "1x10"}],
-        [("3m", []), ("6m", [alert("AvestSidecarMissing", job="avest")])],
-    ),
-    (
-        "AvestBatchesRefused",
-        [
-            {
-                "series": f'avest_refused_batches_total{{{SERIES}, method="Observe", reason="invalid_argument"}}',
-                "values": "0+10x20",
-            },
-            {
-                "series": f'avest_refused_batches_total{{{SERIES}, method="Score", reason="not_found"}}',
-                "values": "3x20",
-            },
-        ],
-        [
-            ("3m", []),
-            (
-                "10m",
-                [alert("AvestBatchesRefused", **BASE, method="Observe", reason="invalid_argument")],
-            ),
-        ],
-    ),
-    (
-        "AvestObserveStreamsFailing",
-        [
-            {
-                "series": f'avest_rpc_duration_seconds_count{{{SERIES}, method="Observe", code="UNAVAILABLE"}}',
-                "values": "0+1x30",
-            },
-            {
-                "series": f'avest_rpc_duration_seconds_count{{{SERIES}, method="Observe", code="CANCELLED"}}',
-                "values": "0+1x30",
-            },
-            {
-                "series": f'avest_rpc_duration_seconds_count{{{SERIES}, method="Score", code="INVALID_ARGUMENT"}}',
-                "values": "0+1x30",
-            },
-        ],
-        [("5m", []), ("20m", [alert("AvestObserveStreamsFailing", **BASE, code="UNAVAILABLE")])],
-    ),
-    (
-        "AvestObserveBacklog",
-        [{"series": f"avest_queue_depth{{{SERIES}}}", "values": "5 2000x10"}],
-        [("3m", []), ("8m", [alert("AvestObserveBacklog", **BASE)])],
-    ),
-    (
-        "AvestCalibrationDrift",
-        [
-            # By the recent ECE: p miscalibrated with enough drafts; q too few
-            # drafts; r calibrated now though its all-time ECE is high (it
-            # recovered); s drifted recently though its all-time ECE is still low
-            # (the old drafts dilute it): the alert watches the recent one.
-            {"series": f'avest_recent_ece{{{SERIES}, pair="p"}}', "values": "0.08x40"},
-            {"series": f'avest_calibration_drafts{{{SERIES}, pair="p"}}', "values": "20000x40"},
-            {"series": f'avest_recent_ece{{{SERIES}, pair="q"}}', "values": "0.3x40"},
-            {"series": f'avest_calibration_drafts{{{SERIES}, pair="q"}}', "values": "500x40"},
-            {"series": f'avest_recent_ece{{{SERIES}, pair="r"}}', "values": "0.02x40"},
-            {"series": f'avest_ece{{{SERIES}, pair="r"}}', "values": "0.09x40"},
-            {"series": f'avest_calibration_drafts{{{SERIES}, pair="r"}}', "values": "20000x40"},
-            {"series": f'avest_recent_ece{{{SERIES}, pair="s"}}', "values": "0.07x40"},
-            {"series": f'avest_ece{{{SERIES}, pair="s"}}', "values": "0.03x40"},
-            {"series": f'avest_calibration_drafts{{{SERIES}, pair="s"}}', "values": "90000x40"},
-        ],
-        [
-            ("20m", []),
-            (
-                "35m",
-                [
-                    alert("AvestCalibrationDrift", **BASE, pair="p"),
-                    alert("AvestCalibrationDrift", **BASE, pair="s"),
-                ],
-            ),
-        ],
-    ),
-    (
-        "AvestAcceptanceDivergence",
-        [
-            # Recent: position 0 close, position 1 apart. All-time: position 0
-            # apart (an old divergence, since corrected), which must not fire.
-            {
-                "series": f'avest_recent_predicted_acceptance{{{SERIES}, pair="p", position="0"}}',
-                "values": "0.7x40",
-            },
-            {
-                "series": f'avest_recent_observed_acceptance{{{SERIES}, pair="p", position="0"}}',
-                "values": "0.72x40",
-            },
-            {
-                "series": f'avest_recent_predicted_acceptance{{{SERIES}, pair="p", position="1"}}',
-                "values": "0.6x40",
-            },
-            {
-                "series": f'avest_recent_observed_acceptance{{{SERIES}, pair="p", position="1"}}',
-                "values": "0.8x40",
-            },
-            {
-                "series": f'avest_predicted_acceptance{{{SERIES}, pair="p", position="0"}}',
-                "values": "0.5x40",
-            },
-            {
-                "series": f'avest_observed_acceptance{{{SERIES}, pair="p", position="0"}}',
-                "values": "0.72x40",
-            },
-            {"series": f'avest_calibration_drafts{{{SERIES}, pair="p"}}', "values": "50000x40"},
-        ],
-        [
-            ("20m", []),
-            ("35m", [alert("AvestAcceptanceDivergence", **BASE, pair="p", position="1")]),
-        ],
-    ),
-    (
-        "AvestPairNoObservations",
-        [
-            # p's last step was at t=0; q is observed every minute.
-            {
-                "series": f'avest_last_observed_timestamp_seconds{{{SERIES}, pair="p"}}',
-                "values": "0x40",
-            },
-            {
-                "series": f'avest_last_observed_timestamp_seconds{{{SERIES}, pair="q"}}',
-                "values": "0+60x40",
-            },
-        ],
-        [("10m", []), ("25m", [alert("AvestPairNoObservations", **BASE, pair="p")])],
-    ),
-    (
-        "AvestRefitsFailing",
-        [
-            # p: 1 applied for 3 slope_held per minute; q: all applied.
-            {
-                "series": f'avest_refits_total{{{SERIES}, pair="p", outcome="applied"}}',
-                "values": "0+1x60",
-            },
-            {
-                "series": f'avest_refits_total{{{SERIES}, pair="p", outcome="slope_held"}}',
-                "values": "0+3x60",
-            },
-            {
-                "series": f'avest_refits_total{{{SERIES}, pair="p", outcome="rejected"}}',
-                "values": "0x60",
-            },
-            {
-                "series": f'avest_refits_total{{{SERIES}, pair="q", outcome="applied"}}',
-                "values": "0+5x60",
-            },
-            {
-                "series": f'avest_refits_total{{{SERIES}, pair="q", outcome="slope_held"}}',
-                "values": "0x60",
-            },
-            {
-                "series": f'avest_refits_total{{{SERIES}, pair="q", outcome="rejected"}}',
-                "values": "0x60",
-            },
-        ],
-        [("10m", []), ("30m", [alert("AvestRefitsFailing", **BASE, pair="p")])],
-    ),
-    (
-        "AvestRefitsRejected",
-        [
-            {
-                "series": f'avest_refits_total{{{SERIES}, pair="p", outcome="rejected"}}',
-                "values": "0 0 0 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1",
-            },
-            {
-                "series": f'avest_refits_total{{{SERIES}, pair="q", outcome="rejected"}}',
-                "values": "0x25",
-            },
-        ],
-        [("2m", []), ("5m", [alert("AvestRefitsRejected", **BASE, pair="p")]), ("24m", [])],
-    ),
-]
-
-
-def test_the_unit_cases_cover_every_alert() -> None:
-    assert {c[0] for c in CASES} == EXPECTED_ALERTS
-
-
-def test_alert_logic_with_promtool_test_rules(live_prometheus: Any, tmp_path: Path) -> None:
-    """Each alert fires on the series it is meant for, at the time its ``for``
-    allows, and not on the look-alikes beside them. The rules come from the live
-    Prometheus (so exactly alerts.yml as loaded), without annotations, which
-    promtool would otherwise compare verbatim; the annotations are checked
-    above and rendered by the next test."""
-    rules = loaded_rules(live_prometheus)
-    group = {
-        "name": "avest",
-        "rules": [
-            {
-                "alert": r["name"],
-                "expr": r["query"],
-                "for": f"{int(r['duration'])}s",
-                "labels": r["labels"],
-            }
-            for r in rules
-        ],
-    }
-    rule_file = tmp_path / "rules.json"
-    rule_file.write_text(json.dumps({"groups": [group]}))
-    tests = []
-    for name, series, checks in CASES:
-        tests.append(
-            {
-                "interval": "1m",
-                "input_series": series,
-                "alert_rule_test": [
-                    {"eval_time": t, "alertname": name, "exp_alerts": exp} for t, exp in checks
-                ],
-            }
-        )
-    test_file = tmp_path / "rules_test.json"
-    test_file.write_text(json.dumps({"rule_files": [str(rule_file)], "tests": tests}))
-    r = run([promtool(), "test", "rules", str(test_file)])
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "SUCCESS" in r.stdout + r.stderr
 
 
 def test_alert_annotations_render(live_prometheus: Any, tmp_path: Path) -> None:
