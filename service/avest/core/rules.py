@@ -10,7 +10,10 @@
 
 Both take a :class:`RoundStats` computed at the current coefficients and
 return the new coefficients with an outcome label. Neither raises on bad
-numbers: a step that would make the slope negative or non-finite is dropped.
+numbers: a step that would make the slope negative or non-finite is dropped,
+and the intercepts are those solved with the slope held (never the ones
+solved together with the dropped slope). ``tracking`` (the default, in
+:mod:`avest.core.tracking`) is a third rule.
 """
 
 from __future__ import annotations
@@ -198,7 +201,10 @@ class RecursiveRule:
         self._a, self._b, self._c, self._h = a, b, c, h
         outcome = APPLIED
         if new[0] < 0.0:
+            # The best fit with the slope held: re-solve the intercept rows of
+            # the same system given the old slope (its block is diagonal).
             new[0] = coef.slope
+            new[1:] = (rhs[1:] - b * coef.slope) / (c + self.prior)
             outcome = SLOPE_HELD
         return Refit(Coefficients.from_vector(new), outcome)
 
