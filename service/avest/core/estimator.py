@@ -24,6 +24,7 @@ from avest.core.metrics import CalibrationState
 from avest.core.model import Coefficients, check_k, linear_predictor
 from avest.core.rules import REJECTED, Refit, UpdateRule, VllmRule
 from avest.core.stats import RoundStats, fold
+from avest.core.tracking import round_steps
 
 FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
@@ -130,9 +131,14 @@ class OnlineEstimator:
         self.drafts += batch.labelled
         self.steps += 1
         self.steps_in_round += 1
-        if self.steps_in_round >= self.refit_interval:
+        if self.steps_in_round >= self.round_length:
             return self.refit()
         return None
+
+    @property
+    def round_length(self) -> int:
+        """Steps in the open round: ``refit_interval``, less while the rule warms up."""
+        return round_steps(self.rule, self.round, self.refit_interval)
 
     def refit(self) -> Refit:
         """Close the round now: one update-rule step, then a fresh round."""

@@ -241,7 +241,9 @@ def _solve_spd(m: FloatArray, rhs: FloatArray) -> FloatArray | None:
             return None
 
 
-RULE_NAMES = ("vllm", "recursive")
+RULE_NAMES = ("vllm", "recursive", "tracking")
+#: The rule a pair gets when it names none (README: measured on traces).
+DEFAULT_RULE = "tracking"
 
 
 def make_rule(
@@ -249,12 +251,22 @@ def make_rule(
     *,
     l2: float = 1e-3,
     damping: float = 50.0,
-    forgetting: float = 0.95,
+    forgetting: float | None = None,
     prior: float = 1.0,
-) -> VllmRule | RecursiveRule:
-    """Build an update rule by name; each rule reads only its own parameters."""
+) -> UpdateRule:
+    """Build an update rule by name; each rule reads only its own parameters.
+
+    ``forgetting`` defaults per rule: 0.95 for ``recursive``, 0.9 for
+    ``tracking``.
+    """
     if name == "vllm":
         return VllmRule(l2=l2, damping=damping)
     if name == "recursive":
-        return RecursiveRule(forgetting=forgetting, prior=prior)
+        return RecursiveRule(forgetting=0.95 if forgetting is None else forgetting, prior=prior)
+    if name == "tracking":
+        from avest.core.tracking import TrackingRule
+
+        return TrackingRule(
+            forgetting=0.9 if forgetting is None else forgetting, damping=damping, l2=l2
+        )
     raise ValueError(f"unknown update rule {name!r}; choose one of {', '.join(RULE_NAMES)}")
