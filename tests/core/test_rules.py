@@ -194,3 +194,50 @@ def test_recursive_rule_survives_hostile_labels():
     # Half the drafts are accepted; with the slope held the intercepts centre
     # the predictions on that rate instead of running off.
     assert np.all(np.abs(coef.intercept_array()) < 3)
+
+
+def test_fit_mle_under_quasi_separation_matches_statsmodels_on_the_rest():
+    k = 4
+    truth = [0.8, 0.3, -0.2, -0.6]
+    x, obs, acc = synthetic(3000, k, 0.8, truth, seed=11)
+    # Position 0: every observed draft accepted (the intercept's MLE is +inf);
+    # position 3 never verified (trimmed): nothing to fit there.
+    obs = obs.copy()
+    obs[:, 3] = False
+    acc = acc & obs
+    acc[:, 0] = True
+    coef, _ = fit_mle(x, obs, acc)
+    rest = obs.copy()
+    rest[:, 0] = False
+    design, y = dense_design(x, rest, acc)
+    glm = sm.GLM(y, design[:, [0, 2, 3]], family=sm.families.Binomial()).fit(tol=1e-12)
+    np.testing.assert_allclose(coef.slope, glm.params[0], atol=1e-6)
+    np.testing.assert_allclose(coef.intercept_array()[1:3], glm.params[1:], atol=1e-6)
+    assert coef.intercepts[3] == Coefficients.cold_start(k).intercepts[3]
+    # The separated position predicts (numerically) certain acceptance.
+    p0 = 1 / (1 + np.exp(-linear_predictor(coef, x)[obs[:, 0], 0]))
+    assert p0.min() > 1 - 1e-9
+    # statsmodels on the full design drives the same intercept off and agrees
+    # on everything else.
+    full_design, full_y = dense_design(x, obs, acc)
+    full = sm.GLM(full_y, full_design[:, :4], family=sm.families.Binomial()).fit(
+        tol=1e-12, maxiter=200
+    )
+    np.testing.assert_allclose(coef.slope, full.params[0], atol=1e-3)
+    np.testing.assert_allclose(coef.intercept_array()[1:3], full.params[2:], atol=1e-3)
+
+
+def test_fit_mle_all_rejected_position():
+    k = 3
+    x, obs, acc = synthetic(2000, k, 0.6, [0.5, 0.0, -0.5], seed=12)
+    # Position 2: every observed draft rejected.
+    acc = acc.copy()
+    acc[:, 2] = False
+    coef, _ = fit_mle(x, obs, acc)
+    rest = obs.copy()
+    rest[:, 2] = False
+    design, y = dense_design(x, rest, acc)
+    glm = sm.GLM(y, design[:, :3], family=sm.families.Binomial()).fit(tol=1e-12)
+    np.testing.assert_allclose(coef.as_vector()[:3], glm.params, atol=1e-6)
+    p2 = 1 / (1 + np.exp(-linear_predictor(coef, x)[obs[:, 2], 2]))
+    assert p2.max() < 1e-9
