@@ -145,3 +145,99 @@ def test_recursive_state_round_trips():
     b.load_state(a.state())
     stats = fold(x, linear_predictor(c1, x), obs, acc)
     assert a.refit(c1, stats).coefficients == b.refit(c1, stats).coefficients
+
+
+def falling_acceptance(rows: int, k: int, seed: int):
+    """In-range features whose acceptance *falls* as the feature rises."""
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(-2.0, 4.0, size=(rows, k))
+    p = 1 / (1 + np.exp(-(1.2 - 0.4 * x)))
+    success = rng.random((rows, k)) < p
+    accepted = np.where(success.all(axis=1), k, np.argmin(success, axis=1))
+    observed, acc = labels(np.full(rows, k, dtype=np.int64), accepted.astype(np.int64), k)
+    return x, observed, acc
+
+
+def test_recursive_slope_guard_leaves_the_best_fit_with_the_slope_held():
+    k = 3
+    rule = RecursiveRule()
+    coef = Coefficients.cold_start(k)
+    rule.reset(coef)
+    held = 0
+    for seed in range(5):
+        x, obs, acc = falling_acceptance(800, k, seed)
+        result = rule.refit(coef, fold(x, linear_predictor(coef, x), obs, acc))
+        held += result.outcome == SLOPE_HELD
+        coef = result.coefficients
+    assert held >= 1
+    x, obs, acc = falling_acceptance(4000, k, 99)
+    p = 1 / (1 + np.exp(-linear_predictor(coef, x)))
+    # Calibrated per position under the constraint: mean predicted = observed.
+    for j in range(k):
+        assert abs(p[obs[:, j], j].mean() - acc[obs[:, j], j].mean()) < 0.05
+    assert np.all(np.abs(coef.intercept_array()) < 10)
+
+
+def test_recursive_rule_survives_hostile_labels():
+    k = 4
+    rule = RecursiveRule()
+    coef = Coefficients.cold_start(k)
+    rule.reset(coef)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        x = rng.uniform(0.0, 4.0, size=(64, k))
+        # Accept exactly the low-confidence drafts: labels against the slope.
+        acc = x < 2.0
+        obs = np.ones_like(acc)
+        coef = rule.refit(coef, fold(x, linear_predictor(coef, x), obs, acc)).coefficients
+    assert coef.slope >= 0
+    # Half the drafts are accepted; with the slope held the intercepts centre
+    # the predictions on that rate instead of running off.
+    assert np.all(np.abs(coef.intercept_array()) < 3)
+
+
+def test_fit_mle_under_quasi_separation_matches_statsmodels_on_the_rest():
+    k = 4
+    truth = [0.8, 0.3, -0.2, -0.6]
+    x, obs, acc = synthetic(3000, k, 0.8, truth, seed=11)
+    # Position 0: every observed draft accepted (the intercept's MLE is +inf);
+    # position 3 never verified (trimmed): nothing to fit there.
+    obs = obs.copy()
+    obs[:, 3] = False
+    acc = acc & obs
+    acc[:, 0] = True
+    coef, _ = fit_mle(x, obs, acc)
+    rest = obs.copy()
+    rest[:, 0] = False
+    design, y = dense_design(x, rest, acc)
+    glm = sm.GLM(y, design[:, [0, 2, 3]], family=sm.families.Binomial()).fit(tol=1e-12)
+    np.testing.assert_allclose(coef.slope, glm.params[0], atol=1e-6)
+    np.testing.assert_allclose(coef.intercept_array()[1:3], glm.params[1:], atol=1e-6)
+    assert coef.intercepts[3] == Coefficients.cold_start(k).intercepts[3]
+    # The separated position predicts (numerically) certain acceptance.
+    p0 = 1 / (1 + np.exp(-linear_predictor(coef, x)[obs[:, 0], 0]))
+    assert p0.min() > 1 - 1e-9
+    # statsmodels on the full design drives the same intercept off and agrees
+    # on everything else.
+    full_design, full_y = dense_design(x, obs, acc)
+    full = sm.GLM(full_y, full_design[:, :4], family=sm.families.Binomial()).fit(
+        tol=1e-12, maxiter=200
+    )
+    np.testing.assert_allclose(coef.slope, full.params[0], atol=1e-3)
+    np.testing.assert_allclose(coef.intercept_array()[1:3], full.params[2:], atol=1e-3)
+
+
+def test_fit_mle_all_rejected_position():
+    k = 3
+    x, obs, acc = synthetic(2000, k, 0.6, [0.5, 0.0, -0.5], seed=12)
+    # Position 2: every observed draft rejected.
+    acc = acc.copy()
+    acc[:, 2] = False
+    coef, _ = fit_mle(x, obs, acc)
+    rest = obs.copy()
+    rest[:, 2] = False
+    design, y = dense_design(x, rest, acc)
+    glm = sm.GLM(y, design[:, :3], family=sm.families.Binomial()).fit(tol=1e-12)
+    np.testing.assert_allclose(coef.as_vector()[:3], glm.params, atol=1e-6)
+    p2 = 1 / (1 + np.exp(-linear_predictor(coef, x)[obs[:, 2], 2]))
+    assert p2.max() < 1e-9

@@ -18,12 +18,14 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from avest.core.calibration import Recalibrator
 from avest.core.features import check_features
 from avest.core.labels import check_counts, check_exclude, labels
 from avest.core.metrics import CalibrationState
 from avest.core.model import Coefficients, check_k, linear_predictor
 from avest.core.rules import REJECTED, Refit, UpdateRule, VllmRule
 from avest.core.stats import RoundStats, fold
+from avest.core.tracking import round_steps
 
 FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
@@ -72,8 +74,11 @@ class OnlineEstimator:
         refit_interval: int = DEFAULT_REFIT_INTERVAL,
         start: Coefficients | None = None,
         recent_decay: float = DEFAULT_RECENT_DECAY,
+        calibrate: bool = False,
     ) -> None:
         check_k(k)
+        #: The monotone calibration layer over the linear predictor, if enabled.
+        self.recalibrator: Recalibrator | None = Recalibrator() if calibrate else None
         if not 0.0 <= recent_decay <= 1.0:
             raise ValueError("recent_decay must lie in [0, 1]")
         self.recent_decay = recent_decay
@@ -103,6 +108,8 @@ class OnlineEstimator:
         self._calibration_round = CalibrationState.empty(self.k)
         self._calibration_total = CalibrationState.empty(self.k)
         self._calibration_recent = CalibrationState.empty(self.k)
+        if self.recalibrator is not None:
+            self.recalibrator = Recalibrator(self.recalibrator.decay)
         self.version += 1
         self.round = 0
         self.steps = 0
@@ -127,12 +134,19 @@ class OnlineEstimator:
         eta = linear_predictor(self.coefficients, batch.features)
         self.round_stats.add_(fold(batch.features, eta, batch.observed, batch.accepted))
         self._calibration_round.update(eta, batch.observed, batch.accepted)
+        if self.recalibrator is not None:
+            self.recalibrator.observe(eta, batch.observed, batch.accepted)
         self.drafts += batch.labelled
         self.steps += 1
         self.steps_in_round += 1
-        if self.steps_in_round >= self.refit_interval:
+        if self.steps_in_round >= self.round_length:
             return self.refit()
         return None
+
+    @property
+    def round_length(self) -> int:
+        """Steps in the open round: ``refit_interval``, less while the rule warms up."""
+        return round_steps(self.rule, self.round, self.refit_interval)
 
     def refit(self) -> Refit:
         """Close the round now: one update-rule step, then a fresh round."""
@@ -144,6 +158,8 @@ class OnlineEstimator:
             self.version += 1
         self.round_stats = RoundStats.zeros(self.k)
         self.steps_in_round = 0
+        if self.recalibrator is not None:
+            self.recalibrator.refit()
         self._calibration_total.merge(self._calibration_round)
         self._calibration_recent.scale(self.recent_decay)
         self._calibration_recent.merge(self._calibration_round)
@@ -168,6 +184,17 @@ class OnlineEstimator:
 
         return sigmoid(linear_predictor(self.coefficients, check_features(features, self.k)))
 
+    def served_eta(self, features: npt.ArrayLike) -> FloatArray:
+        """The served linear predictor: the calibration layer's map while it is active."""
+        eta = linear_predictor(self.coefficients, check_features(features, self.k))
+        return eta if self.recalibrator is None else self.recalibrator.apply(eta)
+
+    def predict_served(self, features: npt.ArrayLike) -> FloatArray:
+        """Served acceptance probabilities ``[R, K]`` (calibration layer included)."""
+        from avest.core.numeric import sigmoid
+
+        return sigmoid(self.served_eta(features))
+
     # -- persistence ------------------------------------------------------
 
     def snapshot(self) -> dict[str, FloatArray]:
@@ -188,6 +215,8 @@ class OnlineEstimator:
         ):
             out.update({f"{name}.{n}": v for n, v in state.to_arrays().items()})
         out.update({f"rule.{n}": v for n, v in self.rule.state().items()})
+        if self.recalibrator is not None:
+            out.update({f"recal.{n}": v for n, v in self.recalibrator.to_arrays().items()})
         return out
 
     def restore(self, arrays: dict[str, FloatArray]) -> None:
@@ -209,3 +238,6 @@ class OnlineEstimator:
         self._calibration_round = CalibrationState.from_arrays(part("calibration_round."))
         self.rule.reset(self.start)
         self.rule.load_state(part("rule."))
+        if self.recalibrator is not None:
+            self.recalibrator = Recalibrator(self.recalibrator.decay)
+            self.recalibrator.load_arrays(part("recal."))

@@ -10,7 +10,10 @@
 
 Both take a :class:`RoundStats` computed at the current coefficients and
 return the new coefficients with an outcome label. Neither raises on bad
-numbers: a step that would make the slope negative or non-finite is dropped.
+numbers: a step that would make the slope negative or non-finite is dropped,
+and the intercepts are those solved with the slope held (never the ones
+solved together with the dropped slope). ``tracking`` (the default, in
+:mod:`avest.core.tracking`) is a third rule.
 """
 
 from __future__ import annotations
@@ -198,7 +201,10 @@ class RecursiveRule:
         self._a, self._b, self._c, self._h = a, b, c, h
         outcome = APPLIED
         if new[0] < 0.0:
+            # The best fit with the slope held: re-solve the intercept rows of
+            # the same system given the old slope (its block is diagonal).
             new[0] = coef.slope
+            new[1:] = (rhs[1:] - b * coef.slope) / (c + self.prior)
             outcome = SLOPE_HELD
         return Refit(Coefficients.from_vector(new), outcome)
 
@@ -235,7 +241,9 @@ def _solve_spd(m: FloatArray, rhs: FloatArray) -> FloatArray | None:
             return None
 
 
-RULE_NAMES = ("vllm", "recursive")
+RULE_NAMES = ("vllm", "recursive", "tracking")
+#: The rule a pair gets when it names none (README: measured on traces).
+DEFAULT_RULE = "tracking"
 
 
 def make_rule(
@@ -243,12 +251,22 @@ def make_rule(
     *,
     l2: float = 1e-3,
     damping: float = 50.0,
-    forgetting: float = 0.95,
+    forgetting: float | None = None,
     prior: float = 1.0,
-) -> VllmRule | RecursiveRule:
-    """Build an update rule by name; each rule reads only its own parameters."""
+) -> UpdateRule:
+    """Build an update rule by name; each rule reads only its own parameters.
+
+    ``forgetting`` defaults per rule: 0.95 for ``recursive``, 0.9 for
+    ``tracking``.
+    """
     if name == "vllm":
         return VllmRule(l2=l2, damping=damping)
     if name == "recursive":
-        return RecursiveRule(forgetting=forgetting, prior=prior)
+        return RecursiveRule(forgetting=0.95 if forgetting is None else forgetting, prior=prior)
+    if name == "tracking":
+        from avest.core.tracking import TrackingRule
+
+        return TrackingRule(
+            forgetting=0.9 if forgetting is None else forgetting, damping=damping, l2=l2
+        )
     raise ValueError(f"unknown update rule {name!r}; choose one of {', '.join(RULE_NAMES)}")

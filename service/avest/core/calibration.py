@@ -1,0 +1,147 @@
+"""A calibration layer over the linear predictor: a monotone map learned online.
+
+The linear-logistic map ``p = sigmoid(eta)`` bends away from what is observed
+(and saturates for features piled at vLLM's +40 clamp). :class:`Recalibrator`
+learns a monotone map ``eta -> eta'`` from decayed, mergeable histograms of
+the drafts' linear predictors (accepted and total per bin), predict-then-
+learn, and serves it only while its recent predictive log loss beats the
+plain logistic's. It changes the served confidences, never the IRLS round
+statistics (those stay on the logistic prediction).
+
+The map is a fixed-size table (:data:`SLOTS` knots, the bin centres plus one
+below and one above the grid) applied by piecewise-linear interpolation in
+``eta``, flat beyond the end knots, so a GPU kernel can apply it with fixed
+shapes. Each refit, every bin's rate is shrunk toward the logistic rate at
+its centre (``PSEUDO_COUNT`` drafts' worth), made monotone by weighted
+pool-adjacent-violators, and stored as log-odds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from avest.core.numeric import bernoulli_nll, sigmoid
+
+FloatArray = npt.NDArray[np.float64]
+
+#: Inner bins of the linear predictor on ``[-ETA_MAX, ETA_MAX)``.
+BINS = 32
+ETA_MAX = 8.0
+#: Table knots: underflow, ``BINS`` centres, overflow.
+SLOTS = BINS + 2
+#: Drafts' worth of shrinkage toward the logistic rate in every bin.
+PSEUDO_COUNT = 20.0
+#: Histogram weight kept per refit (follows drift within a few rounds).
+DEFAULT_DECAY = 0.8
+#: The map must beat the logistic's decayed loss by this fraction, and nats.
+SERVE_MARGIN = 0.005
+SERVE_MARGIN_NATS = 2.0
+#: Log-odds of served confidences are kept within this range.
+MAX_LOGIT = 12.0
+
+_WIDTH = 2.0 * ETA_MAX / BINS
+KNOTS = np.concatenate(
+    ([-ETA_MAX - _WIDTH / 2], -ETA_MAX + _WIDTH * (np.arange(BINS) + 0.5), [ETA_MAX + _WIDTH / 2])
+)
+
+
+def slot(eta: npt.ArrayLike) -> npt.NDArray[np.intp]:
+    """Histogram slot of each ``eta``: 0 below the grid, 1..BINS inside, BINS+1 above."""
+    v = np.floor((np.asarray(eta, dtype=np.float64) + ETA_MAX) / _WIDTH) + 1.0
+    return np.clip(v, 0, SLOTS - 1).astype(np.intp)
+
+
+def pool_adjacent_violators(values: FloatArray, weights: FloatArray) -> FloatArray:
+    """Weighted non-decreasing least-squares fit of ``values``."""
+    blocks: list[list[float]] = []  # [mean, weight, length]
+    for v, w in zip(values.tolist(), weights.tolist(), strict=True):
+        blocks.append([v, w, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, w2, n2 = blocks.pop()
+            m1, w1, n1 = blocks.pop()
+            tot = w1 + w2
+            blocks.append([(m1 * w1 + m2 * w2) / tot if tot > 0 else m2, tot, n1 + n2])
+    return np.concatenate([np.full(int(n), m) for m, _, n in blocks])
+
+
+class Recalibrator:
+    """Monotone recalibration of one pair's linear predictor."""
+
+    def __init__(self, decay: float = DEFAULT_DECAY) -> None:
+        if not 0.0 <= decay <= 1.0:
+            raise ValueError("decay must lie in [0, 1]")
+        self.decay = decay
+        self.accepted = np.zeros(SLOTS)
+        self.total = np.zeros(SLOTS)
+        self.round_accepted = np.zeros(SLOTS)
+        self.round_total = np.zeros(SLOTS)
+        self.table = KNOTS.copy()  # identity map until learned
+        # Decayed predictive log loss of the map and of the plain logistic.
+        self.loss = np.zeros(2)
+
+    @property
+    def active(self) -> bool:
+        """Serve the map only while its recent predictive log loss is lower by a margin.
+
+        The margin (0.5 % of the logistic's loss, at least 2 nats) keeps a
+        map that has only just caught up from being served on noise.
+        """
+        return bool(
+            self.loss[0] < self.loss[1] - max(SERVE_MARGIN_NATS, SERVE_MARGIN * self.loss[1])
+        )
+
+    def mapped(self, eta: npt.ArrayLike) -> FloatArray:
+        """The learned map applied to ``eta`` (whether or not it is served)."""
+        e = np.asarray(eta, dtype=np.float64)
+        return np.asarray(np.interp(e, KNOTS, self.table), dtype=np.float64)
+
+    def apply(self, eta: npt.ArrayLike) -> FloatArray:
+        """The served linear predictor: mapped while active, else unchanged."""
+        e = np.asarray(eta, dtype=np.float64)
+        return self.mapped(e) if self.active else e
+
+    def observe(self, eta: npt.ArrayLike, observed: npt.ArrayLike, accepted: npt.ArrayLike) -> None:
+        """Score the drafts with the map in force, then add them to the open round."""
+        e = np.asarray(eta, dtype=np.float64)
+        obs = np.asarray(observed, dtype=bool)
+        y = np.asarray(accepted, dtype=bool) & obs
+        if not obs.any():
+            return
+        self.loss[0] += float(np.sum(bernoulli_nll(self.mapped(e[obs]), y[obs])))
+        self.loss[1] += float(np.sum(bernoulli_nll(e[obs], y[obs])))
+        s = slot(e[obs])
+        self.round_total += np.bincount(s, minlength=SLOTS)
+        self.round_accepted += np.bincount(s, weights=y[obs].astype(np.float64), minlength=SLOTS)
+
+    def refit(self) -> None:
+        """Close the round: decay, merge, and fit the table again."""
+        self.accepted = self.decay * self.accepted + self.round_accepted
+        self.total = self.decay * self.total + self.round_total
+        self.loss *= self.decay
+        self.round_accepted = np.zeros(SLOTS)
+        self.round_total = np.zeros(SLOTS)
+        prior = sigmoid(KNOTS)
+        rate = (self.accepted + PSEUDO_COUNT * prior) / (self.total + PSEUDO_COUNT)
+        rate = pool_adjacent_violators(rate, self.total + PSEUDO_COUNT)
+        rate = np.clip(rate, sigmoid(-MAX_LOGIT), sigmoid(MAX_LOGIT))
+        self.table = np.log(rate) - np.log1p(-rate)
+
+    def export(self) -> tuple[FloatArray, FloatArray]:
+        """``(knots, logits)`` of the served map, each ``[SLOTS]``: identity when inactive."""
+        return KNOTS.copy(), (self.table.copy() if self.active else KNOTS.copy())
+
+    def to_arrays(self) -> dict[str, FloatArray]:
+        return {
+            "accepted": self.accepted.copy(),
+            "total": self.total.copy(),
+            "round_accepted": self.round_accepted.copy(),
+            "round_total": self.round_total.copy(),
+            "table": self.table.copy(),
+            "loss": self.loss.copy(),
+        }
+
+    def load_arrays(self, arrays: dict[str, FloatArray]) -> None:
+        for name, value in arrays.items():
+            if name in ("accepted", "total", "round_accepted", "round_total", "table", "loss"):
+                setattr(self, name, np.asarray(value, dtype=np.float64).copy())

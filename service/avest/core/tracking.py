@@ -1,0 +1,211 @@
+"""The ``tracking`` update rule: a Newton step from the current point.
+
+Each refit solves ``(H_t + D_t + s A) d = g_t`` and moves ``theta += d``:
+
+- ``H_t, g_t`` are the round's IRLS sums (the arrowhead ``a, b, c`` and the
+  gradient ``g0, g1``) at the coefficients in force, exactly what a worker
+  computes, so rounds from many workers merge by addition and nothing else
+  is needed;
+- ``D_t`` is vLLM's damping written as a prior centred at the current point:
+  ``H_t * c / n`` (slope block) and ``c_k * c / n_k`` (each intercept), so a
+  first round moves like vLLM's ``n / (n + c)`` and a thinly labelled
+  position moves little;
+- ``A`` is the information of earlier rounds, forgotten by ``forgetting``
+  per round, used as a prior centred at the *current* coefficients (it never
+  pulls toward the cold start). Its weight ``s`` comes from the round's own
+  innovation test: with ``z = g^T H_t^-1 g`` and ``d`` degrees of freedom,
+  ``E[z] = d + tr(A^-1 H_t)`` when the current point is as good as ``A``
+  claims; a larger ``z`` means the point is off (not yet converged, or the
+  workload moved), and ``s = 1 / max(1, (z - d) / tr(A^-1 H_t))`` discounts
+  the old information by that much, here and in what is carried forward.
+
+Guards leave a consistent fit: a slope step that would go negative (or is
+not finite) is replaced by the solve with the slope held, and each
+position's step is bounded in the linear predictor by a trust region that
+still allows the jump that matches the position's observed rate (so drafts
+piled at one feature value, e.g. vLLM's +40 clamp, are calibrated within a
+round or two instead of being driven to 0 or 1).
+
+The estimator also refits early while the rule is new (``warmup_rounds``
+rounds ending at ``N/16, N/8, N/4, N/2, N`` steps, then every ``N``), so the
+cold-start coefficients serve a sixteenth of the first round, not all of it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+import numpy.typing as npt
+
+from avest.core.model import Coefficients
+from avest.core.numeric import sigmoid
+from avest.core.rules import APPLIED, REJECTED, SLOPE_HELD, Refit, arrowhead_dense
+from avest.core.stats import RoundStats
+
+FloatArray = npt.NDArray[np.float64]
+
+#: Smallest trust region, in units of the linear predictor, per refit.
+TRUST_REGION = 2.0
+
+
+def solve_arrowhead(
+    a: float, b: FloatArray, c: FloatArray, g: FloatArray, hold_slope: bool = False
+) -> FloatArray:
+    """Solve ``[[a, b^T], [b, diag(c)]] d = g`` in O(K); ``hold_slope``: ``d[0] = 0``."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        if hold_slope:
+            dw = 0.0
+        else:
+            den = a - float(np.sum(b * b / c))
+            dw = (float(g[0]) - float(np.sum(b * g[1:] / c))) / den if den > 0.0 else math.nan
+        return np.concatenate(([dw], (g[1:] - b * dw) / c))
+
+
+def round_steps(rule: object, round_index: int, refit_interval: int) -> int:
+    """Steps in round ``round_index`` under ``rule``: shorter while warming up.
+
+    With ``W = rule.warmup_rounds`` the first rounds end at ``N/2^W, N/2^(W-1),
+    ..., N/2`` steps and then every ``N``, so the refits after the warm-up fall
+    where vLLM's do.
+    """
+    warmup = int(getattr(rule, "warmup_rounds", 0))
+    if round_index > warmup or warmup <= 0:
+        return refit_interval
+
+    def end(r: int) -> int:
+        return refit_interval if r >= warmup else max(1, refit_interval >> (warmup - r))
+
+    return max(1, end(round_index) - (end(round_index - 1) if round_index > 0 else 0))
+
+
+@dataclass
+class TrackingRule:
+    """Newton step from the current point with an adaptively discounted information prior."""
+
+    forgetting: float = 0.9
+    damping: float = 50.0
+    l2: float = 1e-3
+    warmup_rounds: int = 4
+    name: ClassVar[str] = "tracking"
+    _a: float = 0.0
+    _b: FloatArray = field(default_factory=lambda: np.zeros(0))
+    _c: FloatArray = field(default_factory=lambda: np.zeros(0))
+    #: Weight given to the carried information at the last refit (1: all of it).
+    last_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.forgetting <= 1.0:
+            raise ValueError("forgetting must be in [0, 1]")
+        if self.damping < 0.0 or self.l2 < 0.0:
+            raise ValueError("damping and l2 must be >= 0")
+        if self.warmup_rounds < 0:
+            raise ValueError("warmup_rounds must be >= 0")
+
+    def reset(self, start: Coefficients) -> None:
+        self._a = 0.0
+        self._b = np.zeros(start.k)
+        self._c = np.zeros(start.k)
+        self.last_weight = 1.0
+
+    def _prior_weight(self, stats: RoundStats, g: FloatArray) -> float:
+        """The innovation test: how much of the carried information still applies."""
+        if self._a <= 0.0:
+            return 1.0
+        at = float(stats.a.sum())
+        live = stats.n > 0
+        dof = 1 + int(np.count_nonzero(live))
+        hg = solve_arrowhead(at + self.l2, stats.b, stats.c + self.l2, g)
+        z = float(g @ hg)
+        h = arrowhead_dense(at, stats.b, stats.c)
+        p = arrowhead_dense(self._a + self.l2, self._b, self._c + self.l2)
+        try:
+            tr = float(np.trace(np.linalg.solve(p, h)))
+        except np.linalg.LinAlgError:
+            return 0.0
+        if not (math.isfinite(z) and math.isfinite(tr)) or tr <= 0.0:
+            return 0.0 if not math.isfinite(z) else 1.0
+        return 1.0 / max(1.0, (z - dof) / tr)
+
+    def refit(self, coef: Coefficients, stats: RoundStats) -> Refit:
+        if self._b.shape[0] != coef.k:
+            self.reset(coef)
+        n = stats.n
+        total = float(n.sum())
+        if total <= 0.0:
+            return Refit(coef, APPLIED)
+        g = np.concatenate(([float(stats.g0.sum())], stats.g1))
+        if not np.all(np.isfinite(g)):
+            return Refit(coef, REJECTED)
+        at = float(stats.a.sum())
+        with np.errstate(divide="ignore", invalid="ignore"):
+            damp_k = np.where(n > 0, self.damping / np.maximum(n, 1e-300), 0.0)
+        s = self._prior_weight(stats, g)
+        a = at * (1.0 + self.damping / total) + self.l2 + s * self._a
+        b = stats.b + s * self._b
+        c = stats.c * (1.0 + damp_k) + self.l2 + s * self._c
+        step = solve_arrowhead(a, b, c, g)
+        outcome = APPLIED
+        if not (np.all(np.isfinite(step)) and coef.slope + step[0] >= 0.0):
+            step = solve_arrowhead(a, b, c, g, hold_slope=True)
+            outcome = SLOPE_HELD
+        if not np.all(np.isfinite(step)):
+            return Refit(coef, REJECTED)
+        step = self._trust_region(coef, stats, step)
+        new = coef.as_vector() + step
+        if not np.all(np.isfinite(new)):
+            return Refit(coef, REJECTED)
+        lam = self.forgetting * s
+        self._a = lam * self._a + at
+        self._b = lam * self._b + stats.b
+        self._c = lam * self._c + stats.c
+        self.last_weight = s
+        return Refit(Coefficients.from_vector(new), outcome)
+
+    @staticmethod
+    def _trust_region(coef: Coefficients, stats: RoundStats, step: FloatArray) -> FloatArray:
+        """Bound each position's move of its mean linear predictor.
+
+        The bound is ``max(TRUST_REGION, |logit(observed) - eta|)`` at the
+        position's weighted mean feature, with the observed rate read from the
+        sums (``p + g1 / n``) and kept half a draft away from 0 and 1.
+        """
+        n = stats.n
+        live = n > 0
+        safe_n = np.maximum(n, 1.0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            xbar = np.where(stats.c > 0, stats.b / np.where(stats.c > 0, stats.c, 1.0), 0.0)
+        eta = coef.slope * xbar + coef.intercept_array()
+        observed = np.clip(sigmoid(eta) + stats.g1 / safe_n, 0.5 / safe_n, 1.0 - 0.5 / safe_n)
+        target = np.log(observed) - np.log1p(-observed)
+        bound = np.maximum(TRUST_REGION, np.abs(target - eta))
+        move = np.abs(step[1:] + step[0] * xbar)
+        ratio = np.where(live, move / bound, 0.0)
+        out = step.copy()
+        worst = float(ratio.max()) if ratio.size else 0.0
+        if worst > 1.0:
+            # The shared slope moves by the most any position allows; each
+            # intercept is then clipped to its own bound around that move.
+            out[0] = step[0] / worst
+            lo = -bound - out[0] * xbar
+            hi = bound - out[0] * xbar
+            out[1:] = np.where(live, np.clip(step[1:], lo, hi), step[1:])
+        return out
+
+    def state(self) -> dict[str, FloatArray]:
+        return {
+            "a": np.array([self._a]),
+            "b": self._b.copy(),
+            "c": self._c.copy(),
+            "weight": np.array([self.last_weight]),
+        }
+
+    def load_state(self, arrays: dict[str, FloatArray]) -> None:
+        if not arrays:
+            return
+        self._a = float(np.asarray(arrays["a"]).reshape(-1)[0])
+        self._b = np.asarray(arrays["b"], dtype=np.float64).copy()
+        self._c = np.asarray(arrays["c"], dtype=np.float64).copy()
+        self.last_weight = float(np.asarray(arrays["weight"]).reshape(-1)[0])
