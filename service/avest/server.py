@@ -59,6 +59,7 @@ class Server:
         self.health = health.aio.HealthServicer()
         self.grpc_port = 0
         self.http_port = 0
+        self.max_connections = settings.max_connections
         self._grpc: grpc.aio.Server | None = None
         self._http: _EmbeddedUvicorn | None = None
         self._http_task: asyncio.Task[None] | None = None
@@ -88,7 +89,11 @@ class Server:
 
     async def start(self) -> None:
         self.check_exposure()
-        raise_fd_limit()
+        # Each listener may hold half the descriptors, less a reserve for the
+        # store, logs and the process itself.
+        self.max_connections = min(
+            self.settings.max_connections, max(16, (raise_fd_limit() - 128) // 2)
+        )
         quiet_loop_errors(asyncio.get_running_loop())
         await self.app.start()
         s = self.settings
@@ -102,7 +107,7 @@ class Server:
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
                 ("grpc.so_reuseport", 0),
-                ("grpc.max_allowed_incoming_connections", s.max_connections),
+                ("grpc.max_allowed_incoming_connections", self.max_connections),
                 ("grpc.max_concurrent_streams", 1024),
                 ("grpc.server_handshake_timeout_ms", int(s.handshake_timeout_s * 1000)),
                 ("grpc.max_connection_idle_ms", int(s.idle_timeout_s * 1000)),
@@ -148,8 +153,8 @@ class Server:
             log_config=None,
             lifespan="off",
             access_log=False,
-            http=guarded_protocol(s.max_connections),
-            limit_concurrency=s.max_connections,
+            http=guarded_protocol(self.max_connections),
+            limit_concurrency=self.max_connections,
             timeout_keep_alive=max(1, int(s.handshake_timeout_s)),
             **http_tls(s),
         )
@@ -215,16 +220,17 @@ def http_tls(s: Settings) -> dict[str, object]:
     return tls
 
 
-def raise_fd_limit() -> None:
-    """Use the hard limit on open files: idle sockets must not exhaust a low soft limit."""
+def raise_fd_limit() -> int:
+    """Use the hard limit on open files; returns the limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if hard == resource.RLIM_INFINITY:
-            hard = max(soft, 1 << 16)
-        if soft < hard:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        target = max(soft, 1 << 20) if hard == resource.RLIM_INFINITY else hard
+        if soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
     except (ValueError, OSError):  # pragma: no cover - not allowed here
         log.debug("cannot raise the open-file limit", exc_info=True)
+    return int(soft)
 
 
 async def serve(settings: Settings, announce: bool = True) -> None:

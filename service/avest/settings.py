@@ -68,7 +68,10 @@ class Settings(BaseSettings):
         False, description="allow listening beyond loopback without a worker token"
     )
     max_connections: int = Field(
-        512, ge=1, description="open connections per listener (gRPC and HTTP) before refusing"
+        4096,
+        ge=1,
+        description="open connections per listener (gRPC and HTTP) before refusing; "
+        "at most half the open-file limit",
     )
     max_streams: int = Field(
         4096, ge=1, description="concurrent gRPC calls before RESOURCE_EXHAUSTED"
@@ -80,10 +83,12 @@ class Settings(BaseSettings):
         10.0, gt=0, description="close a connection that has not finished its handshake"
     )
     rpc_rate: float = Field(
-        200.0, ge=0, description="unary calls per second per client address (0: no limit)"
+        1000.0, ge=0, description="unary calls per second per client address (0: no limit)"
     )
-    pair_step_rate: float = Field(
-        20000.0, ge=0, description="Observe steps per second per pair (0: no limit)"
+    stream_step_rate: float = Field(
+        5000.0,
+        ge=0,
+        description="Observe steps per second per stream; faster senders are slowed (0: no limit)",
     )
     grace_s: float = Field(5.0, description="seconds SIGTERM waits for streams to drain")
     log_level: str = Field("info", description="debug, info, warning or error")

@@ -32,7 +32,7 @@ class StreamHost(Protocol):
     #: (pair_id, worker_id) -> the open stream sending as that worker.
     owners: dict[tuple[str, str], ObserveStream]
 
-    def pair_rate(self, pair_id: str) -> TokenBucket | None: ...
+    def step_rate(self) -> TokenBucket | None: ...
 
     def malformed(self, method: str) -> None: ...
 
@@ -104,6 +104,7 @@ class ObserveStream:
 
     async def _consume(self) -> None:
         service = self.service
+        rate = service.step_rate()
         try:
             async for req in self.requests:
                 if service.draining:
@@ -139,9 +140,9 @@ class ObserveStream:
                             )
                         )
                 # Fair turns: let other streams, health and pushes run between
-                # messages; a pair over its step rate waits (backpressure).
-                bucket = service.pair_rate(pair.id)
-                await asyncio.sleep(min(bucket.wait_s(), 1.0) if bucket is not None else 0)
+                # messages; a stream over its step rate waits (backpressure
+                # through gRPC flow control, nothing refused or lost).
+                await asyncio.sleep(min(rate.wait_s(), 1.0) if rate is not None else 0)
         finally:
             # Let the last applied steps become durable and be acknowledged
             # before the stream ends.

@@ -51,7 +51,6 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         self.watchers: dict[str, set[asyncio.Queue[pb.Coefficients | None]]] = {}
         self.open_streams = 0
         self.owners: dict[tuple[str, str], ObserveStream] = {}
-        self._pair_rates: dict[str, TokenBucket] = {}
         self._logs = LogLimiter("avest.grpc")
         #: Set when the server drains: streams stop applying steps, so the
         #: final snapshot covers (and acknowledges) everything applied.
@@ -61,15 +60,10 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
 
     # -- helpers --------------------------------------------------------------
 
-    def pair_rate(self, pair_id: str) -> TokenBucket | None:
-        """The pair's step-rate bucket (``None``: no limit)."""
-        rate = self.app.settings.pair_step_rate
-        if rate <= 0:
-            return None
-        bucket = self._pair_rates.get(pair_id)
-        if bucket is None:
-            bucket = self._pair_rates[pair_id] = TokenBucket(rate, rate)
-        return bucket
+    def step_rate(self) -> TokenBucket | None:
+        """A new stream's step-rate bucket (``None``: no limit)."""
+        rate = self.app.settings.stream_step_rate
+        return TokenBucket(rate, rate) if rate > 0 else None
 
     def malformed(self, method: str) -> None:
         self.on_refused(method, "malformed")
