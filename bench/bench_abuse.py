@@ -285,7 +285,9 @@ def idle(sockets: int = 1100, nofile: int = 1024, seconds: float = 30.0) -> dict
         closed = 0
         for s in socks:
             try:
-                closed += s.recv(1) == b""
+                while s.recv(65536):  # what it sent first (HTTP/2 settings), then EOF
+                    pass
+                closed += 1
             except BlockingIOError:
                 pass
             except OSError:

@@ -109,7 +109,11 @@ class Server:
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_allowed_incoming_connections", self.max_connections),
                 ("grpc.max_concurrent_streams", 1024),
+                # A connection that does not finish its handshake, or never
+                # acknowledges the server's HTTP/2 settings (a socket that sends
+                # nothing), is closed after handshake_timeout_s.
                 ("grpc.server_handshake_timeout_ms", int(s.handshake_timeout_s * 1000)),
+                ("grpc.http2.settings_timeout", int(s.handshake_timeout_s * 1000)),
                 ("grpc.max_connection_idle_ms", int(s.idle_timeout_s * 1000)),
                 # Ping idle transports so dead peers are found; allow the client's
                 # keepalive pings (avest_client pings every 30 s).
@@ -154,7 +158,7 @@ class Server:
             lifespan="off",
             access_log=False,
             http=guarded_protocol(self.max_connections),
-            limit_concurrency=self.max_connections,
+            limit_concurrency=self.max_connections + 1,  # our cap closes idle ones first
             timeout_keep_alive=max(1, int(s.handshake_timeout_s)),
             **http_tls(s),
         )

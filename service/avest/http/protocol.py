@@ -11,6 +11,7 @@ for at most ``timeout_keep_alive`` seconds and can never fill the table.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -23,11 +24,12 @@ _logs = LogLimiter("avest.http")
 def guarded_protocol(max_connections: int) -> type[H11Protocol]:
     class GuardedH11(H11Protocol):
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            self.opened_at = time.monotonic()
             super().connection_made(transport)
-            if len(self.connections) > max_connections:
+            if len(self.connections) > max_connections and not self._evict_idle():
                 _logs.warning(
                     "full",
-                    "HTTP connection refused: %d open (limit %d)",
+                    "HTTP connection refused: %d open, all busy (limit %d)",
                     len(self.connections) - 1,
                     max_connections,
                 )
@@ -37,6 +39,24 @@ def guarded_protocol(max_connections: int) -> type[H11Protocol]:
             self.timeout_keep_alive_task = self.loop.call_later(
                 self.timeout_keep_alive, self.timeout_keep_alive_handler
             )
+
+        def _evict_idle(self) -> bool:
+            """At the cap, a new connection takes the place of an idle one (no
+            request in progress), so idle sockets cannot lock out probes."""
+            for other in list(self.connections):
+                if other is self or other.transport.is_closing():
+                    continue
+                cycle = other.cycle
+                if cycle is None or cycle.response_complete:
+                    _logs.warning(
+                        "evict",
+                        "HTTP connection limit %d reached: closing idle ones",
+                        max_connections,
+                    )
+                    other.connections.discard(other)
+                    other.transport.abort()
+                    return True
+            return False
 
         def data_received(self, data: bytes) -> None:
             if self.transport.is_closing():
