@@ -207,8 +207,8 @@ async def _light(address: str, pid: str, steps: int, http_url: str) -> dict[str,
     }
 
 
-def busy(streams: int, procs: int = 4, steps: int = 50) -> dict[str, Any]:
-    served = serve(Path(tempfile.mkdtemp(prefix="avest-busy-")))
+def busy(streams: int, procs: int = 4, steps: int = 50, tokens: bool = True) -> dict[str, Any]:
+    served = serve(Path(tempfile.mkdtemp(prefix="avest-busy-")), tokens=tokens)
     try:
         with grpc.insecure_channel(served.grpc_address) as ch:
             stub = pb_grpc.EstimatorServiceStub(ch)
@@ -248,10 +248,12 @@ def busy(streams: int, procs: int = 4, steps: int = 50) -> dict[str, Any]:
 # -- idle sockets ----------------------------------------------------------------------------
 
 
-def idle(sockets: int = 1100, nofile: int = 1024, seconds: float = 30.0) -> dict[str, Any]:
+def idle(
+    sockets: int = 1100, nofile: int = 1024, seconds: float = 30.0, tokens: bool = True
+) -> dict[str, Any]:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
-    served = serve(Path(tempfile.mkdtemp(prefix="avest-idle-")), nofile=nofile)
+    served = serve(Path(tempfile.mkdtemp(prefix="avest-idle-")), nofile=nofile, tokens=tokens)
     try:
         host, gport = served.grpc_address.rsplit(":", 1)
         hport = served.http_url.rsplit(":", 1)[1]
@@ -326,15 +328,18 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=1000)
     parser.add_argument("--sockets", type=int, default=1100)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--no-tokens", action="store_true", help="serve without tokens (to compare older builds)"
+    )
     args = parser.parse_args()
     out: dict[str, Any] = {}
     if args.what in ("poison", "all"):
         out["poison_with_tokens"] = poison_once(True)
         out["poison_without_tokens_loopback"] = poison_once(False)
     if args.what in ("busy", "all"):
-        out["busy"] = busy(args.streams)
+        out["busy"] = busy(args.streams, tokens=not args.no_tokens)
     if args.what in ("idle", "all"):
-        out["idle"] = idle(args.sockets)
+        out["idle"] = idle(args.sockets, tokens=not args.no_tokens)
     print(json.dumps(out, indent=None if args.json else 2))
     return 0
 

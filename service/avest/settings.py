@@ -80,7 +80,7 @@ class Settings(BaseSettings):
         300.0, gt=0, description="close a connection with no call for this long"
     )
     handshake_timeout_s: float = Field(
-        10.0, gt=0, description="close a connection that has not finished its handshake"
+        5.0, gt=0, description="close a connection that has not finished its handshake"
     )
     rpc_rate: float = Field(
         1000.0, ge=0, description="unary calls per second per client address (0: no limit)"
