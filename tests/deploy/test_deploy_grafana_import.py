@@ -242,9 +242,14 @@ def test_the_pair_picker_shows_target_draft_and_labels(
     expr = substitute_grafana(grafana_function_to_promql(var["query"]["query"]), values_for(fed))
     body = prom.query(expr)
     assert body["status"] == "success", body
-    assert pick(var["regex"], grafana_query_result_lines(body["data"]["result"])) == [
-        (f"{fed.target} \u2190 {fed.draft} [workload=deploy-test]", fed.pair_id)
-    ]
+    picked = pick(var["regex"], grafana_query_result_lines(body["data"]["result"]))
+    assert (f"{fed.target} \u2190 {fed.draft} [workload=deploy-test]", fed.pair_id) in picked
+    # One entry per pair of the sidecar (other tests may have registered more),
+    # each an id of 16 hex digits named target ← draft.
+    assert len(picked) == len(body["data"]["result"]) == len({v for _, v in picked})
+    for text, value in picked:
+        assert re.fullmatch(r"[0-9a-f]{16}", value), value
+        assert " \u2190 " in text, text
     # A pair without labels: no brackets. The same expression over made-up series.
     made_up = (
         'label_replace(label_replace(label_replace(label_replace(label_replace(vector(1), "target",'
@@ -294,7 +299,7 @@ def test_the_reliability_bars_and_the_svg_link(
         urls[0], {"avest_url": live_prometheus.avest.service.http_url, "pair": fed.pair_id}
     )
     assert urllib.parse.urlparse(url).path == f"/v1/pairs/{fed.pair_id}/reliability.svg"
-    svg = http_get(url).decode()
+    svg = http_get(url, timeout=60).decode()  # the first drawing imports matplotlib
     assert svg.lstrip().startswith(("<?xml", "<svg")) and "</svg>" in svg
 
 
