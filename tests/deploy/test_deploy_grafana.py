@@ -81,7 +81,7 @@ def test_the_provisioned_datasource_is_the_default_the_variable_starts_on() -> N
     variables = {v["name"]: v for v in json.loads(DASHBOARD.read_text())["templating"]["list"]}
     ds = variables["datasource"]
     assert ds["type"] == "datasource" and ds["query"] == "prometheus"
-    assert ds["current"] == {} and ds["regex"] == ""
+    assert ds["current"]["value"] == "default" and ds["regex"] == ""
 
 
 def test_dashboards_are_provisioned_from_the_folder_compose_mounts() -> None:

@@ -93,56 +93,92 @@ def test_every_datasource_reference_is_the_datasource_variable(dashboard: dict[s
     assert queries and all(v["datasource"] == DS_VAR for v in queries)
     # One datasource variable, for Prometheus, preselecting no uid.
     sources = [v for v in dashboard["templating"]["list"] if v["type"] == "datasource"]
-    assert [(v["name"], v["query"], v["current"]) for v in sources] == [
-        ("datasource", "prometheus", {})
+    assert [(v["name"], v["query"], v["current"]["value"]) for v in sources] == [
+        ("datasource", "prometheus", "default")
     ]
     assert found >= 60
 
 
-def resolve_datasource_variable(
-    variable: dict[str, Any], datasources: list[dict[str, Any]]
-) -> dict[str, Any]:
-    """What Grafana selects for a datasource variable with nothing preselected:
-    its default datasource when that is of the variable's type, else the first
-    datasource of the type."""
-    of_type = [ds for ds in datasources if ds["type"] == variable["query"]]
+def resolve_datasource_variable(variable: dict[str, Any], datasources: list[dict[str, Any]]) -> str:
+    """The value Grafana gives a datasource variable (scenes' DataSourceVariable
+    and MultiValueVariable): the options are the datasources of the variable's
+    type by name, plus ``default`` when the current value is ``default`` and the
+    default datasource is of the type; the current value if it is an option,
+    else the first option."""
+    of_type = sorted(
+        (ds for ds in datasources if ds["type"] == variable["query"]),
+        key=lambda ds: ds["name"].lower(),
+    )
     assert of_type, f"no {variable['query']} datasource"
-    current = variable.get("current") or {}
-    if current.get("value"):
-        chosen = [ds for ds in of_type if current["value"] in (ds["uid"], ds["name"])]
-        if chosen:
-            return chosen[0]
-    return next((ds for ds in of_type if ds.get("isDefault")), of_type[0])
+    options = [ds["uid"] for ds in of_type]
+    current = (variable.get("current") or {}).get("value")
+    if current == "default" and any(ds.get("isDefault") for ds in of_type):
+        options.append("default")
+    return str(current) if current in options else options[0]
+
+
+def datasource_settings(ref: str, datasources: list[dict[str, Any]]) -> dict[str, Any]:
+    """Grafana's getInstanceSettings: ``default`` is the default datasource."""
+    found = [
+        ds
+        for ds in datasources
+        if (ds.get("isDefault") if ref == "default" else ref in (ds["uid"], ds["name"]))
+    ]
+    assert found, f"no datasource {ref!r} in this Grafana"
+    return found[0]
 
 
 @pytest.mark.parametrize(
-    "datasources",
+    ("datasources", "expected"),
     [
         # kube-prometheus-stack's Grafana: uid "prometheus", the default.
-        [{"name": "Prometheus", "uid": "prometheus", "type": "prometheus", "isDefault": True}],
-        # A Grafana whose default is another kind, with two Prometheus datasources.
-        [
-            {"name": "Loki", "uid": "loki", "type": "loki", "isDefault": True},
-            {"name": "Mimir", "uid": "P4169E866C3094E38", "type": "prometheus"},
-            {"name": "Thanos", "uid": "thanos", "type": "prometheus"},
-        ],
+        (
+            [
+                {"name": "Alertmanager", "uid": "alertmanager", "type": "alertmanager"},
+                {
+                    "name": "Prometheus",
+                    "uid": "prometheus",
+                    "type": "prometheus",
+                    "isDefault": True,
+                },
+            ],
+            "prometheus",
+        ),
+        # The default is a Prometheus datasource but not the first by name.
+        (
+            [
+                {"name": "Archive", "uid": "P1809F7CD0C75ACF3", "type": "prometheus"},
+                {"name": "Live", "uid": "live", "type": "prometheus", "isDefault": True},
+            ],
+            "live",
+        ),
+        # A Grafana whose default is another kind: the first Prometheus datasource.
+        (
+            [
+                {"name": "Loki", "uid": "loki", "type": "loki", "isDefault": True},
+                {"name": "Thanos", "uid": "thanos", "type": "prometheus"},
+                {"name": "Mimir", "uid": "P4169E866C3094E38", "type": "prometheus"},
+            ],
+            "P4169E866C3094E38",
+        ),
     ],
 )
 def test_imported_into_a_grafana_with_other_uids_every_reference_resolves(
-    dashboard: dict[str, Any], datasources: list[dict[str, Any]]
+    dashboard: dict[str, Any], datasources: list[dict[str, Any]], expected: str
 ) -> None:
     """The import as Grafana does it from a file or a ConfigMap: no inputs to
     map, the datasource variable takes the Grafana's Prometheus datasource,
     every panel, target and variable then names that datasource."""
     for copy in (dashboard, configmap_dashboard()):
-        ds_var = variables(copy)["datasource"]
-        chosen = resolve_datasource_variable(ds_var, datasources)
-        imported = json.loads(json.dumps(copy).replace("${datasource}", chosen["uid"]))
-        uids = {ds["uid"]: ds for ds in datasources}
+        value = resolve_datasource_variable(variables(copy)["datasource"], datasources)
+        imported = json.loads(json.dumps(copy).replace("${datasource}", value))
+        found = set()
         for path, node in walk(imported):
             if isinstance(node, dict) and "datasource" in node:
-                ref = node["datasource"]
-                assert ref["uid"] in uids and uids[ref["uid"]]["type"] == "prometheus", path
+                ds = datasource_settings(node["datasource"]["uid"], datasources)
+                assert ds["type"] == "prometheus", path
+                found.add(ds["uid"])
+        assert found == {expected}
 
 
 def configmap_dashboard() -> dict[str, Any]:

@@ -212,9 +212,11 @@ def query_variable(
 
 def datasource_variable() -> dict:
     """The ``datasource`` variable: any Prometheus datasource, none preselected
-    by uid (Grafana starts on its default Prometheus datasource)."""
+    by uid. Its value ``default`` is Grafana's *default* option (offered when the
+    default datasource is a Prometheus one): Grafana starts on its default
+    datasource, else on the first Prometheus datasource by name."""
     return {
-        "current": {},
+        "current": {"selected": True, "text": "default", "value": "default"},
         "hide": 0,
         "includeAll": False,
         "label": "Data source",
