@@ -321,6 +321,30 @@ def test_the_reliability_bars_and_the_svg_link(
     assert all(sorted(v, key=int) == bins for v in by_ref.values()), by_ref
     drafts = by_ref["C"]
     assert sum(drafts.values()) > 0
+    # Grafana's transformations, in order: merge the three tables on bin, sort
+    # the bins as numbers, back to text for the category axis, rename the values.
+    steps = [
+        (x["id"], x["options"].get("conversions", [{}])[0].get("destinationType"))
+        for x in bars["transformations"]
+    ]
+    assert steps == [
+        ("merge", None),
+        ("convertFieldType", "number"),
+        ("sortBy", None),
+        ("convertFieldType", "string"),
+        ("organize", None),
+    ]
+    renamed = bars["transformations"][-1]["options"]["renameByName"]
+    rows = sorted(
+        ({"bin": b, **{renamed[f"Value #{r}"]: by_ref[r][b] for r in by_ref}} for b in bins),
+        key=lambda row: float(row["bin"]),
+    )
+    assert [row["bin"] for row in rows] == bins
+    for row in rows:  # a filled bin's mean prediction lies in the bin
+        b = int(row["bin"])
+        if row["drafts"] > 0:
+            assert b / 15 <= row["mean predicted"] <= (b + 1) / 15, row
+            assert 0 <= row["observed"] <= 1, row
     # The value mappings name every bin by its probability range.
     mapping = bars["fieldConfig"]["overrides"][0]["properties"][0]["value"][0]["options"]
     assert sorted(mapping, key=int) == bins and mapping["0"]["text"] == "0-7%"

@@ -179,6 +179,7 @@ def reliability(lay: Layout) -> list[dict]:
         "title": "Reliability diagram (all drafts)",
         "transformations": [
             {"id": "merge", "options": {}},
+            # Sort the bins as numbers ("10" sorts before "2" as text).
             {
                 "id": "convertFieldType",
                 "options": {
@@ -187,6 +188,14 @@ def reliability(lay: Layout) -> list[dict]:
                 },
             },
             {"id": "sortBy", "options": {"fields": {}, "sort": [{"field": "bin", "desc": False}]}},
+            # Back to text: the bar chart's x axis is a category (string) field.
+            {
+                "id": "convertFieldType",
+                "options": {
+                    "conversions": [{"targetField": "bin", "destinationType": "string"}],
+                    "fields": {},
+                },
+            },
             {
                 "id": "organize",
                 "options": {"excludeByName": {"Time": True}, "renameByName": names},
