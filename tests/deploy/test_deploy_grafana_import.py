@@ -321,13 +321,14 @@ def test_the_reliability_bars_and_the_svg_link(
     assert all(sorted(v, key=int) == bins for v in by_ref.values()), by_ref
     drafts = by_ref["C"]
     assert sum(drafts.values()) > 0
-    # Grafana's transformations, in order: merge the three tables on bin, sort
+    # Grafana's transformations, in order: drop Time, merge the three tables on bin, sort
     # the bins as numbers, back to text for the category axis, rename the values.
     steps = [
         (x["id"], x["options"].get("conversions", [{}])[0].get("destinationType"))
         for x in bars["transformations"]
     ]
     assert steps == [
+        ("filterFieldsByName", None),
         ("merge", None),
         ("convertFieldType", "number"),
         ("sortBy", None),

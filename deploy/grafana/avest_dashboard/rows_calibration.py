@@ -178,6 +178,8 @@ def reliability(lay: Layout) -> list[dict]:
         ],
         "title": "Reliability diagram (all drafts)",
         "transformations": [
+            # Without the evaluation time, the three tables merge on bin alone.
+            {"id": "filterFieldsByName", "options": {"exclude": {"names": ["Time"]}}},
             {"id": "merge", "options": {}},
             # Sort the bins as numbers ("10" sorts before "2" as text).
             {
@@ -198,7 +200,7 @@ def reliability(lay: Layout) -> list[dict]:
             },
             {
                 "id": "organize",
-                "options": {"excludeByName": {"Time": True}, "renameByName": names},
+                "options": {"renameByName": names},
             },
         ],
         "type": "barchart",
