@@ -36,7 +36,8 @@ position ``i`` *given that position was verified* (the earlier drafts of the
 row were accepted): a conditional rate. vLLM's
 ``rate(vllm:spec_decode_num_accepted_tokens_per_pos_total[5m]) /
 rate(vllm:spec_decode_num_drafts_total[5m])`` is the unconditional rate,
-comparable to the running product of avest's per-position rates.
+comparable to the running product of avest's per-position rates, which
+``avest_observed_survival`` exports (see :data:`CURVE_METRICS`).
 """
 
 from __future__ import annotations
