@@ -27,7 +27,7 @@ import torch
 from avest.core.budget import decide
 from avest.core.costs import CostTable
 from avest.core.estimator import OnlineEstimator
-from avest.core.rules import make_rule
+from avest.core.rules import make_rule, rule_options
 from avest_client import Backoff, EstimatorClient
 from avest_client.vllm import contract, costs, exclusion, plugin
 from avest_client.vllm.config import ShimConfig
@@ -142,8 +142,9 @@ def core_replay(
     """The core estimator the service builds for the pair, fed the trace's own rows."""
     est = OnlineEstimator(
         k,
-        make_rule(rule, forgetting=settings.forgetting, prior=settings.prior),
+        make_rule(rule, **rule_options(rule, settings.forgetting, settings.prior)),
         refit_interval=refit_interval,
+        calibrate=True,
     )
     for s in trace:
         est.observe(s.features.numpy(), s.num_verified, s.num_accepted)

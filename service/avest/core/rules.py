@@ -271,3 +271,9 @@ def make_rule(
             forgetting=0.9 if forgetting is None else forgetting, damping=damping, l2=l2
         )
     raise ValueError(f"unknown update rule {name!r}; choose one of {', '.join(RULE_NAMES)}")
+
+
+def rule_options(rule: str, forgetting: float, prior: float) -> dict[str, float]:
+    """``make_rule`` options from the service's settings: ``--forgetting`` and
+    ``--prior`` are the recursive rule's; the others keep their own defaults."""
+    return {"forgetting": forgetting, "prior": prior} if rule == "recursive" else {}

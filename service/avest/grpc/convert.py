@@ -8,7 +8,11 @@ from avest.core import budget as budget_rules
 from avest.state.pairs import Pair
 from avest_wire.v1 import estimator_pb2 as pb
 
-RULE_TO_PB = {"vllm": pb.UPDATE_RULE_VLLM, "recursive": pb.UPDATE_RULE_RECURSIVE}
+RULE_TO_PB = {
+    "vllm": pb.UPDATE_RULE_VLLM,
+    "recursive": pb.UPDATE_RULE_RECURSIVE,
+    "tracking": pb.UPDATE_RULE_TRACKING,
+}
 RULE_FROM_PB = {pb.UPDATE_RULE_UNSPECIFIED: "", **{v: k for k, v in RULE_TO_PB.items()}}
 BUDGET_FROM_PB = {
     pb.BUDGET_RULE_UNSPECIFIED: budget_rules.DEFAULT_RULE,

@@ -65,7 +65,7 @@ class PairOut(BaseModel):
     id: str = Field(description="Stable pair id (hash of the key)")
     key: PairKeyOut
     K: int = Field(description="Draft positions")
-    rule: str = Field(description="Update rule: vllm or recursive")
+    rule: str = Field(description="Update rule: tracking, vllm or recursive")
     refit_interval: int = Field(description="Refit every this many observed steps")
     coefficients: CoefficientsOut
     version: int = Field(
