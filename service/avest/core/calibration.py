@@ -84,13 +84,22 @@ class Recalibrator:
         self.table = KNOTS.copy()  # identity map until learned
         # Decayed predictive log loss of the map and of the plain logistic.
         self.loss = np.zeros(2)
-        # Decayed sum of squared per-draft loss differences (logistic - map).
-        self.spread = np.zeros(1)
+        # Decayed sum of squared per-draft loss differences (logistic - map),
+        # and decayed number of drafts scored.
+        self.spread = np.zeros(2)
 
     @property
     def gain(self) -> float:
         """Recent predictive log loss saved by the map, nats (negative: it loses)."""
         return float(self.loss[1] - self.loss[0])
+
+    @property
+    def recent_logloss(self) -> tuple[float, float]:
+        """Recent mean predictive log loss ``(map, logistic)`` per draft (NaN: none yet)."""
+        n = float(self.spread[1])
+        if n <= 0.0:
+            return float("nan"), float("nan")
+        return float(self.loss[0] / n), float(self.loss[1] / n)
 
     @property
     def active(self) -> bool:
@@ -129,6 +138,7 @@ class Recalibrator:
         self.loss[0] += float(np.sum(mapped_loss))
         self.loss[1] += float(np.sum(plain_loss))
         self.spread[0] += float(np.sum((plain_loss - mapped_loss) ** 2))
+        self.spread[1] += float(plain_loss.size)
         s = slot(e[obs])
         self.round_total += np.bincount(s, minlength=SLOTS)
         self.round_accepted += np.bincount(s, weights=y[obs].astype(np.float64), minlength=SLOTS)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from avest.core import budget as budget_rules
@@ -35,7 +37,21 @@ def coefficients_pb(pair: Pair) -> pb.Coefficients:
         slope=c.slope,
         intercepts=list(c.intercepts),
         update_time=ts,
+        **calibration_layer(pair),
     )
+
+
+def calibration_layer(pair: Pair) -> dict[str, Any]:
+    """The layer's fixed-size table for ``Coefficients`` (none when the pair has no layer)."""
+    layer = pair.estimator.recalibrator
+    if layer is None:
+        return {}
+    knots, logits = layer.export()
+    return {
+        "calibration_knots": knots.tolist(),
+        "calibration_logits": logits.tolist(),
+        "calibration_served": layer.active,
+    }
 
 
 def pair_pb(pair: Pair) -> pb.Pair:

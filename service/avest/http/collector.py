@@ -18,6 +18,8 @@ from avest.core.rules import OUTCOMES
 from avest.http.names import (
     AUC,
     CALIBRATION_DRAFTS,
+    CALIBRATION_LAYER_GAIN,
+    CALIBRATION_LAYER_SERVED,
     COEFFICIENTS_VERSION,
     DRAFTS_OBSERVED,
     ECE,
@@ -84,6 +86,8 @@ COLLECTED = (
     REFITS,
     OPEN_STREAMS,
     QUEUE_DEPTH,
+    CALIBRATION_LAYER_SERVED,
+    CALIBRATION_LAYER_GAIN,
 )
 
 Families = dict[str, GaugeMetricFamily | CounterMetricFamily]
@@ -160,6 +164,7 @@ class PairCollector:
             for outcome in OUTCOMES:
                 f[REFITS].add_metric([pid, outcome], float(counts.get(outcome, 0)))
             depth += queue_depth(pair.applied, pair.durable)
+            _calibration_layer(f, pid, est.recalibrator)
         f[QUEUE_DEPTH].add_metric([], float(depth))
         return list(f.values())
 
@@ -181,6 +186,15 @@ def _calibration(
     for i, p in enumerate(s.by_position):
         f[predicted].add_metric([pid, str(i)], p.mean_predicted)
         f[observed].add_metric([pid, str(i)], p.observed)
+
+
+def _calibration_layer(f: Families, pid: str, layer: Any) -> None:
+    """Whether the pair's calibration layer is served, and its recent log-loss gain."""
+    if layer is None:
+        return
+    mapped, plain = layer.recent_logloss
+    f[CALIBRATION_LAYER_SERVED].add_metric([pid], 1.0 if layer.active else 0.0)
+    f[CALIBRATION_LAYER_GAIN].add_metric([pid], plain - mapped)
 
 
 def queue_depth(applied: dict[str, int], durable: dict[str, int]) -> int:
