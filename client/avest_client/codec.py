@@ -42,7 +42,9 @@ def update_rule(name: str | None) -> int:
     try:
         return int(UPDATE_RULES[key])
     except KeyError:
-        raise ValueError(f"unknown update rule {name!r}; expected tracking, vllm or recursive") from None
+        raise ValueError(
+            f"unknown update rule {name!r}; expected tracking, vllm or recursive"
+        ) from None
 
 
 def budget_rule(name: str | None) -> int:

@@ -20,7 +20,9 @@ from service.live import Live, register
 K = 2
 
 
-def bent_steps(n: int, rows: int = 64, seed: int = 0) -> list[tuple[np.ndarray, list[int], list[int]]]:
+def bent_steps(
+    n: int, rows: int = 64, seed: int = 0
+) -> list[tuple[np.ndarray, list[int], list[int]]]:
     """Acceptance that a logistic in x cannot follow: 0.95 above x = 0, 0.3 below."""
     rng = np.random.default_rng(seed)
     out = []

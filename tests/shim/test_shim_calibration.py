@@ -37,7 +37,9 @@ class TableSink(FakeSink):
 
 
 def shim(sink: FakeSink):  # noqa: ANN201
-    cls = make_sidecar_estimator(StandinAcceptanceEstimator, FakeSinkFactory(sink), config=ShimConfig())
+    cls = make_sidecar_estimator(
+        StandinAcceptanceEstimator, FakeSinkFactory(sink), config=ShimConfig()
+    )
     return cls(MAX_REQS, K, CPU)
 
 
@@ -80,7 +82,10 @@ def test_the_served_table_maps_this_calls_confidences_only() -> None:
     # A new table is copied into the same storage (the captured graph reads it).
     sink.table = (KNOTS, KNOTS, True)
     boundary(est)
-    assert (est._avest.tables.map.knots.data_ptr(), est._avest.tables.map.logits.data_ptr()) == storage
+    assert (
+        est._avest.tables.map.knots.data_ptr(),
+        est._avest.tables.map.logits.data_ptr(),
+    ) == storage
 
 
 def test_a_table_not_served_or_not_governing_leaves_vllms_confidences() -> None:
@@ -144,7 +149,9 @@ def test_a_live_sidecars_served_table_reaches_predict(start_sidecar, tmp_path: P
         ok = rng.random((rows, K)) < np.where(x > 0.0, 0.95, 0.3)
         a = np.where(ok.all(axis=1), K, np.argmin(ok, axis=1))
         est.load_features(idx, torch.tensor(x, dtype=torch.float32))
-        est.step(idx, torch.tensor(a + 1, dtype=torch.int32), torch.tensor(K - a, dtype=torch.int32))
+        est.step(
+            idx, torch.tensor(a + 1, dtype=torch.int32), torch.tensor(K - a, dtype=torch.int32)
+        )
     delivered(est)
     sink = sink_of(est)
     wait_until(lambda: (sink.latest_calibration() or ((), (), False))[2], what="a served table")
@@ -157,6 +164,6 @@ def test_a_live_sidecars_served_table_reaches_predict(start_sidecar, tmp_path: P
         conf = torch.zeros(MAX_REQS, K)
         est.predict(logits, idx, torch.tensor(1), conf, torch.ones(MAX_REQS))
         confidences, _ = client.score(pair_id, est.features[:rows].numpy())
-        c = client.coefficients(pair_id)
+        assert client.coefficients(pair_id).version == version  # no refit in between
     np.testing.assert_allclose(conf[:rows, 1].numpy(), confidences[:, 1], rtol=1e-4, atol=1e-5)
     est.avest_close()

@@ -48,8 +48,8 @@ def validate_table(raw: object) -> Table | None:
         return None
     if not all(math.isfinite(v) for v in knots + logits):
         return None
-    if any(b <= a for a, b in zip(knots, knots[1:])) or any(
-        b < a for a, b in zip(logits, logits[1:])
+    if any(b <= a for a, b in zip(knots, knots[1:], strict=False)) or any(
+        b < a for a, b in zip(logits, logits[1:], strict=False)
     ):
         return None
     return knots, logits, served

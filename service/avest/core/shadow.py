@@ -123,7 +123,9 @@ class ShadowedTracking:
             self.serving = VLLM
         elif self.serving == VLLM and self.loss_difference > 0.0:
             self.serving = TRACKING
-        return Refit(Coefficients.from_vector(self.theta[self.serving]), results[self.serving].outcome)
+        return Refit(
+            Coefficients.from_vector(self.theta[self.serving]), results[self.serving].outcome
+        )
 
     def state(self) -> dict[str, FloatArray]:
         out = {f"tracking.{n}": v for n, v in self.tracking.state().items()}
