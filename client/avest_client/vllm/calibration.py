@@ -140,6 +140,8 @@ class TableSync:
         self.steps = 0
         self._governed = False
         self._errors = 0
+        self._last_raw: object = None
+        self._last_table: Table | None = None
 
     def _read_sink(self) -> Table | None:
         sink = self.sink
@@ -147,7 +149,10 @@ class TableSync:
         if reader is None:
             return None
         try:
-            return validate_table(reader())
+            raw = reader()
+            if raw is not self._last_raw:  # unchanged: already validated
+                self._last_raw, self._last_table = raw, validate_table(raw)
+            return self._last_table
         except Exception:  # noqa: BLE001 - a faulty sink must not stop decoding
             self._errors += 1
             if self._errors == 1:
