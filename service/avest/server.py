@@ -14,6 +14,7 @@ import contextlib
 import logging
 import signal
 import socket
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -31,6 +32,8 @@ from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 
 log = logging.getLogger("avest")
+#: Share of the grace period the final snapshot may use; the rest closes streams and sockets.
+FLUSH_SHARE = 0.6
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EstimatorService"].full_name
 
 
@@ -119,29 +122,44 @@ class Server:
         )
 
     async def stop(self) -> None:
-        """Drain within the grace period; idempotent."""
+        """Drain within the grace period (``grace_s`` for all of it); idempotent.
+
+        The final snapshot gets most of the grace period and writes only the
+        pairs that changed, in chunks; what it cannot write in time was never
+        acknowledged, so workers resend it to the next process.
+        """
         if self._stopped.is_set():
             return
         self._stopped.set()
-        self.app.draining = True
+        started = time.monotonic()
         grace = self.settings.grace_s
+        deadline = started + grace
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
+        self.app.draining = True
         await self.health.enter_graceful_shutdown()
         self.service.stop_applying()
         try:
             # Make every applied step durable so its acknowledgement goes out
             # on the streams before they close.
-            await asyncio.wait_for(self.app.flush(), timeout=grace)
+            await asyncio.wait_for(
+                self.app.flush(deadline=started + FLUSH_SHARE * grace), timeout=left()
+            )
         except asyncio.TimeoutError:
             log.warning("final flush before draining timed out")
+        except Exception:
+            log.exception("final flush before draining failed")
         await self.service.drain()
         if self._grpc is not None:
-            await self._grpc.stop(grace)
-        await self.app.close()
+            await self._grpc.stop(min(left(), 1.0))
+        await self.app.close(deadline=deadline)
         if self._http is not None and self._http_task is not None:
             self._http.should_exit = True
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(self._http_task, timeout=grace)
-        log.info("avest stopped")
+                await asyncio.wait_for(self._http_task, timeout=max(left(), 0.1))
+        log.info("avest stopped in %.2fs", time.monotonic() - started)
 
     async def wait(self) -> None:
         await self._stopped.wait()

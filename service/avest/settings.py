@@ -52,7 +52,25 @@ class Settings(BaseSettings):
     admin_token: str = Field(
         "", description="bearer token required by POST /v1/pairs/{id}/reset (empty: none)"
     )
-    grace_s: float = Field(5.0, description="seconds SIGTERM waits for streams to drain")
+    grace_s: float = Field(
+        5.0, gt=0.0, description="seconds SIGTERM may take in all (drain, final snapshot, exit)"
+    )
+    allow_empty_store: bool = Field(
+        False,
+        description="start even though the state file says the store held pairs and it is "
+        "now missing or empty (begin afresh)",
+    )
+    worker_ttl_s: float = Field(
+        86400.0,
+        ge=0.0,
+        description="forget a worker's sequence record after this many idle seconds (0: never)",
+    )
+    pair_ttl_s: float = Field(
+        0.0,
+        ge=0.0,
+        description="delete pairs that received no step for this many seconds and have no "
+        "open stream (0: never)",
+    )
     log_level: str = Field("info", description="debug, info, warning or error")
 
     @field_validator("default_rule")
@@ -80,6 +98,16 @@ def env_name(field_name: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One ``--flag`` per setting; defaults come from the environment."""
     for name, f in Settings.model_fields.items():
+        if isinstance(f.default, bool):
+            parser.add_argument(
+                "--" + name.replace("_", "-"),
+                dest=name,
+                action="store_const",
+                const=True,
+                default=None,
+                help=f"{f.description} [env {env_name(name)}=true, default off]",
+            )
+            continue
         parser.add_argument(
             "--" + name.replace("_", "-"),
             dest=name,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -32,5 +33,12 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=s.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    asyncio.run(serve(s))
+    from avest.state.guard import StoreEmptied
+    from avest.state.store import StoreTooNew, StoreUnreadable
+
+    try:
+        asyncio.run(serve(s))
+    except (StoreTooNew, StoreEmptied, StoreUnreadable) as exc:
+        print(f"avest serve: {exc}", file=sys.stderr)
+        return 2
     return 0
