@@ -250,6 +250,11 @@ class Store:
             return None  # registered, never snapshotted (0.1.0 wrote both at once)
         key_json, rule, interval, blob, updated, fmt, digest, outcome = row
         blob = bytes(blob)
+        if max(fmt, blob_format(blob)) > BLOB_FORMAT:
+            raise StoreTooNew(
+                f"{self.path}: pair {pid} has snapshot format {max(fmt, blob_format(blob))}; "
+                f"avest {__version__} reads formats up to {BLOB_FORMAT}. Nothing was changed."
+            )
         if fmt != blob_format(blob):
             raise CorruptSnapshot(f"blob format {blob_format(blob)} but row says {fmt}")
         if digest != checksum(pid, key_json, rule, interval, blob, outcome):
