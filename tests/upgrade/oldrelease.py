@@ -97,9 +97,7 @@ class OldServer:
         raise AssertionError(f"old server did not start: {self.log.read_text()[-2000:]}")
 
     def version(self) -> str:
-        return str(
-            run_old("import avest, json; print(json.dumps(avest.__version__))", timeout=30)
-        )
+        return str(run_old("import avest, json; print(json.dumps(avest.__version__))", timeout=30))
 
     def stop(self) -> int:
         if self.proc.poll() is None:
