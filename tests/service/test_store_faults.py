@@ -11,26 +11,56 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from avest.offline.replay import messages_for
 from avest.state.guard import StoreEmptied
+from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
 
 from .conftest import ServerHandle, launch
 from .test_service import observe_all, register, stub_for
 
 
-def _populate(data: Path, trace_slice, pairs: int = 3, steps: int = 60) -> dict[str, pb.Pair]:
-    """``pairs`` trained pairs (different labels) in a store; their state by id."""
+def synthetic_steps(pair_id: str, worker: str, k: int, steps: int, seed: int, rows: int = 8):
+    """``steps`` Observe messages of random drafts for a K-position pair."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for seq in range(1, steps + 1):
+        data, r, kk = wire.encode(rng.normal(0.0, 2.0, size=(rows, k)).astype(np.float32))
+        d = rng.integers(0, k + 1, size=rows)
+        a = np.minimum(rng.integers(0, k + 1, size=rows), d)
+        out.append(
+            pb.ObserveRequest(
+                pair_id=pair_id, worker_id=worker, sequence=seq, features=data, rows=r, k=kk,
+                num_verified=d.tolist(), num_accepted=a.tolist(),
+            )
+        )  # fmt: skip
+    return out
+
+
+def register_k(stub, k: int, n: int, refit_interval: int = 10) -> pb.RegisterPairResponse:
+    key = pb.PairKey(
+        target_model="target", draft_model="draft", method="draft_model",
+        num_speculative_tokens=k, labels={"n": str(n)},
+    )  # fmt: skip
+    return stub.RegisterPair(
+        pb.RegisterPairRequest(
+            key=key, update_rule=pb.UPDATE_RULE_RECURSIVE, refit_interval=refit_interval
+        )
+    )
+
+
+def _populate(data: Path, pairs: int = 3, steps: int = 35, k: int = 64) -> dict[str, pb.Pair]:
+    """``pairs`` trained pairs (different data) in a store; their state by id."""
     srv = launch(data)
     try:
         channel, stub = stub_for(srv.grpc_address)
         out = {}
         for n in range(pairs):
-            trace = trace_slice("sample", 20 * n, 20 * n + steps)  # different data per pair
-            reg = register(stub, trace, "recursive", 10, labels={"n": str(n)})
-            observe_all(stub, messages_for(trace, reg.pair_id, 0, 1, f"w{n}", 1))
+            reg = register_k(stub, k, n)
+            observe_all(stub, synthetic_steps(reg.pair_id, f"w{n}", k, steps, seed=n))
             out[reg.pair_id] = stub.GetPair(pb.GetPairRequest(pair_id=reg.pair_id)).pair
         channel.close()
     finally:
@@ -60,7 +90,7 @@ def _metric(srv: ServerHandle, name: str, labels: str = "") -> float | None:
 @pytest.mark.parametrize("fault", ["truncated", "deleted"])
 def test_a_store_that_held_pairs_and_is_now_empty_refuses_to_start(tmp_path, trace_slice, fault):
     data = tmp_path / "data"
-    _populate(data, trace_slice, pairs=2)
+    _populate(data, pairs=2)
     db = data / "avest.sqlite3"
     for extra in (Path(f"{db}-wal"), Path(f"{db}-shm")):
         extra.unlink(missing_ok=True)
@@ -83,7 +113,7 @@ def test_a_store_that_held_pairs_and_is_now_empty_refuses_to_start(tmp_path, tra
 
 def test_a_store_emptied_of_rows_refuses_to_start(tmp_path, trace_slice):
     data = tmp_path / "data"
-    _populate(data, trace_slice, pairs=1)
+    _populate(data, pairs=1)
     with sqlite3.connect(data / "avest.sqlite3") as c:
         c.execute("PRAGMA foreign_keys=OFF")
         for table in ("snapshots", "workers", "coefficient_history", "cost_curves", "pairs"):
@@ -123,7 +153,7 @@ def _file_offset(db: Path, pair_id: str) -> tuple[int, int]:
 @pytest.mark.parametrize("fault", ["flipped-byte", "garbage-page"])
 def test_a_corrupt_snapshot_quarantines_its_pair_and_the_others_serve(tmp_path, trace_slice, fault):
     data = tmp_path / "data"
-    before = _populate(data, trace_slice, pairs=3)
+    before = _populate(data, pairs=3)
     bad = sorted(before)[1]
     db = data / "avest.sqlite3"
     at, page = _file_offset(db, bad)
@@ -148,14 +178,20 @@ def test_a_corrupt_snapshot_quarantines_its_pair_and_the_others_serve(tmp_path, 
         assert _metric(srv, "avest_quarantined_pairs") == 1.0
         # The id is free again: the key registers afresh and serves.
         channel, stub = stub_for(srv.grpc_address)
-        reg = register(stub, trace_slice("sample", 0, 60), "recursive", 10, labels={"n": "1"})
+        reg = register_k(stub, 64, int(before[bad].key.labels["n"]))
         assert reg.pair_id == bad and reg.created and reg.coefficients.version == 0
+        observe_all(stub, synthetic_steps(bad, "again", 64, 12, seed=9))
+        assert httpx.get(f"{srv.http_url}/readyz", timeout=10).status_code == 200
+        assert _metric(srv, "avest_store_writable") == 1.0
         channel.close()
     finally:
         srv.stop()
     with sqlite3.connect(db) as c:
         kept = c.execute("SELECT pair_id, reason FROM quarantine").fetchall()
     assert [pid for pid, _ in kept] == [bad]
+    aside = list(data.glob("avest.sqlite3.corrupt-*"))
+    # A damaged page could not even be deleted: the file was rebuilt, the old one kept.
+    assert len(aside) == (1 if fault == "garbage-page" else 0)
 
 
 # -- failing writes ----------------------------------------------------------------------
@@ -247,12 +283,22 @@ def test_write_errors_show_on_readyz_and_metrics_and_acks_resume(tmp_path, trace
 # -- a clean restart -------------------------------------------------------------------
 
 
-def test_last_outcome_survives_a_clean_restart(tmp_path, trace_slice):
+def test_last_outcome_survives_a_clean_restart(tmp_path):
     data = tmp_path / "data"
-    _populate(data, trace_slice, pairs=1, steps=35)
     srv = launch(data)
     try:
-        pairs = httpx.get(f"{srv.http_url}/v1/pairs", timeout=10).json()["pairs"]
-        assert [p["last_outcome"] for p in pairs] == ["applied"]
+        channel, stub = stub_for(srv.grpc_address)
+        reg = register_k(stub, 8, 0)
+        observe_all(stub, synthetic_steps(reg.pair_id, "w", 8, 35, seed=3))
+        channel.close()
+        before = httpx.get(f"{srv.http_url}/v1/pairs/{reg.pair_id}", timeout=10).json()
     finally:
         srv.stop()
+    assert before["last_outcome"] in ("applied", "slope_held", "rejected")
+    srv = launch(data)
+    try:
+        after = httpx.get(f"{srv.http_url}/v1/pairs/{reg.pair_id}", timeout=10).json()
+    finally:
+        srv.stop()
+    assert after["last_outcome"] == before["last_outcome"]
+    assert (after["round"], after["version"]) == (before["round"], before["version"])

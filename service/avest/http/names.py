@@ -283,7 +283,7 @@ METRICS: tuple[MetricSpec, ...] = (
         STORE_ERRORS,
         "counter",
         ("operation",),
-        "Failed store operations (write, delete, quarantine) since the process started; "
+        "Failed store operations (write, delete) since the process started; "
         "while writes fail no step is acknowledged.",
     ),
     MetricSpec(

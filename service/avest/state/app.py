@@ -30,8 +30,9 @@ from avest.state.store import Store
 
 log = logging.getLogger("avest")
 
-#: Pairs per transaction when a deadline bounds the final snapshot.
-FLUSH_CHUNK = 32
+#: Pairs per transaction when a deadline bounds the final snapshot (a K = 64 pair
+#: takes tens of milliseconds to snapshot and compress).
+FLUSH_CHUNK = 4
 #: How often idle workers and pairs are looked for.
 MAINTAIN_EVERY_S = 10.0
 #: Wait at least this long between retries of a failed write.
@@ -75,8 +76,8 @@ class Avest:
         self.quarantined: dict[str, str] = {}
         #: The last store error while it lasts ("" once a write succeeds again).
         self.store_error = ""
-        #: Store errors by operation (write, delete, quarantine), for the metrics.
-        self.store_errors: dict[str, int] = {"write": 0, "delete": 0, "quarantine": 0}
+        #: Store errors by operation (write, delete), for the metrics.
+        self.store_errors: dict[str, int] = {"write": 0, "delete": 0}
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="avest-store")
         self._flush_now = asyncio.Event()
         #: One write at a time: a caller waiting on flush() also waits for the
@@ -116,16 +117,21 @@ class Avest:
                 continue
             self._attach(pair)
             log.info("restored pair %s at version %d", pair.id, pair.estimator.version)
+        unreadable = False
         for pid, reason in problems.items():
             kept = await loop.run_in_executor(self._writer, self.store.quarantine, pid, reason)
             self.quarantined[pid] = reason
-            if not kept:
-                self.store_errors["quarantine"] += 1
+            unreadable |= not kept
+            log.error("pair %s quarantined (%s); the other pairs serve", pid, reason)
+        if unreadable:
+            # Damaged pages that cannot even be deleted: rebuild the file from what
+            # loaded, keeping the damaged one aside, so that writes work again.
+            good = [r for r in loaded.records if r["id"] not in problems]
+            aside = await loop.run_in_executor(
+                self._writer, self.store.rebuild, good, dict(self.quarantined)
+            )
             log.error(
-                "pair %s quarantined (%s); its stored state is %s; the other pairs serve",
-                pid,
-                reason,
-                "kept in the quarantine table" if kept else "left in place (unreadable)",
+                "store damaged: rebuilt from the readable pairs; damaged file kept as %s", aside
             )
         self.state_file.check_loaded(
             len(self.registry.pairs) + len(self.quarantined), self.settings.allow_empty_store

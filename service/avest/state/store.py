@@ -214,6 +214,32 @@ class Store:
             return False
         return True
 
+    def rebuild(self, records: list[dict[str, Any]], quarantined: dict[str, str]) -> Path:
+        """Salvage: a fresh file holding ``records``, the damaged one kept aside.
+
+        For a file whose damaged pages cannot even be deleted: every readable
+        pair (as loaded) is written into a new file at :attr:`path`, with the
+        quarantined ids and reasons in its ``quarantine`` table; the old file
+        (and its WAL) is renamed ``<name>.corrupt-<unix time>``. Returns that name.
+        """
+        self.db.close()
+        aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
+        for suffix in ("", "-wal", "-shm"):
+            src = Path(f"{self.path}{suffix}")
+            if src.exists():
+                src.rename(Path(f"{aside}{suffix}"))
+        fresh = Store(self.path)
+        fresh.write(records)
+        fresh.db.executemany(
+            "INSERT OR REPLACE INTO quarantine (pair_id, time, reason) VALUES (?,?,?)",
+            [
+                (pid, time.time(), f"{why} (file kept as {aside.name})")
+                for pid, why in quarantined.items()
+            ],
+        )
+        self.db, self.backup = fresh.db, None
+        return aside
+
     # -- reading ---------------------------------------------------------------------
 
     def load(self) -> Loaded:
