@@ -154,7 +154,8 @@ class Server:
         await self.service.drain()
         if self._grpc is not None:
             await self._grpc.stop(min(left(), 1.0))
-        await self.app.close(deadline=deadline)
+        # A chunk under way when the deadline passes still finishes: leave it room.
+        await self.app.close(deadline=deadline - min(0.5, 0.2 * grace))
         if self._http is not None and self._http_task is not None:
             self._http.should_exit = True
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):

@@ -30,9 +30,9 @@ from avest.state.store import Store
 
 log = logging.getLogger("avest")
 
-#: Pairs per transaction when a deadline bounds the final snapshot (a K = 64 pair
-#: takes tens of milliseconds to snapshot and compress).
-FLUSH_CHUNK = 4
+#: Draft positions (sum of K) per write transaction: four K = 64 pairs (each takes
+#: tens of milliseconds to snapshot and compress) or about fifty K = 5 pairs.
+CHUNK_POSITIONS = 256
 #: How often idle workers and pairs are looked for.
 MAINTAIN_EVERY_S = 10.0
 #: Wait at least this long between retries of a failed write.
@@ -224,23 +224,26 @@ class Avest:
     async def flush(self, force: bool = False, deadline: float | None = None) -> None:
         """Write every dirty pair, then mark its batches durable.
 
-        One transaction, unless ``deadline`` (a monotonic time) is given: then
-        chunks of pairs, none started after the deadline.
+        Pairs are written in chunks (one transaction each, about
+        :data:`CHUNK_POSITIONS` draft positions), so that acknowledgements flow
+        chunk by chunk and a drain never waits behind a long write: once the
+        server drains, only its own flush (with a ``deadline``, a monotonic time
+        no chunk starts after) goes on.
         """
         async with self._flush_lock:
             pairs = [p for p in self.registry.pairs.values() if p.dirty or force]
-            if deadline is None:
-                await self._write(pairs)
-                return
-            for i in range(0, len(pairs), FLUSH_CHUNK):
-                if time.monotonic() >= deadline:
+            for n, chunk in enumerate(_chunks(pairs)):
+                if deadline is None and self.draining:
+                    return  # the final snapshot, bounded by the grace period, takes over
+                if deadline is not None and time.monotonic() >= deadline:
+                    left = sum(len(c) for c in _chunks(pairs)[n:])
                     log.warning(
                         "grace period over: %d pair(s) not written; their workers resend "
                         "the unacknowledged steps",
-                        len(pairs) - i,
+                        left,
                     )
                     return
-                await self._write(pairs[i : i + FLUSH_CHUNK])
+                await self._write(chunk)
 
     async def _write(self, pairs: list[Pair]) -> None:
         if not pairs:
@@ -280,6 +283,8 @@ class Avest:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._flush_now.wait(), timeout=interval)
             self._flush_now.clear()
+            if self.draining:
+                return  # the server's final snapshot, bounded by the grace period, takes over
             try:
                 await self.flush()
                 await self._maintain()
@@ -311,3 +316,15 @@ class Avest:
     def in_use(self, pair: Pair) -> bool:
         """Whether an open stream is sending steps for the pair (set by the gRPC adapter)."""
         return any(check(pair) for check in self.usage)
+
+
+def _chunks(pairs: list[Pair]) -> list[list[Pair]]:
+    out: list[list[Pair]] = []
+    size = CHUNK_POSITIONS
+    for pair in pairs:
+        if size + pair.k > CHUNK_POSITIONS:
+            out.append([])
+            size = 0
+        out[-1].append(pair)
+        size += pair.k
+    return out
