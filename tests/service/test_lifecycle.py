@@ -4,6 +4,7 @@ records are pruned, and persistence writes only the workers that changed."""
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import threading
 import time
@@ -183,10 +184,8 @@ def test_idle_workers_are_pruned_and_writes_carry_only_changed_workers(tmp_path,
 
 
 def _drain(stream) -> None:
-    try:
+    with contextlib.suppress(grpc.RpcError):  # the test closes the channel
         list(stream)
-    except grpc.RpcError:
-        pass  # the test closed the channel
 
 
 async def _age_workers(app, pair_id: str) -> None:
