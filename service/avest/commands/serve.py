@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
 
 
@@ -38,13 +37,8 @@ def run(args: argparse.Namespace) -> int:
     from avest.state.store import StoreTooNew, StoreUnreadable
 
     try:
-        asyncio.run(serve(s))
+        asyncio.run(serve(s, exit_when_stopped=True))
     except (StoreTooNew, StoreEmptied, StoreUnreadable) as exc:
         print(f"avest serve: {exc}", file=sys.stderr)
         return 2
-    # Drained, snapshotted and closed: exit now rather than spend the grace period
-    # tearing down the interpreter (freeing every pair's arrays takes seconds).
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    return 0

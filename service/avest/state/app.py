@@ -30,9 +30,9 @@ from avest.state.store import Store
 
 log = logging.getLogger("avest")
 
-#: Draft positions (sum of K) per write transaction: four K = 64 pairs (each takes
-#: tens of milliseconds to snapshot and compress) or about fifty K = 5 pairs.
-CHUNK_POSITIONS = 256
+#: Draft positions (sum of K) per write transaction: two K = 64 pairs (each takes
+#: tens of milliseconds to snapshot and compress) or about twenty-five K = 5 pairs.
+CHUNK_POSITIONS = 128
 #: How often idle workers and pairs are looked for.
 MAINTAIN_EVERY_S = 10.0
 #: Wait at least this long between retries of a failed write.
