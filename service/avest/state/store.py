@@ -335,10 +335,6 @@ class Store:
             "updated": updated,
         }
 
-    def count(self) -> int:
-        """Pairs with stored rows (for the state file)."""
-        return int(self.db.execute("SELECT COUNT(*) FROM pairs").fetchone()[0])
-
     def history(
         self, pair_id: str, limit: int = 1000
     ) -> list[tuple[int, int, float, float, list[float], str]]:
