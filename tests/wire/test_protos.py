@@ -119,6 +119,7 @@ EXPECTED_RPCS = {
     "SetCostCurves": (False, False),
     "ListPairs": (False, False),
     "GetPair": (False, False),
+    "DeletePair": (False, False),
 }
 
 
@@ -277,6 +278,8 @@ def test_every_message_and_field_is_covered():
         "Pair",
         "Calibration",
         "PositionCalibration",
+        "DeletePairRequest",
+        "DeletePairResponse",
     }
     assert set(pb.DESCRIPTOR.enum_types_by_name) == {"UpdateRule", "BudgetRule"}
 
