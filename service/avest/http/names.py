@@ -81,6 +81,9 @@ REFUSED_BATCHES = "avest_refused_batches_total"
 STORE_ERRORS = "avest_store_errors_total"
 STORE_WRITABLE = "avest_store_writable"
 QUARANTINED_PAIRS = "avest_quarantined_pairs"
+# The calibration layer (avest.core.calibration), per pair.
+CALIBRATION_LAYER_SERVED = "avest_calibration_layer_served"
+CALIBRATION_LAYER_GAIN = "avest_calibration_layer_logloss_gain"
 
 #: Values of the ``reason`` label of :data:`REFUSED_BATCHES` (the gRPC adapter's
 #: refusal reasons); anything else is counted as ``other``.
@@ -363,6 +366,21 @@ METRICS: tuple[MetricSpec, ...] = (
         "in the store's quarantine table and listed by /readyz; the other pairs serve.",
     ),
     *CURVE_METRICS,
+    # -- the calibration layer ---------------------------------------------------
+    MetricSpec(
+        CALIBRATION_LAYER_SERVED,
+        "gauge",
+        ("pair",),
+        "1 while the pair's calibration layer (a monotone map over the linear predictor) is "
+        "served by Score and in the pushed coefficients, else 0.",
+    ),
+    MetricSpec(
+        CALIBRATION_LAYER_GAIN,
+        "gauge",
+        ("pair",),
+        "Recent predictive log loss of the plain logistic minus the calibration layer's, nats "
+        "per draft (positive: the layer is better); NaN before any draft.",
+    ),
 )
 SPECS: dict[str, MetricSpec] = {m.name: m for m in METRICS}
 
