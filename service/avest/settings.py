@@ -93,7 +93,25 @@ class Settings(BaseSettings):
         ge=0,
         description="Observe steps per second per stream; faster senders are slowed (0: no limit)",
     )
-    grace_s: float = Field(5.0, description="seconds SIGTERM waits for streams to drain")
+    grace_s: float = Field(
+        5.0, gt=0.0, description="seconds SIGTERM may take in all (drain, final snapshot, exit)"
+    )
+    allow_empty_store: bool = Field(
+        False,
+        description="start even though the state file says the store held pairs and it is "
+        "now missing or empty (begin afresh)",
+    )
+    worker_ttl_s: float = Field(
+        86400.0,
+        ge=0.0,
+        description="forget a worker's sequence record after this many idle seconds (0: never)",
+    )
+    pair_ttl_s: float = Field(
+        0.0,
+        ge=0.0,
+        description="delete pairs that received no step for this many seconds and have no "
+        "open stream (0: never)",
+    )
     log_level: str = Field("info", description="debug, info, warning or error")
 
     @field_validator("default_rule")
@@ -136,7 +154,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 action="store_const",
                 const=True,
                 default=None,
-                help=f"{f.description} [env {env_name(name)}=1]",
+                help=f"{f.description} [env {env_name(name)}=1, default off]",
             )
             continue
         parser.add_argument(

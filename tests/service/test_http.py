@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+import avest
 from avest.core.estimator import DEFAULT_RECENT_DECAY
 from avest.core.model import INIT_INTERCEPT, INIT_SLOPE
 from avest.http.api import build_http
@@ -74,7 +75,7 @@ def _null_as_zero(v: float | None) -> float:
 
 def test_health_and_metrics_endpoints(live: _Live) -> None:
     r = live.http.get("/healthz")
-    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    assert r.status_code == 200 and r.json() == {"status": "ok", "version": avest.__version__}
     r = live.http.get("/readyz")
     assert r.status_code == 200 and r.json() == {"status": "ready"}
     r = live.http.get("/metrics")
@@ -140,7 +141,7 @@ def test_readyz_is_503_draining_while_a_real_server_stops(
         assert r.status_code == 503 and r.json() == {"status": "draining"}
         # Liveness is unaffected: the process still answers.
         r = live.http.get("/healthz")
-        assert r.status_code == 200 and r.json() == {"status": "ok"}
+        assert r.status_code == 200 and r.json() == {"status": "ok", "version": avest.__version__}
     finally:
         release.set()
         stopping.result(30)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -34,9 +35,12 @@ def run(args: argparse.Namespace) -> int:
         level=s.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     install_storm_filter()
+    from avest.state.guard import StoreEmptied
+    from avest.state.store import StoreTooNew, StoreUnreadable
+
     try:
-        asyncio.run(serve(s))
-    except PermissionError as exc:
-        print(f"avest serve: {exc}")
+        asyncio.run(serve(s, exit_when_stopped=True))
+    except (StoreTooNew, StoreEmptied, StoreUnreadable, PermissionError) as exc:
+        print(f"avest serve: {exc}", file=sys.stderr)
         return 2
     return 0

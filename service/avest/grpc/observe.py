@@ -146,9 +146,12 @@ class ObserveStream:
         finally:
             # Let the last applied steps become durable and be acknowledged
             # before the stream ends.
-            if self.error is None:
-                await service.app.flush()
-            self.out.put_nowait(None)
+            # While draining, the server's final snapshot acknowledges what was
+            # applied, then its drain closes this stream (within the grace period).
+            if self.error is not None or not service.draining:
+                if self.error is None:
+                    await service.app.flush()
+                self.out.put_nowait(None)
 
     async def run(self) -> AsyncIterator[pb.ObserveResponse]:
         service = self.service

@@ -57,6 +57,8 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         self.draining = False
         app.hooks.coefficients.append(self._coefficients_changed)
         app.hooks.durable.append(self._durable)
+        app.hooks.removed.append(self._removed)
+        app.usage.append(lambda pair: any(pair.id in s.pairs for s in self.streams))
 
     # -- helpers --------------------------------------------------------------
 
@@ -92,6 +94,12 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
             stream.coefficients(pair.id, msg)
         for q in self.watchers.get(pair.id, ()):
             q.put_nowait(msg)
+
+    def _removed(self, pair: Pair, why: str) -> None:
+        for stream in list(self.streams):
+            stream.pairs.discard(pair.id)
+        for q in self.watchers.pop(pair.id, set()):
+            q.put_nowait(None)
 
     def _durable(self, pair_ids: set[str]) -> None:
         for stream in list(self.streams):
@@ -232,6 +240,17 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
             return pb.SetCostCurvesResponse()
 
         return await self._unary("SetCostCurves", context, run)
+
+    async def DeletePair(
+        self, request: pb.DeletePairRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeletePairResponse:
+        pair = await self._unary("DeletePair", context, lambda: self._pair(request.pair_id))
+        last = pair_pb(pair)
+        try:
+            await self.app.remove(pair)
+        except Exception as exc:  # the store refused: the pair is gone from memory only
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"pair {pair.id}: {exc}")
+        return pb.DeletePairResponse(pair=last)
 
     async def WatchCoefficients(
         self, request: pb.WatchCoefficientsRequest, context: grpc.aio.ServicerContext

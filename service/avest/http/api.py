@@ -6,8 +6,11 @@ and read the state while the loop mutates it); each one is cheap and does no
 blocking I/O.
 
 ==========================================  ==========================================
-``GET /healthz``                            liveness: 200 while the loop answers
-``GET /readyz``                             200 once started; 503 before and while draining
+``GET /healthz``                            liveness: 200 while the loop answers (and the
+                                            version)
+``GET /readyz``                             200 once started (listing quarantined pairs);
+                                            503 before, while draining, while store
+                                            writes fail (with the reason)
 ``GET /metrics``                            Prometheus text exposition
 ``GET /v1/pairs``                           every pair (see ``PairOut``)
 ``GET /v1/pairs/{id}``                      one pair: key, rule, coefficients, calibration
@@ -16,6 +19,8 @@ blocking I/O.
 ``GET /v1/pairs/{id}/reliability``          reliability-diagram data (JSON)
 ``GET /v1/pairs/{id}/reliability.svg``      the reliability diagram and per-position plot
 ``POST /v1/pairs/{id}/reset``               forget what the pair learned (admin token)
+``DELETE /v1/pairs/{id}``                   delete the pair, its stored rows and metric
+                                            series (admin token)
 ``GET /docs``, ``GET /openapi.json``        OpenAPI
 ==========================================  ==========================================
 
@@ -109,26 +114,36 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
     async def index() -> RedirectResponse:
         return RedirectResponse("/docs")
 
-    @api.get("/healthz", response_model=Status, tags=["health"])
+    @api.get("/healthz", response_model=Status, response_model_exclude_none=True, tags=["health"])
     async def healthz() -> Status:
-        """Liveness: the process and its event loop answer."""
-        return Status(status="ok")
+        """Liveness: the process and its event loop answer; the release serving."""
+        return Status(status="ok", version=__version__)
 
     @api.get(
         "/readyz",
         response_model=Status,
+        response_model_exclude_none=True,
         tags=["health"],
-        responses={503: {"model": Status, "description": "Starting or draining"}},
+        responses={
+            503: {"model": Status, "description": "Starting, draining, or store writes failing"}
+        },
     )
     async def readyz(response: Response) -> Status:
-        """Readiness: 200 once the state is restored; 503 before that and while draining."""
+        """Readiness: 200 once the state is restored; 503 before that, while draining and
+        while store writes fail (no step is acknowledged then), with the reason. Pairs
+        quarantined at start are listed (the others serve)."""
+        quarantined = dict(getattr(app, "quarantined", {})) or None
         if getattr(app, "draining", False):
             response.status_code = 503
             return Status(status="draining")
         if not app.ready:
             response.status_code = 503
             return Status(status="starting" if not getattr(app, "_closed", False) else "stopped")
-        return Status(status="ready")
+        store_error = getattr(app, "store_error", "")
+        if store_error:
+            response.status_code = 503
+            return Status(status="store-error", reason=store_error, quarantined=quarantined)
+        return Status(status="ready", quarantined=quarantined)
 
     @api.get(
         "/metrics",
@@ -279,6 +294,33 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
         pair = get_pair(pair_id)
         app.reset(pair)
         return pair_out(pair, metrics)
+
+    @api.delete(
+        "/v1/pairs/{pair_id}",
+        response_model=PairOut,
+        tags=["pairs"],
+        responses={
+            401: {"model": ErrorOut, "description": "No token, or an unknown one"},
+            403: {"model": ErrorOut, "description": "Not the admin token, or none configured"},
+            503: {"model": ErrorOut, "description": "The store refused; nothing changed"},
+            **_NOT_FOUND,
+        },
+    )
+    async def delete_pair(
+        pair_id: str,
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)],
+    ) -> PairOut:
+        """Delete the pair: its state, stored rows, cost curves and metric series; its
+        watchers' streams end. Returns the pair as it was. Registering the same key
+        again starts a new pair from the cold start. Needs ``Authorization: Bearer
+        <admin token>`` (refused when the service has none)."""
+        pair = get_pair(pair_id)
+        last = pair_out(pair, metrics)
+        try:
+            await app.remove(pair)
+        except Exception as exc:
+            raise HTTPException(503, detail=f"pair {pair.id} not deleted: {exc}") from None
+        return last
 
     return api
 

@@ -142,6 +142,13 @@ class Pair:
     applied: dict[str, int] = field(default_factory=dict)
     #: Highest sequence number made durable, per worker (what is acknowledged).
     durable: dict[str, int] = field(default_factory=dict)
+    #: When each worker's last step was applied (for pruning idle workers).
+    seen: dict[str, float] = field(default_factory=dict)
+    #: Workers whose records changed, and workers pruned, since the last snapshot.
+    changed_workers: set[str] = field(default_factory=set)
+    pruned_workers: set[str] = field(default_factory=set)
+    #: Set by a reset: stored history older than this is removed at the next write.
+    history_cleared: float = 0.0
     costs: dict[str, CostCurves] = field(default_factory=dict)
     _tables: dict[str, CostTable] = field(default_factory=dict)
     history: list[HistoryEntry] = field(default_factory=list)
@@ -193,7 +200,9 @@ class Pair:
             return False, None
         refit = self.estimator.apply(batch)
         self.applied[worker] = seq
-        self.updated = time.time()
+        self.updated = self.seen[worker] = time.time()
+        self.changed_workers.add(worker)
+        self.pruned_workers.discard(worker)
         self.dirty = True
         if refit is not None:
             self._record(refit.outcome)
@@ -202,7 +211,29 @@ class Pair:
     def reset(self) -> None:
         self.estimator.reset()
         self.history.clear()
+        self.history_cleared = time.time()
         self._record("reset")
+
+    def prune_workers(self, idle_before: float) -> list[str]:
+        """Forget workers idle since before ``idle_before`` whose steps are all durable.
+
+        A pruned worker that comes back is a new worker: its steps are applied
+        from any sequence number (the ones it had were all acknowledged).
+        """
+        gone = [
+            w
+            for w, t in self.seen.items()
+            if t < idle_before and self.durable.get(w, 0) >= self.applied.get(w, 0)
+        ]
+        for w in gone:
+            self.applied.pop(w, None)
+            self.durable.pop(w, None)
+            self.seen.pop(w, None)
+            self.changed_workers.discard(w)
+            self.pruned_workers.add(w)
+        if gone:
+            self.dirty = True
+        return gone
 
     def _record(self, outcome: str) -> None:
         c = self.estimator.coefficients
@@ -289,14 +320,25 @@ class Registry:
         return Pair(key=key, rule_name=rule, estimator=estimator)
 
     def snapshot(self, pair: Pair) -> dict[str, Any]:
-        """An immutable picture of a pair for the store (arrays copied)."""
+        """An immutable picture of a pair for the store (arrays copied).
+
+        Only the workers that changed since the last snapshot are included;
+        :meth:`unsnapshot` puts them back when the write fails.
+        """
+        workers = {w: (pair.applied[w], pair.seen.get(w, 0.0)) for w in pair.changed_workers}
+        pruned = sorted(pair.pruned_workers)
+        pair.changed_workers = set()
+        pair.pruned_workers = set()
         return {
             "id": pair.id,
             "key": pair.key.as_dict(),
             "rule": pair.rule_name,
             "refit_interval": pair.estimator.refit_interval,
             "arrays": pair.estimator.snapshot(),  # fresh copies already
-            "applied": dict(pair.applied),
+            "last_outcome": pair.estimator.last_outcome,
+            "workers": workers,
+            "pruned": pruned,
+            "history_cleared": pair.history_cleared,
             "costs": [
                 {
                     "hardware": c.hardware,
@@ -310,6 +352,18 @@ class Registry:
             "updated": pair.updated,
         }
 
+    @staticmethod
+    def unsnapshot(pair: Pair, record: dict[str, Any]) -> None:
+        """A snapshot that was not written: mark what it carried as changed again."""
+        pair.changed_workers |= {w for w in record["workers"] if w in pair.applied}
+        pair.pruned_workers |= {w for w in record["pruned"] if w not in pair.applied}
+        pair.dirty = True
+
+    def remove(self, pair: Pair) -> None:
+        """Forget a pair (deletion, retirement, quarantine); its id may be registered again."""
+        if self.pairs.get(pair.id) is pair:
+            del self.pairs[pair.id]
+
     def restore(self, record: dict[str, Any]) -> Pair:
         key_d = record["key"]
         key = PairKey.of(
@@ -317,7 +371,9 @@ class Registry:
         )
         pair = self.build(key, record["rule"], int(record["refit_interval"]))
         pair.estimator.restore(record["arrays"])
-        pair.applied = {w: int(s) for w, s in record["applied"].items()}
+        pair.estimator.last_outcome = str(record.get("last_outcome", ""))
+        pair.applied = {w: int(seq) for w, (seq, _) in record["workers"].items()}
+        pair.seen = {w: float(seen) for w, (_, seen) in record["workers"].items()}
         pair.durable = dict(pair.applied)
         for c in record["costs"]:
             pair.set_costs(
