@@ -59,7 +59,9 @@ class Server:
         self.app = Avest(settings)
         self.metrics = Metrics(self.app)
         self.access = Access(settings.worker_token, settings.admin_token)
-        self.service = EstimatorService(self.app, on_refused=self.metrics.refused)
+        self.service = EstimatorService(
+            self.app, on_refused=self.metrics.refused, access=self.access
+        )
         self.metrics.set_open_streams(lambda: self.service.open_streams)
         self.health = health.aio.HealthServicer()
         self.grpc_port = 0

@@ -25,6 +25,7 @@ class Refused(Exception):
             grpc.StatusCode.RESOURCE_EXHAUSTED: "resource_exhausted",
             grpc.StatusCode.FAILED_PRECONDITION: "failed_precondition",
             grpc.StatusCode.ALREADY_EXISTS: "already_exists",
+            grpc.StatusCode.PERMISSION_DENIED: "permission_denied",
         }.get(code, "other")
 
 

@@ -31,6 +31,7 @@ from avest.grpc.convert import (
 )
 from avest.grpc.observe import ObserveStream
 from avest.grpc.refusals import Refused, refusals
+from avest.state.access import Access, may_replace_costs
 from avest.state.app import Avest
 from avest.state.pairs import CostCurves, Exhausted, NotFound, Pair, PairKey, check_sequence
 from avest.state.throttle import LogLimiter, TokenBucket
@@ -43,8 +44,15 @@ log = logging.getLogger("avest.grpc")
 
 
 class EstimatorService(pb_grpc.EstimatorServiceServicer):
-    def __init__(self, app: Avest, on_refused: Callable[[str, str], None] | None = None) -> None:
+    def __init__(
+        self,
+        app: Avest,
+        on_refused: Callable[[str, str], None] | None = None,
+        access: Access | None = None,
+    ) -> None:
         self.app = app
+        #: Who may replace cost curves (``None``: anyone, as in-process tests build it).
+        self.access = access
         self.on_refused = on_refused or (lambda method, reason: None)
         #: Open Observe streams: each a callback taking pushed responses.
         self.streams: set[ObserveStream] = set()
@@ -236,6 +244,15 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
                 tuple(sorted((int(p.size), float(p.ms)) for p in request.verify_curve)),
                 int(request.cudagraph_capture_limit),
             )
+            held = pair.costs.get(curves.hardware)
+            if held is not None and held != curves and self.access is not None:
+                auth = dict(context.invocation_metadata() or ()).get("authorization")
+                if not may_replace_costs(self.access, auth):
+                    raise Refused(
+                        grpc.StatusCode.PERMISSION_DENIED,
+                        f"pair {pair.id[:40]} already has different cost curves for hardware "
+                        f"{curves.hardware[:40]!r}; replacing them needs the admin token",
+                    )
             pair.set_costs(curves)
             return pb.SetCostCurvesResponse()
 

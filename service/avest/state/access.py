@@ -28,8 +28,11 @@ from dataclasses import dataclass
 
 _ESTIMATOR = "/avest.v1.EstimatorService/"
 
-#: gRPC methods a worker may call: register, observe, read. Everything else
-#: (SetCostCurves, any reset or delete, anything added later) needs the admin token.
+#: gRPC methods a worker may call: register, observe, read, and add the cost
+#: curves of a hardware label that has none (vLLM measures them at start-up;
+#: replacing curves that differ needs the admin token, checked by the servicer:
+#: :func:`may_replace_costs`). Everything else (any reset or delete, anything
+#: added later) needs the admin token.
 WORKER_METHODS = frozenset(
     _ESTIMATOR + name
     for name in (
@@ -41,6 +44,7 @@ WORKER_METHODS = frozenset(
         "Budget",
         "ListPairs",
         "GetPair",
+        "SetCostCurves",
         "GetSummary",
         "ListSummaries",
     )
@@ -157,3 +161,8 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def may_replace_costs(access: Access, authorization: str | None) -> bool:
+    """Whether a caller may replace a pair's existing, different cost curves: admin only."""
+    return access.role_of(bearer(authorization)) == Role.ADMIN
