@@ -1,0 +1,291 @@
+"""Round summaries: one worker's round as sums, merged into a pair's round.
+
+In summary mode a worker sends, once per round, the IRLS sums vLLM's
+estimator accumulates on the device (``info`` [K, 3] = ``a, b, c``, ``grad``
+[K, 2] = ``g0, g1``, ``counts`` [K]), the coefficients they were computed at,
+the number of steps and labelled drafts, and a calibration sketch (the
+:class:`~avest.core.metrics.CalibrationState` sums of the round: the AUC
+histograms of the linear predictor by label in the service's 1026 slots, the
+15 ECE bins and the log-loss sums). Everything is a sum, so summaries from W
+workers add up to the round the pair would have pooled from their raw steps.
+
+**Statistics at the current coefficients merge exactly**: they are the same
+sums the service would have folded from the raw steps.
+
+**Statistics at older coefficients** ``theta_v`` (a worker that had not yet
+applied the last refit when its round ended) are moved to the current point
+``theta`` before they join the round (:func:`rebase`): per position,
+``g_k <- g_k - H_k (theta - theta_v)`` with ``H_k = [[a_k, b_k], [b_k, c_k]]``,
+the first-order change of the gradient (``dg/dtheta = -H``); the information
+``H`` is kept as computed. What each rule makes of that:
+
+- ``recursive`` is **exact at any version**: it carries
+  ``h <- lam h + H_t theta_t + g_t``, and with the rebased gradient
+  ``H_v theta + g_v - H_v (theta - theta_v) = H_v theta_v + g_v`` — exactly
+  the term the worker's own sums define, whatever ``theta`` is now.
+- ``tracking`` and ``vllm`` take one Newton-type step from the current point
+  with the round's gradient there; the rebased gradient is that gradient to
+  first order (the error is quadratic in ``theta - theta_v``, small for the
+  one or two refits a worker lags). Both **accept** older statistics
+  rather than drop them: with W workers and a refit per pooled round, most
+  summaries are a refit behind, and dropping them would discard most labels.
+- The calibration sketch is merged as sent: it scores each draft with the
+  coefficients the worker actually served (predict, then learn).
+
+The calibration layer (:class:`~avest.core.calibration.Recalibrator`) learns
+from the sketch's linear-predictor histogram (:func:`observe_sketch`): its
+bins are 21.3 AUC slots wide, an AUC slot that straddles one of its edges is
+split by overlap, and the losses that decide whether the layer is served are
+taken at slot centres (a draft moves by at most half an AUC slot, 0.012 in
+``eta``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from avest.core.calibration import Recalibrator, slot
+from avest.core.errors import InvalidInput
+from avest.core.metrics import AUC_SLOTS, ECE_BINS, ETA_RANGE, CalibrationState
+from avest.core.model import Coefficients, check_k
+from avest.core.numeric import bernoulli_nll
+from avest.core.stats import RoundStats
+
+FloatArray = npt.NDArray[np.float64]
+
+#: Most steps one summary may cover.
+MAX_SUMMARY_STEPS = 1_000_000
+#: Cells of a sketch's linear-predictor histogram per position: (label, slot).
+CELLS_PER_POSITION = 2 * AUC_SLOTS
+
+
+@dataclass(frozen=True)
+class RoundSummary:
+    """One worker's round: sums at ``at`` (version ``version``), steps, drafts, sketch."""
+
+    version: int
+    at: Coefficients
+    stats: RoundStats
+    steps: int
+    drafts: int
+    calibration: CalibrationState | None = None
+
+    @property
+    def k(self) -> int:
+        return self.stats.k
+
+
+def _vector(value: npt.ArrayLike, field: str, size: int) -> FloatArray:
+    v = np.asarray(value, dtype=np.float64).reshape(-1)
+    if v.shape != (size,):
+        raise InvalidInput(field, f"must have {size} entries, got {v.size}")
+    if not np.all(np.isfinite(v)):
+        raise InvalidInput(field, "must be finite")
+    return v
+
+
+def make_summary(
+    k: int,
+    *,
+    version: int,
+    slope: float,
+    intercepts: npt.ArrayLike,
+    info: npt.ArrayLike,
+    grad: npt.ArrayLike,
+    counts: npt.ArrayLike,
+    steps: int,
+    drafts: int,
+    calibration: CalibrationState | None = None,
+) -> RoundSummary:
+    """Validate one summary (``info`` [K, 3], ``grad`` [K, 2], ``counts`` [K]) completely."""
+    check_k(k)
+    if version < 0:
+        raise InvalidInput("coefficients_version", "must be >= 0")
+    w = _vector([slope], "slope", 1)[0]
+    if w < 0.0:
+        raise InvalidInput("slope", f"must be >= 0, got {w}")
+    b = _vector(intercepts, "intercepts", k)
+    inf = _vector(info, "info", 3 * k).reshape(k, 3)
+    if (inf[:, 0] < 0).any() or (inf[:, 2] < 0).any():
+        raise InvalidInput("info", "a_k and c_k must be >= 0")
+    g = _vector(grad, "grad", 2 * k).reshape(k, 2)
+    n = _vector(counts, "counts", k)
+    if (n < 0).any() or not np.array_equal(n, np.round(n)):
+        raise InvalidInput("counts", "must be whole numbers >= 0")
+    if not 1 <= steps <= MAX_SUMMARY_STEPS:
+        raise InvalidInput("steps", f"must lie in [1, {MAX_SUMMARY_STEPS}], got {steps}")
+    if drafts != int(n.sum()):
+        raise InvalidInput("drafts", f"is {drafts}, the counts add up to {int(n.sum())}")
+    if calibration is not None:
+        if calibration.k != k:
+            raise InvalidInput("sketch", f"has K={calibration.k}, expected {k}")
+        per = calibration.to_arrays()
+        have = per["ece_rejected"].sum(axis=1) + per["ece_accepted"].sum(axis=1)
+        if not np.array_equal(have, n):
+            raise InvalidInput("sketch", "its drafts per position differ from counts")
+    stats = RoundStats(
+        a=inf[:, 0].copy(), b=inf[:, 1].copy(), c=inf[:, 2].copy(),
+        g0=g[:, 0].copy(), g1=g[:, 1].copy(), n=n.copy(),
+    )  # fmt: skip
+    return RoundSummary(int(version), Coefficients.of(w, b), stats, int(steps), int(drafts), calibration)
+
+
+def rebase(stats: RoundStats, at: Coefficients, to: Coefficients) -> RoundStats:
+    """Statistics computed at ``at`` with their gradient moved to ``to`` (first order).
+
+    ``g_k <- g_k - H_k (to - at)`` per position; ``a, b, c, n`` unchanged.
+    Exact for the ``recursive`` rule (see the module docstring). Returns
+    ``stats`` itself when ``at == to``.
+    """
+    if at.k != stats.k or to.k != stats.k:
+        raise InvalidInput("intercepts", f"coefficients and statistics disagree on K={stats.k}")
+    if at == to:
+        return stats
+    dw = to.slope - at.slope
+    db = to.intercept_array() - at.intercept_array()
+    return RoundStats(
+        a=stats.a.copy(),
+        b=stats.b.copy(),
+        c=stats.c.copy(),
+        g0=stats.g0 - stats.a * dw - stats.b * db,
+        g1=stats.g1 - stats.b * dw - stats.c * db,
+        n=stats.n.copy(),
+    )
+
+
+# -- the calibration sketch ------------------------------------------------------
+
+
+def sketch_state(
+    k: int,
+    cells: npt.ArrayLike,
+    cell_counts: npt.ArrayLike,
+    ece_rejected: npt.ArrayLike,
+    ece_accepted: npt.ArrayLike,
+    ece_sum_predicted: npt.ArrayLike,
+    logloss_sum: npt.ArrayLike,
+) -> CalibrationState:
+    """A :class:`CalibrationState` from a sketch's parts (``cells``: absolute flat indices)."""
+    check_k(k)
+    idx = np.asarray(cells, dtype=np.int64).reshape(-1)
+    cnt = np.asarray(cell_counts, dtype=np.float64).reshape(-1)
+    if idx.shape != cnt.shape:
+        raise InvalidInput("cell_counts", f"has {cnt.size} entries, cell_deltas {idx.size}")
+    if idx.size and (idx.min() < 0 or idx.max() >= k * CELLS_PER_POSITION):
+        raise InvalidInput("cell_deltas", f"cells must lie in [0, {k * CELLS_PER_POSITION})")
+    if idx.size > 1 and (np.diff(idx) < 1).any():
+        raise InvalidInput("cell_deltas", "cells must ascend (gaps >= 1)")
+    if (cnt < 1).any():
+        raise InvalidInput("cell_counts", "must be >= 1")
+    auc = np.zeros(k * CELLS_PER_POSITION)
+    auc[idx] = cnt
+    auc3 = auc.reshape(k, 2, AUC_SLOTS)
+    shape = (k, ECE_BINS)
+    arrays = {
+        "layout": CalibrationState.empty(1).to_arrays()["layout"],
+        "auc_rejected": auc3[:, 0],
+        "auc_accepted": auc3[:, 1],
+        "ece_rejected": _grid(ece_rejected, "ece_rejected", shape),
+        "ece_accepted": _grid(ece_accepted, "ece_accepted", shape),
+        "ece_sum_predicted": _grid(ece_sum_predicted, "ece_sum_predicted", shape),
+        "logloss_sum": _grid(logloss_sum, "logloss_sum", (k,)),
+    }
+    state = CalibrationState.from_arrays(arrays)
+    per = state.to_arrays()
+    auc_n = per["auc_rejected"].sum(axis=1) + per["auc_accepted"].sum(axis=1)
+    ece_n = per["ece_rejected"].sum(axis=1) + per["ece_accepted"].sum(axis=1)
+    if not np.array_equal(auc_n, ece_n):
+        raise InvalidInput("cell_counts", "the eta histogram and the ECE bins count different drafts")
+    return state
+
+
+def _grid(value: npt.ArrayLike, field: str, shape: tuple[int, ...]) -> FloatArray:
+    v = np.asarray(value, dtype=np.float64).reshape(-1)
+    size = int(np.prod(shape))
+    if v.size != size:
+        raise InvalidInput(field, f"must have {size} entries, got {v.size}")
+    return v.reshape(shape)
+
+
+def sketch_cells(state: CalibrationState) -> tuple[npt.NDArray[np.int64], FloatArray]:
+    """The occupied cells of a state's eta histogram: ``(flat indices, counts)``, ascending."""
+    arrays = state.to_arrays()
+    auc = np.stack([arrays["auc_rejected"], arrays["auc_accepted"]], axis=1).reshape(-1)
+    idx = np.flatnonzero(auc)
+    return idx.astype(np.int64), auc[idx]
+
+
+#: Centre of each AUC slot in ``eta`` (the edge slots at the grid's ends).
+SLOT_CENTRES = np.concatenate(
+    (
+        [-ETA_RANGE],
+        -ETA_RANGE + (np.arange(AUC_SLOTS - 2) + 0.5) * (2.0 * ETA_RANGE / (AUC_SLOTS - 2)),
+        [ETA_RANGE],
+    )
+)
+
+
+def observe_sketch(recal: Recalibrator, state: CalibrationState) -> None:
+    """Feed a sketch to the calibration layer: every AUC slot counted at its centre."""
+    arrays = state.to_arrays()
+    rej = arrays["auc_rejected"].sum(axis=0)
+    acc = arrays["auc_accepted"].sum(axis=0)
+    tot = rej + acc
+    live = tot > 0
+    if not live.any():
+        return
+    e = SLOT_CENTRES[live]
+    m = recal.mapped(e)
+    n_acc, n_rej = acc[live], rej[live]
+    ones, zeros = np.ones(e.size, dtype=bool), np.zeros(e.size, dtype=bool)
+    recal.loss[0] += float(n_acc @ bernoulli_nll(m, ones) + n_rej @ bernoulli_nll(m, zeros))
+    recal.loss[1] += float(n_acc @ bernoulli_nll(e, ones) + n_rej @ bernoulli_nll(e, zeros))
+    recal.round_total += tot @ _TO_RECAL_SLOTS
+    recal.round_accepted += acc @ _TO_RECAL_SLOTS
+
+
+def _recal_split() -> FloatArray:
+    """``[AUC_SLOTS, SLOTS]``: the share of each AUC slot in each calibration-layer slot.
+
+    An AUC slot that straddles a calibration-layer edge is split by overlap
+    (drafts taken as uniform within it); the edge slots go to the end slots.
+    """
+    from avest.core.calibration import ETA_MAX, SLOTS
+
+    width = 2.0 * ETA_RANGE / (AUC_SLOTS - 2)
+    inner = np.concatenate(([-np.inf], -ETA_MAX + np.arange(SLOTS - 1) * (2 * ETA_MAX / (SLOTS - 2))))
+    upper = np.concatenate((inner[1:], [np.inf]))
+    out = np.zeros((AUC_SLOTS, SLOTS))
+    out[0, slot(-ETA_RANGE - 1.0)[()]] = 1.0
+    out[-1, slot(ETA_RANGE)[()]] = 1.0
+    for i in range(1, AUC_SLOTS - 1):
+        lo = -ETA_RANGE + (i - 1) * width
+        hi = lo + width
+        overlap = np.clip(np.minimum(hi, upper) - np.maximum(lo, inner), 0.0, None)
+        out[i] = overlap / width
+    return out
+
+
+_TO_RECAL_SLOTS = _recal_split()
+
+
+def summarise(
+    batches: list[tuple[FloatArray, npt.NDArray[np.bool_], npt.NDArray[np.bool_]]],
+    at: Coefficients,
+    version: int,
+) -> RoundSummary:
+    """The summary a worker sends for ``batches`` (``(features, observed, accepted)``,
+    each ``[R, K]``) scored at ``at``: the reference the workers' sums must match."""
+    from avest.core.model import linear_predictor
+    from avest.core.stats import fold
+
+    stats = RoundStats.zeros(at.k)
+    cal = CalibrationState.empty(at.k)
+    for x, obs, acc in batches:
+        eta = linear_predictor(at, x)
+        stats.add_(fold(x, eta, obs, acc))
+        cal.update(eta, obs, acc)
+    return RoundSummary(version, at, stats, len(batches), stats.labelled(), cal)
