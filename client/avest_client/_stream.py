@@ -32,6 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from avest_client.ledger import Ledger, Step
+from avest_client.summary import RoundSummaryData
 from avest_wire.v1 import estimator_pb2 as pb
 
 log = logging.getLogger("avest_client.forwarder")
@@ -166,6 +167,15 @@ class Session:
 
     def message(self, step: Step) -> pb.ObserveRequest:
         """The wire message of a step (built once, kept for resends)."""
+        if step.message is None and isinstance(step.payload, RoundSummaryData):
+            step.message = pb.ObserveRequest(
+                pair_id=self.pair_id,
+                worker_id=self.worker_id,
+                sequence=step.sequence,
+                k=step.payload.k,
+                summary=step.payload.to_pb(),
+            )
+            step.payload = None
         if step.message is None:
             d: StepData = step.payload
             latest = self.latest

@@ -35,6 +35,7 @@ import numpy.typing as npt
 from avest_client._drivers import AsyncDriver, ThreadDriver
 from avest_client._stream import Backoff, ChannelOptions, Session, StepData
 from avest_client.ledger import Ledger, Stats
+from avest_client.summary import RoundSummaryData
 
 log = logging.getLogger("avest_client.forwarder")
 
@@ -177,6 +178,20 @@ class _Base:
         self._ledger.submit(data)
         return True
 
+    def _queue_summary(self, summary: RoundSummaryData) -> bool:
+        """Validate and queue a round summary; False (counted in ``stats.invalid``) if bad."""
+        try:
+            summary.validate(self.k)
+        except (ValueError, TypeError) as exc:
+            self._ledger.count_invalid()
+            self.last_invalid = str(exc)
+            if self._invalid_logged < 10:
+                self._invalid_logged += 1
+                log.warning("avest forwarder: summary not queued: %s", exc)
+            return False
+        self._ledger.submit(summary)
+        return True
+
     def latest_coefficients(self) -> tuple[int, float, list[float]] | None:
         """``(version, slope, intercepts)`` last received from the server, or None."""
         latest = self._session.latest
@@ -237,6 +252,18 @@ class Forwarder(_Base):
                 self._driver.notify()
         except Exception:  # the hot path never raises
             log.exception("avest forwarder: submit failed")
+
+    def submit_summary(self, summary: RoundSummaryData) -> None:
+        """Queue one round summary (summary mode); never blocks. Takes the next sequence."""
+        if self._closed:
+            return
+        try:
+            if self._pid != os.getpid() or self._thread is None:
+                self._start()
+            if self._queue_summary(summary):
+                self._driver.notify()
+        except Exception:  # the hot path never raises
+            log.exception("avest forwarder: submit_summary failed")
 
     def start(self) -> Forwarder:
         """Start the sender now (otherwise the first :meth:`submit` does)."""
@@ -323,6 +350,19 @@ class AsyncForwarder(_Base):
             self._driver.notify()
         except Exception:
             log.exception("avest forwarder: submit failed")
+
+    def submit_summary(self, summary: RoundSummaryData) -> None:
+        """Queue one round summary (summary mode); a plain call on the forwarder's loop."""
+        if self._closed:
+            return
+        try:
+            if not self._queue_summary(summary):
+                return
+            if self._task is None or self._task.done():
+                self._start()
+            self._driver.notify()
+        except Exception:
+            log.exception("avest forwarder: submit_summary failed")
 
     def start(self) -> AsyncForwarder:
         """Start the sender task on the running loop (otherwise the first submit does)."""

@@ -31,6 +31,7 @@ from avest.grpc.convert import (
 )
 from avest.grpc.observe import ObserveStream
 from avest.grpc.refusals import Refused, refusals
+from avest.grpc.summaries import summary_from_pb
 from avest.state.app import Avest
 from avest.state.pairs import CostCurves, Exhausted, NotFound, Pair, PairKey
 from avest_wire import matrix as wire
@@ -257,6 +258,8 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
                 raise InvalidInput("worker_id", "must be 1 to 128 bytes")
             if req.sequence < 1:
                 raise InvalidInput("sequence", "must be >= 1")
+            if req.HasField("summary"):
+                return pair, summary_from_pb(req, pair)
             self._check_shape(pair, req.rows, req.k)
             x = wire.decode(req.features, req.rows, req.k)
             if len(req.num_verified) != req.rows:

@@ -14,6 +14,7 @@ blocking I/O.
                                             (all-time and recent)
 ``GET /v1/pairs/{id}/history``              coefficient history (newest last, at most 256)
 ``GET /v1/pairs/{id}/reliability``          reliability-diagram data (JSON)
+``GET /v1/pairs/{id}/workers``              workers seen: mode, last summary, version, drafts
 ``GET /v1/pairs/{id}/reliability.svg``      the reliability diagram and per-position plot
 ``POST /v1/pairs/{id}/reset``               forget what the pair learned (bearer token)
 ``GET /docs``, ``GET /openapi.json``        OpenAPI
@@ -44,6 +45,8 @@ from avest.http.models import (
     ReliabilityBinOut,
     ReliabilityOut,
     Status,
+    WorkerOut,
+    WorkersOut,
     finite,
     pair_out,
 )
@@ -150,6 +153,27 @@ def build_http(app: Any, metrics: Any, settings: Any) -> FastAPI:
                 )
                 for h in pair.history[-limit:]
             ],
+        )
+
+    @api.get(
+        "/v1/pairs/{pair_id}/workers",
+        response_model=WorkersOut,
+        tags=["pairs"],
+        responses=_NOT_FOUND,
+    )
+    async def workers(
+        pair_id: str,
+        limit: Annotated[
+            int, Query(ge=1, le=4096, description="At most this many; the rest fold into 'other'")
+        ] = 100,
+    ) -> WorkersOut:
+        """The workers seen sending to the pair: mode, last summary, version, drafts."""
+        pair = get_pair(pair_id)
+        return WorkersOut(
+            id=pair.id,
+            workers=[WorkerOut(**w.as_dict()) for w in pair.workers.top(limit)],
+            tracked=len(pair.workers),
+            forgotten=pair.workers.forgotten,
         )
 
     def _reliability(pair: Pair, position: int | None) -> Any:

@@ -20,6 +20,8 @@ from avest.core.errors import InvalidInput
 from avest.core.estimator import Batch, OnlineEstimator
 from avest.core.model import Coefficients, check_k
 from avest.core.rules import Refit, make_rule
+from avest.core.summary import RoundSummary
+from avest.state.workers import WorkerTable
 
 
 class NotFound(LookupError):
@@ -121,6 +123,8 @@ class Pair:
     #: Changed since the last snapshot was written.
     dirty: bool = False
     watchers: list[Callable[[Pair], None]] = field(default_factory=list)
+    #: The workers seen sending to this pair (bounded; not persisted).
+    workers: WorkerTable = field(default_factory=WorkerTable)
 
     @property
     def id(self) -> str:
@@ -150,14 +154,22 @@ class Pair:
         self._tables[curves.hardware] = table
         self.dirty = True
 
-    def observe(self, worker: str, seq: int, batch: Batch) -> tuple[bool, Refit | None]:
-        """Apply a validated batch unless ``(worker, seq)`` was applied already.
+    def observe(
+        self, worker: str, seq: int, batch: Batch | RoundSummary
+    ) -> tuple[bool, Refit | None]:
+        """Apply a validated batch or round summary unless ``(worker, seq)`` was applied already.
 
         Returns ``(applied, refit)``.
         """
         if seq <= self.applied.get(worker, -1):
             return False, None
-        refit = self.estimator.apply(batch)
+        if isinstance(batch, RoundSummary):
+            lag = self.estimator.version - batch.version
+            refit = self.estimator.apply_summary(batch)
+            self.workers.summary(worker, batch, lag)
+        else:
+            refit = self.estimator.apply(batch)
+            self.workers.raw(worker, batch.labelled)
         self.applied[worker] = seq
         self.updated = time.time()
         self.dirty = True
