@@ -33,6 +33,7 @@ from avest_client.vllm.coefficients import Governor, Update
 from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.exclusion import ExclusionRegistry
 from avest_client.vllm.pair import PairKey
+from avest_client.vllm.rounds import SummaryRound
 from avest_client.vllm.sink import Sink
 from avest_client.vllm.tp import SingleProcessGroup, TPGroup
 from avest_client.vllm.transfer import Forwarder
@@ -59,6 +60,11 @@ class _Runtime:
     def __init__(self, est: Any, max_num_reqs: int, opts: ShimOptions) -> None:
         k = int(est.num_speculative_steps)
         self.group = opts.group_resolver()
+        self.mode = opts.config.mode
+        #: Summary mode: send every this-many-th step raw as well (0 = none).
+        rate = opts.config.raw_sample if self.mode == "summary" else 0.0
+        self.raw_every = max(1, round(1.0 / rate)) if rate > 0 else 0
+        self.rounds: SummaryRound | None = None
         self.sink: Sink | None = None
         self.forwarder: Forwarder | None = None
         self.pair: PairKey | None = None
@@ -71,7 +77,14 @@ class _Runtime:
                 self.sink = opts.sink_factory(opts.config, self.pair)
             except Exception as exc:  # noqa: BLE001 - no sidecar: vLLM's own estimator
                 logger.warning("avest: no sink (%s); local refits only", exc)
-            if self.sink is not None:
+            if self.sink is not None and opts.config.mode == "summary":
+                try:
+                    self.rounds = SummaryRound(
+                        self.sink, k, est.features.device, opts.config.sketch
+                    )
+                except Exception:  # noqa: BLE001
+                    logger.exception("avest: summary mode setup failed; not forwarding")
+            if self.sink is not None and (opts.config.mode == "raw" or self.raw_every):
                 try:
                     self.forwarder = Forwarder(
                         self.sink, max_num_reqs, k, est.features.device,
@@ -81,6 +94,7 @@ class _Runtime:
                     logger.exception("avest: forwarder setup failed; not forwarding")
         self.governor = Governor(self.group, self.sink, k, opts.config.sync_steps)
         self.skipped_refits = 0
+        self.steps = 0
         self._forward_failed = False
 
     def apply(self, est: Any, update: Update) -> None:
@@ -103,10 +117,48 @@ class _Runtime:
             self._forward_failed = True
             logger.exception("avest: capturing a step failed; forwarding disabled")
 
+    def summary_step(self, est: Any, base_step: Any, update: Update | None,
+                     idx_mapping: Any, num_sampled: Any, num_rejected: Any) -> None:  # fmt: skip
+        """One step in summary mode (see :mod:`avest_client.vllm.rounds`)."""
+        rounds = self.rounds
+        assert rounds is not None
+        if rounds.version is not None:
+            # the drafts were scored with the coefficients in the tensors now
+            rounds.sketch(est, idx_mapping, num_sampled, num_rejected)
+        if update is not None:
+            # before the base step, as in raw mode: the step's sums use the
+            # stored predictions, and the next draft graph reads the new values
+            self.apply(est, update)
+        governed = self.governor.governed
+        if governed and est._steps_since_refit + 1 >= est.REFIT_INTERVAL:
+            est._steps_since_refit = -1  # the pooled round replaces vLLM's local refit
+            base_step(idx_mapping, num_sampled, num_rejected)
+            self.skipped_refits += 1
+        else:
+            base_step(idx_mapping, num_sampled, num_rejected)
+        if rounds.version is not None:
+            rounds.steps += 1
+            if update is not None or not governed or rounds.steps >= est.REFIT_INTERVAL:
+                rounds.end(est, zero=governed)
+                if not governed:
+                    rounds.stop()
+        if update is not None:
+            if rounds.version is None:
+                rounds.zero(est)  # drop the local partial round: pooled coefficients govern
+            rounds.start(update.version, update.slope, update.intercepts)
+        if self.raw_every:
+            self.steps += 1
+            if self.steps % self.raw_every == 0:
+                self.forward(est, idx_mapping, num_sampled, num_rejected)
+
     def stats(self) -> dict[str, Any]:
         fwd = self.forwarder
+        rounds = self.rounds
         return {
-            "rank": self.group.rank,
+            "mode": self.mode,
+            "summaries": rounds.summaries if rounds else 0,
+            "summary_errors": rounds.send_errors if rounds else 0,
+            "local_refits": None,  # filled by the estimator (vLLM's own refit counter)
             "governed": self.governor.governed,
             "version": self.governor.applied_version,
             "updates": self.governor.updates,
@@ -120,6 +172,9 @@ class _Runtime:
         }
 
     def close(self) -> None:
+        if self.rounds is not None:
+            self.rounds.flush(2.0)
+            self.rounds.close()
         if self.forwarder is not None:
             self.forwarder.close()
         if self.sink is not None:
@@ -182,6 +237,9 @@ def make_sidecar_estimator(
             if rt is None:
                 return super().step(idx_mapping, num_sampled, num_rejected)
             update = rt.governor.boundary()
+            if rt.rounds is not None:
+                rt.summary_step(self, super().step, update, idx_mapping, num_sampled, num_rejected)
+                return None
             if update is not None:
                 rt.apply(self, update)
             if rt.governor.governed and self._steps_since_refit + 1 >= self.REFIT_INTERVAL:
@@ -198,7 +256,11 @@ def make_sidecar_estimator(
             rt.forward(self, idx_mapping, num_sampled, num_rejected)
 
         def avest_stats(self) -> dict[str, Any]:
-            return {} if self._avest is None else self._avest.stats()
+            if self._avest is None:
+                return {}
+            out = self._avest.stats()
+            out["local_refits"] = int(getattr(self, "_refits", 0))
+            return out
 
         def avest_close(self) -> None:
             if self._avest is not None:
