@@ -91,6 +91,7 @@ class SummaryRound:
         self.summaries = 0
         self.send_errors = 0
         self.closed_rounds = 0  # handed to the sender
+        self.steps_closed = 0  # steps covered by them
         self.handled = 0  # the sender is done with (sent or failed)
         self._queue: queue.Queue[_Pending | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="avest-summaries", daemon=True)
@@ -147,6 +148,7 @@ class SummaryRound:
             else:
                 host, ready = buf, None
             self.closed_rounds += 1
+            self.steps_closed += self.steps
             self._queue.put(
                 _Pending(host, ready, self.version, self.slope, self.intercepts, self.steps)
             )
