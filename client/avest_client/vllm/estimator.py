@@ -80,8 +80,9 @@ class _Runtime:
             if self.sink is not None and opts.config.mode == "summary":
                 try:
                     self.rounds = SummaryRound(
-                        self.sink, k, est.features.device, opts.config.sketch
-                    )
+                        self.sink, k, est.features.device, opts.config.sketch,
+                        max_num_reqs=max_num_reqs, round_steps=int(est.REFIT_INTERVAL),
+                    )  # fmt: skip
                 except Exception:  # noqa: BLE001
                     logger.exception("avest: summary mode setup failed; not forwarding")
             if self.sink is not None and (opts.config.mode == "raw" or self.raw_every):
@@ -123,8 +124,8 @@ class _Runtime:
         rounds = self.rounds
         assert rounds is not None
         if rounds.version is not None:
-            # the drafts were scored with the coefficients in the tensors now
-            rounds.sketch(est, idx_mapping, num_sampled, num_rejected)
+            # keep what the round's sketch needs before vLLM's next propose overwrites it
+            rounds.record(est, idx_mapping, num_sampled, num_rejected)
         if update is not None:
             # before the base step, as in raw mode: the step's sums use the
             # stored predictions, and the next draft graph reads the new values

@@ -6,24 +6,28 @@ draft graph used. In summary mode the shim sends those sums once per round,
 with the coefficients (and sidecar version) they were computed at, the
 number of steps and a calibration sketch, instead of every step's drafts.
 
-Per step (vLLM's thread, only while pooled coefficients govern):
-
-* :meth:`SummaryRound.sketch` adds the step's drafts to the calibration
-  sketch with fixed-shape torch ops on the estimator's device: the linear
-  predictor ``eta = slope x + b_k`` of every (request, position) from the
-  features and the coefficients the draft graph read, its AUC slot (1024
-  bins on [-12, 12) plus two edge slots) by label, its ECE bin (15
-  probability bins) with the probability and the log loss, all masked by
-  the observed flag and added with ``index_add_``. No host copy, no
-  synchronisation, no Python loop over requests.
-* the step count is incremented.
+Per step (vLLM's thread, only while pooled coefficients govern),
+:meth:`SummaryRound.record` makes four device copies into buffers
+preallocated for the round (``REFIT_INTERVAL`` x ``max_num_reqs`` x K
+float32, plus the per-request counts): vLLM's ``features`` buffer whole and
+the step's ``idx_mapping``, ``num_sampled`` and ``num_rejected``, since vLLM's
+next ``propose`` overwrites the features. No host copy, no synchronisation,
+no arithmetic, no Python loop over requests.
 
 At a round boundary (``REFIT_INTERVAL`` steps, a coefficient update, or the
-sidecar lost) :meth:`SummaryRound.end` concatenates the sums and the sketch
-into one device buffer, starts its copy to the host (pinned, non-blocking on
-CUDA), zeroes the device sums and hands the buffer to a sender thread, which
-waits for that copy only and gives the sink a
-:class:`~avest_client.summary.RoundSummaryData`.
+sidecar lost) :meth:`SummaryRound.end` builds the round's calibration sketch
+from the kept steps with fixed-shape torch ops over ``[T, R, K]`` on the
+estimator's device (the linear predictor ``eta = slope x + b_k`` in float32
+with the round's coefficients, as the draft graph computed it; its AUC slot
+by label; its ECE bin with the probability; the log loss; all masked by the
+observed flag and added with ``index_add_``), concatenates vLLM's sums and
+the sketch into one device buffer, starts its copy to the host (pinned,
+non-blocking on CUDA), zeroes vLLM's sums and hands the buffer to a sender
+thread, which waits for that copy only and gives the sink a
+:class:`~avest_client.summary.RoundSummaryData`. The sketch buffers cost
+``REFIT_INTERVAL x max_num_reqs x K x 4`` bytes of device memory (0.8 MiB
+at 256 requests and K = 8; 26 MiB at 1024 and K = 64); ``AVEST_SKETCH=0``
+drops them and the sketch.
 
 A round only ever holds steps drafted with one set of pooled coefficients:
 it starts at the first step whose drafts were scored with coefficients from
@@ -68,21 +72,32 @@ class _Pending:
 class SummaryRound:
     """The open round of one estimator in summary mode (see the module docstring)."""
 
-    def __init__(self, sink: Any, k: int, device: torch.device | str, sketch: bool = True) -> None:
+    def __init__(
+        self,
+        sink: Any,
+        k: int,
+        device: torch.device | str,
+        sketch: bool = True,
+        *,
+        max_num_reqs: int = 0,
+        round_steps: int = 100,
+    ) -> None:
         self.sink = sink
         self.k = k
         self.device = torch.device(device)
-        self.keep_sketch = sketch
+        self.keep_sketch = sketch and max_num_reqs > 0
+        self.round_steps = round_steps
         self._cuda = self.device.type == "cuda" and torch.cuda.is_available()
-        f32 = dict(dtype=torch.float32, device=self.device)
-        self.hist = torch.zeros(k * 2 * AUC_SLOTS, **f32)  # (position, label, slot)
-        self.ece = torch.zeros(k * ECE_BINS * 2, **f32)  # (position, bin, label)
-        self.psum = torch.zeros(k * ECE_BINS, **f32)  # (position, bin)
-        self.nll = torch.zeros(k, **f32)
-        pos = torch.arange(k, device=self.device)
-        self._pos = pos[None, :]
-        self._cell0 = (pos * 2 * AUC_SLOTS)[None, :]
-        self._bin0 = (pos * ECE_BINS)[None, :]
+        if self.keep_sketch:
+            # What vLLM's next propose overwrites, kept for the round: the features
+            # buffer and the step's (idx_mapping, num_sampled, num_rejected).
+            self._features = torch.zeros(
+                round_steps, max_num_reqs, k, dtype=torch.float32, device=self.device
+            )
+            self._meta = torch.zeros(round_steps, 3, max_num_reqs, dtype=torch.int64, device=self.device)
+            self._row = torch.arange(max_num_reqs, device=self.device)
+        self._rows: list[int] = []
+        self._pos = torch.arange(k, device=self.device)
         #: The pooled coefficients the open round's drafts are scored with (None: local).
         self.version: int | None = None
         self.slope = 0.0
@@ -98,26 +113,52 @@ class SummaryRound:
         self._thread.start()
 
     # ------------------------------------------------------------------ step
-    def sketch(self, est: Any, idx_mapping: torch.Tensor, num_sampled: torch.Tensor,
+    def record(self, est: Any, idx_mapping: torch.Tensor, num_sampled: torch.Tensor,
                num_rejected: torch.Tensor) -> None:  # fmt: skip
-        """Add one step's drafts to the device sketch (before vLLM's step consumes them)."""
-        if not self.keep_sketch:
+        """Keep what the sketch needs of this step (before vLLM's next propose overwrites it).
+
+        Four device copies into the round's preallocated buffers: the features
+        buffer whole, and the step's three per-request vectors. Nothing is
+        computed per step; :meth:`end` builds the sketch of the whole round.
+        """
+        t = len(self._rows)
+        if not self.keep_sketch or t >= self.round_steps:
             return
-        idx = idx_mapping.to(torch.int64)
-        x = est.features.index_select(0, idx)
-        eta = torch.addcmul(est.intercepts[None, :], x, est.slope)
-        acc = (num_sampled[: idx.shape[0]].to(torch.int64) - 1).clamp_(min=0)[:, None]
-        adm = acc + num_rejected[: idx.shape[0]].to(torch.int64)[:, None]
-        obs = ((self._pos <= acc) & (self._pos < adm)).to(torch.float32)
-        label = (self._pos < acc).to(torch.int64)
+        rows = idx_mapping.shape[0]
+        self._features[t].copy_(est.features, non_blocking=True)
+        meta = self._meta[t]
+        meta[0, :rows].copy_(idx_mapping, non_blocking=True)
+        meta[1, :rows].copy_(num_sampled[:rows], non_blocking=True)
+        meta[2, :rows].copy_(num_rejected[:rows], non_blocking=True)
+        self._rows.append(rows)
+
+    def _sketch(self) -> list[torch.Tensor]:
+        """The open round's sketch from the kept steps: fixed-shape ops over [T, R, K]."""
+        t = len(self._rows)
+        k = self.k
+        rows = torch.tensor(self._rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        valid = self._row[None, :] < rows[:, None]  # [T, R]
+        meta = self._meta[:t]
+        idx = torch.where(valid, meta[:, 0], 0)
+        x = torch.gather(self._features[:t], 1, idx[:, :, None].expand(-1, -1, k))
+        coef = torch.tensor((self.slope, *self.intercepts), dtype=torch.float32)
+        coef = coef.to(self.device, non_blocking=True)
+        eta = torch.addcmul(coef[1:], x, coef[:1])  # as the draft graph computed it, in float32
+        acc = (meta[:, 1] - 1).clamp_(min=0)[:, :, None]
+        adm = acc + meta[:, 2][:, :, None]
+        pos = self._pos
+        obs = ((pos <= acc) & (pos < adm) & valid[:, :, None]).to(torch.float32)
+        label = (pos < acc).to(torch.int64)
         slot = (eta * _SCALE + _OFFSET).clamp_(0.0, AUC_SLOTS - 1).to(torch.int64)
-        self.hist.index_add_(0, (self._cell0 + label * AUC_SLOTS + slot).view(-1), obs.view(-1))
+        cell = (pos * 2 + label) * AUC_SLOTS + slot
+        f32 = dict(dtype=torch.float32, device=self.device)
+        hist = torch.zeros(k * 2 * AUC_SLOTS, **f32).index_add_(0, cell.view(-1), obs.view(-1))
         p = torch.sigmoid(eta)
-        b = self._bin0 + (p * ECE_BINS).to(torch.int64).clamp_(max=ECE_BINS - 1)
-        self.ece.index_add_(0, (b * 2 + label).view(-1), obs.view(-1))
-        self.psum.index_add_(0, b.view(-1), (p * obs).view(-1))
-        nll = torch.nn.functional.softplus(eta) - label * eta
-        self.nll.add_((nll * obs).sum(0))
+        b = pos * ECE_BINS + (p * ECE_BINS).to(torch.int64).clamp_(max=ECE_BINS - 1)
+        ece = torch.zeros(k * ECE_BINS * 2, **f32).index_add_(0, (b * 2 + label).view(-1), obs.view(-1))
+        psum = torch.zeros(k * ECE_BINS, **f32).index_add_(0, b.view(-1), (p * obs).view(-1))
+        nll = ((torch.nn.functional.softplus(eta) - label * eta) * obs).sum((0, 1))
+        return [hist, ece, psum, nll]
 
     # --------------------------------------------------------------- boundary
     def start(self, version: int, slope: float, intercepts: tuple[float, ...]) -> None:
@@ -138,7 +179,7 @@ class SummaryRound:
         if self.version is not None and self.steps > 0:
             parts = [est.info.reshape(-1), est.grad.reshape(-1), est.counts.reshape(-1)]
             if self.keep_sketch:
-                parts += [self.hist, self.ece, self.psum, self.nll]
+                parts += self._sketch()
             buf = torch.cat(parts)
             if self._cuda:
                 host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
@@ -160,9 +201,7 @@ class SummaryRound:
             est.info.zero_()
             est.grad.zero_()
             est.counts.zero_()
-        if self.keep_sketch:
-            for t in (self.hist, self.ece, self.psum, self.nll):
-                t.zero_()
+        self._rows.clear()
         self.steps = 0
 
     # ---------------------------------------------------------------- sender
