@@ -16,8 +16,8 @@ from avest.core.summary import (
     make_summary,
     observe_sketch,
     rebase,
-    sketch_cells,
-    sketch_state,
+    Sketch,
+    make_sketch,
     summarise,
 )
 
@@ -159,7 +159,7 @@ def _good(**over):
         ({"grad": np.full((K, 2), np.nan)}, "grad"),
         ({"slope": -0.1}, "slope"),
         ({"intercepts": [0.0] * (K + 1)}, "intercepts"),
-        ({"calibration": CalibrationState.empty(K)}, "sketch"),
+        ({"calibration": Sketch.of(CalibrationState.empty(K))}, "sketch"),
     ],
 )
 def test_malformed_summaries_are_refused_naming_the_field(over, field):
@@ -179,29 +179,24 @@ def test_refused_summary_leaves_the_estimator_untouched():
 def test_sketch_round_trips_through_its_sparse_cells():
     b = batches(synthetic_steps(6))
     at = Coefficients.cold_start(K)
-    state = summarise([(x.features, x.observed, x.accepted) for x in b], at, 0).calibration
-    assert state is not None
-    idx, cnt = sketch_cells(state)
+    sk = summarise([(x.features, x.observed, x.accepted) for x in b], at, 0).calibration
+    assert sk is not None
+    state = sk.state()
     arrays = state.to_arrays()
-    back = sketch_state(
-        K,
-        idx,
-        cnt,
-        arrays["ece_rejected"],
-        arrays["ece_accepted"],
-        arrays["ece_sum_predicted"],
-        arrays["logloss_sum"],
-    )
+    parts = [arrays[n] for n in ("ece_rejected", "ece_accepted", "ece_sum_predicted", "logloss_sum")]
+    back = make_sketch(K, sk.cells, sk.counts, *parts).state()
     assert all(np.array_equal(v, back.to_arrays()[n]) for n, v in arrays.items())
     with pytest.raises(InvalidInput) as err:
-        sketch_state(K, idx[::-1], cnt, *[arrays[n] for n in ("ece_rejected", "ece_accepted",
-                     "ece_sum_predicted", "logloss_sum")])  # fmt: skip
+        make_sketch(K, sk.cells[::-1], sk.counts, *parts)
     assert err.value.field == "cell_deltas"
-    with pytest.raises(InvalidInput):
-        bad = arrays["ece_rejected"].copy()
-        bad[0, 0] += 1
-        sketch_state(K, idx, cnt, bad, arrays["ece_accepted"], arrays["ece_sum_predicted"],
-                     arrays["logloss_sum"])  # fmt: skip
+    bad = arrays["ece_rejected"].copy()
+    bad[0, 0] += 1
+    with pytest.raises(InvalidInput) as err:
+        make_sketch(K, sk.cells, sk.counts, bad, *parts[1:])
+    assert err.value.field == "cell_counts"
+    with pytest.raises(InvalidInput) as err:
+        make_sketch(K, sk.cells, sk.counts, *parts[:2], parts[2] + 1e3, parts[3])
+    assert err.value.field == "ece_sum_predicted"
 
 
 def test_calibration_layer_learns_from_sketches_as_from_drafts():

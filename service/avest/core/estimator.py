@@ -157,7 +157,7 @@ class OnlineEstimator:
             stats = rebase(stats, summary.at, self.coefficients)
         self.round_stats.add_(stats)
         if summary.calibration is not None:
-            self._calibration_round.merge(summary.calibration)
+            summary.calibration.add_to(self._calibration_round)
             if self.recalibrator is not None:
                 observe_sketch(self.recalibrator, summary.calibration)
         self.drafts += summary.drafts

@@ -71,7 +71,7 @@ class RoundSummary:
     stats: RoundStats
     steps: int
     drafts: int
-    calibration: CalibrationState | None = None
+    calibration: Sketch | None = None
 
     @property
     def k(self) -> int:
@@ -98,7 +98,7 @@ def make_summary(
     counts: npt.ArrayLike,
     steps: int,
     drafts: int,
-    calibration: CalibrationState | None = None,
+    calibration: Sketch | None = None,
 ) -> RoundSummary:
     """Validate one summary (``info`` [K, 3], ``grad`` [K, 2], ``counts`` [K]) completely."""
     check_k(k)
@@ -122,9 +122,7 @@ def make_summary(
     if calibration is not None:
         if calibration.k != k:
             raise InvalidInput("sketch", f"has K={calibration.k}, expected {k}")
-        per = calibration.to_arrays()
-        have = per["ece_rejected"].sum(axis=1) + per["ece_accepted"].sum(axis=1)
-        if not np.array_equal(have, n):
+        if not np.array_equal(calibration.drafts_per_position(), n):
             raise InvalidInput("sketch", "its drafts per position differ from counts")
     stats = RoundStats(
         a=inf[:, 0].copy(), b=inf[:, 1].copy(), c=inf[:, 2].copy(),
@@ -159,7 +157,48 @@ def rebase(stats: RoundStats, at: Coefficients, to: Coefficients) -> RoundStats:
 # -- the calibration sketch ------------------------------------------------------
 
 
-def sketch_state(
+@dataclass(frozen=True)
+class Sketch:
+    """A round's calibration sums, the eta histogram kept sparse.
+
+    ``cells``: ascending flat indices ``(position * 2 + label) * AUC_SLOTS +
+    slot`` of the occupied histogram cells, ``counts`` their drafts; ``ece``
+    ``[K, ECE_BINS, 2]`` (rejected, accepted) drafts, ``psum`` ``[K,
+    ECE_BINS]`` predicted probabilities, ``nll`` ``[K]`` log loss. Merging
+    into a pair's round costs O(occupied cells), not O(K x 2052).
+    """
+
+    k: int
+    cells: npt.NDArray[np.int64]
+    counts: FloatArray
+    ece: FloatArray
+    psum: FloatArray
+    nll: FloatArray
+
+    def drafts_per_position(self) -> FloatArray:
+        return np.bincount(self.cells // CELLS_PER_POSITION, weights=self.counts, minlength=self.k)
+
+    def add_to(self, state: CalibrationState) -> None:
+        """Add these sums into ``state`` (in place)."""
+        state.add_sums(self.cells, self.counts, self.ece, self.psum, self.nll)
+
+    def state(self) -> CalibrationState:
+        """The sums as a :class:`CalibrationState` of their own."""
+        out = CalibrationState.empty(self.k)
+        self.add_to(out)
+        return out
+
+    @classmethod
+    def of(cls, state: CalibrationState) -> Sketch:
+        """The sketch of a whole state (its occupied cells)."""
+        a = state.to_arrays()
+        auc = np.stack([a["auc_rejected"], a["auc_accepted"]], axis=1).reshape(-1)
+        idx = np.flatnonzero(auc).astype(np.int64)
+        ece = np.stack([a["ece_rejected"], a["ece_accepted"]], axis=2)
+        return cls(state.k, idx, auc[idx], ece, a["ece_sum_predicted"], a["logloss_sum"])
+
+
+def make_sketch(
     k: int,
     cells: npt.ArrayLike,
     cell_counts: npt.ArrayLike,
@@ -167,39 +206,35 @@ def sketch_state(
     ece_accepted: npt.ArrayLike,
     ece_sum_predicted: npt.ArrayLike,
     logloss_sum: npt.ArrayLike,
-) -> CalibrationState:
-    """A :class:`CalibrationState` from a sketch's parts (``cells``: absolute flat indices)."""
+) -> Sketch:
+    """Validate a sketch's parts (``cells``: absolute flat indices) into a :class:`Sketch`."""
     check_k(k)
     idx = np.asarray(cells, dtype=np.int64).reshape(-1)
     cnt = np.asarray(cell_counts, dtype=np.float64).reshape(-1)
     if idx.shape != cnt.shape:
         raise InvalidInput("cell_counts", f"has {cnt.size} entries, cell_deltas {idx.size}")
-    if idx.size and (idx.min() < 0 or idx.max() >= k * CELLS_PER_POSITION):
+    if idx.size and (idx[0] < 0 or idx[-1] >= k * CELLS_PER_POSITION):
         raise InvalidInput("cell_deltas", f"cells must lie in [0, {k * CELLS_PER_POSITION})")
     if idx.size > 1 and (np.diff(idx) < 1).any():
         raise InvalidInput("cell_deltas", "cells must ascend (gaps >= 1)")
-    if (cnt < 1).any():
+    if idx.size and not (np.isfinite(cnt).all() and cnt.min() >= 1):
         raise InvalidInput("cell_counts", "must be >= 1")
-    auc = np.zeros(k * CELLS_PER_POSITION)
-    auc[idx] = cnt
-    auc3 = auc.reshape(k, 2, AUC_SLOTS)
     shape = (k, ECE_BINS)
-    arrays = {
-        "layout": CalibrationState.empty(1).to_arrays()["layout"],
-        "auc_rejected": auc3[:, 0],
-        "auc_accepted": auc3[:, 1],
-        "ece_rejected": _grid(ece_rejected, "ece_rejected", shape),
-        "ece_accepted": _grid(ece_accepted, "ece_accepted", shape),
-        "ece_sum_predicted": _grid(ece_sum_predicted, "ece_sum_predicted", shape),
-        "logloss_sum": _grid(logloss_sum, "logloss_sum", (k,)),
-    }
-    state = CalibrationState.from_arrays(arrays)
-    per = state.to_arrays()
-    auc_n = per["auc_rejected"].sum(axis=1) + per["auc_accepted"].sum(axis=1)
-    ece_n = per["ece_rejected"].sum(axis=1) + per["ece_accepted"].sum(axis=1)
-    if not np.array_equal(auc_n, ece_n):
+    rej = _grid(ece_rejected, "ece_rejected", shape)
+    acc = _grid(ece_accepted, "ece_accepted", shape)
+    psum = _grid(ece_sum_predicted, "ece_sum_predicted", shape)
+    nll = _grid(logloss_sum, "logloss_sum", (k,))
+    ece = np.stack([rej, acc], axis=2)
+    for name, v in (("ece_rejected", rej), ("ece_accepted", acc), ("ece_sum_predicted", psum),
+                    ("logloss_sum", nll)):  # fmt: skip
+        if not (np.isfinite(v).all() and v.min() >= 0):
+            raise InvalidInput(name, "must be finite and non-negative")
+    if (psum > rej + acc + 1e-3).any():
+        raise InvalidInput("ece_sum_predicted", "a bin's predictions exceed its drafts")
+    sketch = Sketch(k, idx, cnt, ece, psum, nll)
+    if not np.array_equal(sketch.drafts_per_position(), ece.sum(axis=(1, 2))):
         raise InvalidInput("cell_counts", "the eta histogram and the ECE bins count different drafts")
-    return state
+    return sketch
 
 
 def _grid(value: npt.ArrayLike, field: str, shape: tuple[int, ...]) -> FloatArray:
@@ -208,14 +243,6 @@ def _grid(value: npt.ArrayLike, field: str, shape: tuple[int, ...]) -> FloatArra
     if v.size != size:
         raise InvalidInput(field, f"must have {size} entries, got {v.size}")
     return v.reshape(shape)
-
-
-def sketch_cells(state: CalibrationState) -> tuple[npt.NDArray[np.int64], FloatArray]:
-    """The occupied cells of a state's eta histogram: ``(flat indices, counts)``, ascending."""
-    arrays = state.to_arrays()
-    auc = np.stack([arrays["auc_rejected"], arrays["auc_accepted"]], axis=1).reshape(-1)
-    idx = np.flatnonzero(auc)
-    return idx.astype(np.int64), auc[idx]
 
 
 #: Centre of each AUC slot in ``eta`` (the edge slots at the grid's ends).
@@ -228,11 +255,12 @@ SLOT_CENTRES = np.concatenate(
 )
 
 
-def observe_sketch(recal: Recalibrator, state: CalibrationState) -> None:
-    """Feed a sketch to the calibration layer: every AUC slot counted at its centre."""
-    arrays = state.to_arrays()
-    rej = arrays["auc_rejected"].sum(axis=0)
-    acc = arrays["auc_accepted"].sum(axis=0)
+def observe_sketch(recal: Recalibrator, sketch: Sketch) -> None:
+    """Feed a sketch to the calibration layer (see the module docstring)."""
+    slots = sketch.cells % AUC_SLOTS
+    accepted = (sketch.cells // AUC_SLOTS) % 2 == 1
+    acc = np.bincount(slots[accepted], weights=sketch.counts[accepted], minlength=AUC_SLOTS)
+    rej = np.bincount(slots[~accepted], weights=sketch.counts[~accepted], minlength=AUC_SLOTS)
     tot = rej + acc
     live = tot > 0
     if not live.any():
@@ -288,4 +316,4 @@ def summarise(
         eta = linear_predictor(at, x)
         stats.add_(fold(x, eta, obs, acc))
         cal.update(eta, obs, acc)
-    return RoundSummary(version, at, stats, len(batches), stats.labelled(), cal)
+    return RoundSummary(version, at, stats, len(batches), stats.labelled(), Sketch.of(cal))

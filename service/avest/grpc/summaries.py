@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from avest.core.errors import InvalidInput
-from avest.core.summary import RoundSummary, make_summary, sketch_state
+from avest.core.summary import RoundSummary, make_sketch, make_summary
 from avest.state.pairs import Pair
 from avest_wire.v1 import estimator_pb2 as pb
 
@@ -28,7 +28,7 @@ def summary_from_pb(req: pb.ObserveRequest, pair: Pair) -> RoundSummary:
         if deltas.size > 1 and (deltas[1:] < 1).any():
             raise InvalidInput("sketch.cell_deltas", "gaps after the first cell must be >= 1")
         try:
-            calibration = sketch_state(
+            calibration = make_sketch(
                 pair.k,
                 np.cumsum(deltas),
                 np.asarray(sk.cell_counts, dtype=np.float64),

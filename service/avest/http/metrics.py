@@ -30,6 +30,7 @@ from prometheus_client import (
 
 from avest.core.metrics import CalibrationState, CalibrationSummary
 from avest.core.rules import Refit
+from avest.http.worker_metrics import WorkerCollector
 from avest.http.collector import PairCollector, queue_depth
 from avest.http.names import (
     AUC,
@@ -156,6 +157,7 @@ class Metrics:
             for reason in REFUSAL_REASONS:
                 self._refused_child(method, reason)
         self.registry.register(PairCollector(self))
+        self.registry.register(WorkerCollector(app))
         try:
             ProcessCollector(registry=self.registry)
         except Exception:  # pragma: no cover - platforms without /proc

@@ -13,6 +13,8 @@ rather than spelling names). All names start with ``avest_``, use base units
 ``code``      gRPC status code name (``OK``, ``INVALID_ARGUMENT``, ...)
 ``outcome``   refit outcome, one of :data:`avest.core.rules.OUTCOMES`
 ``reason``    refusal reason, one of :data:`REFUSAL_REASONS`
+``worker``    a worker id, for at most :data:`WORKER_SERIES` workers per pair;
+              ``"other"`` folds the rest
 
 Per-pair series exist from the pair's registration (or restoration from the
 store) on, before any observation. ``avest_drafts_observed_total`` and
@@ -75,6 +77,16 @@ RPC_DURATION = "avest_rpc_duration_seconds"
 OPEN_STREAMS = "avest_open_streams"
 QUEUE_DEPTH = "avest_queue_depth"
 REFUSED_BATCHES = "avest_refused_batches_total"
+WORKERS = "avest_workers"
+WORKERS_FORGOTTEN = "avest_workers_forgotten_total"
+WORKER_DRAFTS = "avest_worker_drafts"
+WORKER_STEPS = "avest_worker_steps"
+WORKER_SUMMARIES = "avest_worker_summaries"
+WORKER_LAG = "avest_worker_coefficients_lag"
+WORKER_LAST_SEEN = "avest_worker_last_seen_timestamp_seconds"
+#: Per pair, the most recently seen workers with series of their own; the rest
+#: are folded into ``worker="other"`` (bounded cardinality).
+WORKER_SERIES = 16
 
 #: Values of the ``reason`` label of :data:`REFUSED_BATCHES` (the gRPC adapter's
 #: refusal reasons); anything else is counted as ``other``.
@@ -276,13 +288,54 @@ METRICS: tuple[MetricSpec, ...] = (
         ("method", "reason"),
         "Requests refused (state untouched) by method and reason.",
     ),
+    MetricSpec(
+        WORKERS,
+        "gauge",
+        ("pair",),
+        "Workers remembered as sending to the pair (raw steps or round summaries), at most "
+        "4096 per pair.",
+    ),
+    MetricSpec(
+        WORKERS_FORGOTTEN,
+        "counter",
+        ("pair",),
+        "Workers forgotten (least recently seen first) to keep the pair's table bounded.",
+    ),
 )
-SPECS: dict[str, MetricSpec] = {m.name: m for m in METRICS}
+_WORKER = (
+    f"the {WORKER_SERIES} most recently seen workers of the pair have series of their own, "
+    'the rest are folded into worker="other"'
+)
+#: Per-worker series: they exist once a pair has seen a worker (bounded: see WORKER_SERIES).
+WORKER_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(WORKER_DRAFTS, "gauge", ("pair", "worker"), f"Labelled drafts sent; {_WORKER}."),
+    MetricSpec(
+        WORKER_STEPS, "gauge", ("pair", "worker"), f"Decode steps covered (summaries' steps and "
+        f"raw steps); {_WORKER}."
+    ),  # fmt: skip
+    MetricSpec(
+        WORKER_SUMMARIES, "gauge", ("pair", "worker"), f"Round summaries applied; {_WORKER}."
+    ),
+    MetricSpec(
+        WORKER_LAG,
+        "gauge",
+        ("pair", "worker"),
+        "Coefficient versions the worker's last summary was behind the pair when applied "
+        f"(0: current); other: the largest; {_WORKER}.",
+    ),
+    MetricSpec(
+        WORKER_LAST_SEEN,
+        "gauge",
+        ("pair", "worker"),
+        f"Unix time the worker's last step or summary was applied; {_WORKER}.",
+    ),
+)
+SPECS: dict[str, MetricSpec] = {m.name: m for m in (*METRICS, *WORKER_METRICS)}
 
 
 def exposed_names() -> frozenset[str]:
     """Every sample name avest exposes (for checking dashboards and rules)."""
-    return frozenset(n for m in METRICS for n in m.sample_names())
+    return frozenset(n for m in (*METRICS, *WORKER_METRICS) for n in m.sample_names())
 
 
 def family_name(name: str) -> str:
