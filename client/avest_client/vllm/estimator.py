@@ -33,6 +33,7 @@ from avest_client.vllm.coefficients import Governor, Update
 from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.exclusion import ExclusionRegistry
 from avest_client.vllm.pair import PairKey
+from avest_client.vllm.prom import Exporter
 from avest_client.vllm.rounds import SummaryRound
 from avest_client.vllm.sink import Sink
 from avest_client.vllm.tp import SingleProcessGroup, TPGroup
@@ -65,6 +66,7 @@ class _Runtime:
         rate = opts.config.raw_sample if self.mode == "summary" else 0.0
         self.raw_every = max(1, round(1.0 / rate)) if rate > 0 else 0
         self.rounds: SummaryRound | None = None
+        self.exporter: Exporter | None = None
         self.sink: Sink | None = None
         self.forwarder: Forwarder | None = None
         self.pair: PairKey | None = None
@@ -173,6 +175,8 @@ class _Runtime:
         }
 
     def close(self) -> None:
+        if self.exporter is not None:
+            self.exporter.close()
         if self.rounds is not None:
             self.rounds.flush(2.0)
             self.rounds.close()
@@ -187,6 +191,16 @@ class _Runtime:
 
 def _close_runtime(rt: _Runtime) -> None:
     rt.close()
+
+
+def _stats_reader(ref: weakref.ReferenceType[Any]) -> Callable[[], dict[str, Any]]:
+    """The estimator's ``avest_stats`` without keeping the estimator alive."""
+
+    def read() -> dict[str, Any]:
+        est = ref()
+        return {} if est is None else dict(est.avest_stats())
+
+    return read
 
 
 def make_sidecar_estimator(
@@ -231,6 +245,8 @@ def make_sidecar_estimator(
                 logger.exception("avest: shim setup failed; vLLM's estimator runs alone")
                 return
             self._avest = rt
+            if rt.sink is not None:
+                rt.exporter = Exporter(_stats_reader(weakref.ref(self)))
             weakref.finalize(self, _close_runtime, rt)
 
         def step(self, idx_mapping: Any, num_sampled: Any, num_rejected: Any) -> None:
