@@ -17,6 +17,7 @@ blocking I/O.
 ``GET /v1/pairs/{id}/workers``              workers seen: mode, last summary, version, drafts
 ``GET /v1/pairs/{id}/reliability.svg``      the reliability diagram and per-position plot
 ``POST /v1/pairs/{id}/reset``               forget what the pair learned (bearer token)
+``/v1/pairs/{id}/recording[.npz]``          record raw steps (:mod:`avest.http.recording`)
 ``GET /docs``, ``GET /openapi.json``        OpenAPI
 ==========================================  ==========================================
 
@@ -50,6 +51,7 @@ from avest.http.models import (
     finite,
     pair_out,
 )
+from avest.http.recording import add_recording_routes
 from avest.state.pairs import NotFound, Pair
 
 #: Module level: the handlers' annotations are strings resolved in this module.
@@ -281,6 +283,7 @@ def build_http(app: Any, metrics: Any, settings: Any) -> FastAPI:
         app.reset(pair)
         return pair_out(pair, metrics)
 
+    add_recording_routes(api, app, settings, get_pair)
     return api
 
 

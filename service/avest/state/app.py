@@ -26,6 +26,7 @@ from avest.core.rules import Refit
 from avest.core.summary import RoundSummary
 from avest.settings import Settings
 from avest.state.pairs import Pair, PairKey, Registry, RuleConfig
+from avest.state.recording import Recording
 from avest.state.store import Store
 
 log = logging.getLogger("avest")
@@ -68,6 +69,8 @@ class Avest:
         self.ready = False
         #: Set by the server when it starts draining: /readyz answers 503 from then on.
         self.draining = False
+        #: Pair id -> the recording of its raw steps in progress or finished (admin API).
+        self.recordings: dict[str, Recording] = {}
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -111,6 +114,9 @@ class Avest:
         if not applied:
             return False
         if isinstance(batch, Batch):
+            recording = self.recordings.get(pair.id)
+            if recording is not None:
+                recording.offer(batch)
             rows = int(batch.features.shape[0])
             for hook in self.hooks.observed:
                 hook(pair, rows, batch.labelled)
