@@ -254,7 +254,9 @@ def bench_ingest_summaries(ks: list[int], workers: int, streams: int, rate: floa
                         "bench/target", "bench/draft", "bench", k, labels={"run": f"{k}-{label}"},
                         rule="recursive", refit_interval=min(1_000_000, workers * ROUND_STEPS),
                     )  # fmt: skip
-                    res = asyncio.run(ingest(address, reg.pair_id, body, workers, streams, r, seconds))
+                    res = asyncio.run(
+                        ingest(address, reg.pair_id, body, workers, streams, r, seconds)
+                    )
                     info = client.pair(reg.pair_id)
                     res["refits"] = info.coefficients.round
                     out[f"K={k} {label}"] = res

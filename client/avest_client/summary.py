@@ -205,7 +205,9 @@ class RoundAccumulator:
         nll = np.log1p(np.exp(-np.abs(e))) + np.maximum(np.where(yy == 1, -e, e), 0.0)
         np.add.at(self.nll, cols, nll)
 
-    def take(self, version: int, slope: float, intercepts: npt.ArrayLike) -> RoundSummaryData | None:
+    def take(
+        self, version: int, slope: float, intercepts: npt.ArrayLike
+    ) -> RoundSummaryData | None:
         """The open round as a summary (None if it has no step), then a fresh round."""
         if self.steps == 0:
             return None

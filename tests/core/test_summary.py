@@ -13,11 +13,11 @@ from avest.core.model import Coefficients, linear_predictor
 from avest.core.rules import RecursiveRule, make_rule
 from avest.core.stats import fold
 from avest.core.summary import (
+    Sketch,
+    make_sketch,
     make_summary,
     observe_sketch,
     rebase,
-    Sketch,
-    make_sketch,
     summarise,
 )
 
@@ -183,7 +183,9 @@ def test_sketch_round_trips_through_its_sparse_cells():
     assert sk is not None
     state = sk.state()
     arrays = state.to_arrays()
-    parts = [arrays[n] for n in ("ece_rejected", "ece_accepted", "ece_sum_predicted", "logloss_sum")]
+    parts = [
+        arrays[n] for n in ("ece_rejected", "ece_accepted", "ece_sum_predicted", "logloss_sum")
+    ]
     back = make_sketch(K, sk.cells, sk.counts, *parts).state()
     assert all(np.array_equal(v, back.to_arrays()[n]) for n, v in arrays.items())
     with pytest.raises(InvalidInput) as err:

@@ -52,7 +52,9 @@ def test_workers_are_listed_over_http_and_folded_in_metrics(live: Live) -> None:
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             samples.setdefault(s.name, []).append(s)
-    drafts = {s.labels["worker"]: s.value for s in samples[N.WORKER_DRAFTS] if s.labels["pair"] == pid}
+    drafts = {
+        s.labels["worker"]: s.value for s in samples[N.WORKER_DRAFTS] if s.labels["pair"] == pid
+    }
     assert len(drafts) == N.WORKER_SERIES + 1  # bounded: the rest in "other"
     assert drafts[OTHER] == sum(range(1, 5))  # the four seen first
     assert sum(drafts.values()) == n * (n + 1) // 2

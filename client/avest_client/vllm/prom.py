@@ -43,8 +43,9 @@ logger = logging.getLogger(__name__)
 COUNTERS: dict[str, Callable[[dict[str, Any]], int]] = {
     "avest_shim_steps_forwarded": lambda s: int(s.get("submitted") or 0),
     "avest_shim_summaries": lambda s: int(s.get("summaries") or 0),
-    "avest_shim_dropped": lambda s: int(s.get("dropped") or 0)
-    + int((s.get("sink") or {}).get("dropped") or 0),
+    "avest_shim_dropped": lambda s: (
+        int(s.get("dropped") or 0) + int((s.get("sink") or {}).get("dropped") or 0)
+    ),
     "avest_shim_stalls": lambda s: int((s.get("sink") or {}).get("stalls") or 0),
     "avest_shim_local_refits": lambda s: int(s.get("local_refits") or 0),
     "avest_shim_skipped_refits": lambda s: int(s.get("skipped_refits") or 0),

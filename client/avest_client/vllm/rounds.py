@@ -94,7 +94,9 @@ class SummaryRound:
             self._features = torch.zeros(
                 round_steps, max_num_reqs, k, dtype=torch.float32, device=self.device
             )
-            self._meta = torch.zeros(round_steps, 3, max_num_reqs, dtype=torch.int64, device=self.device)
+            self._meta = torch.zeros(
+                round_steps, 3, max_num_reqs, dtype=torch.int64, device=self.device
+            )
             self._row = torch.arange(max_num_reqs, device=self.device)
         self._rows: list[int] = []
         self._pos = torch.arange(k, device=self.device)
@@ -155,7 +157,9 @@ class SummaryRound:
         hist = torch.zeros(k * 2 * AUC_SLOTS, **f32).index_add_(0, cell.view(-1), obs.view(-1))
         p = torch.sigmoid(eta)
         b = pos * ECE_BINS + (p * ECE_BINS).to(torch.int64).clamp_(max=ECE_BINS - 1)
-        ece = torch.zeros(k * ECE_BINS * 2, **f32).index_add_(0, (b * 2 + label).view(-1), obs.view(-1))
+        ece = torch.zeros(k * ECE_BINS * 2, **f32).index_add_(
+            0, (b * 2 + label).view(-1), obs.view(-1)
+        )
         psum = torch.zeros(k * ECE_BINS, **f32).index_add_(0, b.view(-1), (p * obs).view(-1))
         nll = ((torch.nn.functional.softplus(eta) - label * eta) * obs).sum((0, 1))
         return [hist, ece, psum, nll]

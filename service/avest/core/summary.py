@@ -128,7 +128,9 @@ def make_summary(
         a=inf[:, 0].copy(), b=inf[:, 1].copy(), c=inf[:, 2].copy(),
         g0=g[:, 0].copy(), g1=g[:, 1].copy(), n=n.copy(),
     )  # fmt: skip
-    return RoundSummary(int(version), Coefficients.of(w, b), stats, int(steps), int(drafts), calibration)
+    return RoundSummary(
+        int(version), Coefficients.of(w, b), stats, int(steps), int(drafts), calibration
+    )
 
 
 def rebase(stats: RoundStats, at: Coefficients, to: Coefficients) -> RoundStats:
@@ -176,7 +178,8 @@ class Sketch:
     nll: FloatArray
 
     def drafts_per_position(self) -> FloatArray:
-        return np.bincount(self.cells // CELLS_PER_POSITION, weights=self.counts, minlength=self.k)
+        per = np.bincount(self.cells // CELLS_PER_POSITION, weights=self.counts, minlength=self.k)
+        return np.asarray(per, dtype=np.float64)
 
     def add_to(self, state: CalibrationState) -> None:
         """Add these sums into ``state`` (in place)."""
@@ -233,7 +236,9 @@ def make_sketch(
         raise InvalidInput("ece_sum_predicted", "a bin's predictions exceed its drafts")
     sketch = Sketch(k, idx, cnt, ece, psum, nll)
     if not np.array_equal(sketch.drafts_per_position(), ece.sum(axis=(1, 2))):
-        raise InvalidInput("cell_counts", "the eta histogram and the ECE bins count different drafts")
+        raise InvalidInput(
+            "cell_counts", "the eta histogram and the ECE bins count different drafts"
+        )
     return sketch
 
 
@@ -284,7 +289,9 @@ def _recal_split() -> FloatArray:
     from avest.core.calibration import ETA_MAX, SLOTS
 
     width = 2.0 * ETA_RANGE / (AUC_SLOTS - 2)
-    inner = np.concatenate(([-np.inf], -ETA_MAX + np.arange(SLOTS - 1) * (2 * ETA_MAX / (SLOTS - 2))))
+    inner = np.concatenate(
+        ([-np.inf], -ETA_MAX + np.arange(SLOTS - 1) * (2 * ETA_MAX / (SLOTS - 2)))
+    )
     upper = np.concatenate((inner[1:], [np.inf]))
     out = np.zeros((AUC_SLOTS, SLOTS))
     out[0, slot(-ETA_RANGE - 1.0)[()]] = 1.0

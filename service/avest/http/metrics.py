@@ -30,7 +30,6 @@ from prometheus_client import (
 
 from avest.core.metrics import CalibrationState, CalibrationSummary
 from avest.core.rules import Refit
-from avest.http.worker_metrics import WorkerCollector
 from avest.http.collector import PairCollector, queue_depth
 from avest.http.names import (
     AUC,
@@ -70,6 +69,7 @@ from avest.http.names import (
     exposed_names,
     family_name,
 )
+from avest.http.worker_metrics import WorkerCollector
 
 __all__ = [
     "AUC",

@@ -310,8 +310,10 @@ _WORKER = (
 WORKER_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(WORKER_DRAFTS, "gauge", ("pair", "worker"), f"Labelled drafts sent; {_WORKER}."),
     MetricSpec(
-        WORKER_STEPS, "gauge", ("pair", "worker"), f"Decode steps covered (summaries' steps and "
-        f"raw steps); {_WORKER}."
+        WORKER_STEPS,
+        "gauge",
+        ("pair", "worker"),
+        f"Decode steps covered (summaries' steps and raw steps); {_WORKER}.",
     ),  # fmt: skip
     MetricSpec(
         WORKER_SUMMARIES, "gauge", ("pair", "worker"), f"Round summaries applied; {_WORKER}."

@@ -120,5 +120,7 @@ class WorkerTable:
             other.drafts += r.drafts
             other.lag = max(other.lag, r.lag)
             if r.version is not None:
-                other.version = r.version if other.version is None else min(other.version, r.version)
+                other.version = (
+                    r.version if other.version is None else min(other.version, r.version)
+                )
         return [*head, other]
