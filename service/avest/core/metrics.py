@@ -207,26 +207,6 @@ class CalibrationState:
         for mine, theirs in zip(self._parts(), other._parts(), strict=True):
             mine += theirs
 
-    def add_sums(
-        self,
-        auc_cells: npt.NDArray[np.int64],
-        auc_counts: FloatArray,
-        ece: FloatArray,
-        psum: FloatArray,
-        nll: FloatArray,
-    ) -> None:
-        """Add sums given directly (in place; the caller validated them).
-
-        ``auc_cells`` are distinct flat indices ``(position * 2 + label) *
-        AUC_SLOTS + slot`` with ``auc_counts`` drafts each; ``ece`` is ``[K,
-        ECE_BINS, 2]`` (rejected, accepted), ``psum`` ``[K, ECE_BINS]``,
-        ``nll`` ``[K]``. Costs O(cells): round summaries merge this way.
-        """
-        self._auc.reshape(-1)[auc_cells] += auc_counts
-        self._ece += ece
-        self._psum += psum
-        self._nll += nll
-
     def __add__(self, other: CalibrationState) -> CalibrationState:
         if not isinstance(other, CalibrationState):
             return NotImplemented

@@ -182,8 +182,19 @@ class Sketch:
         return np.asarray(per, dtype=np.float64)
 
     def add_to(self, state: CalibrationState) -> None:
-        """Add these sums into ``state`` (in place)."""
-        state.add_sums(self.cells, self.counts, self.ece, self.psum, self.nll)
+        """Add these sums into ``state`` (in place), in O(occupied cells).
+
+        Writes the state's arrays directly (its layout: ``_auc`` [K, 2,
+        AUC_SLOTS], ``_ece`` [K, ECE_BINS, 2], ``_psum``, ``_nll``): building
+        a dense state per summary to :meth:`CalibrationState.merge` would cost
+        O(K x 2052) per summary, the most of a K = 64 summary's ingest.
+        """
+        if state.k != self.k:
+            raise InvalidInput("sketch", f"has K={self.k}, the state has K={state.k}")
+        state._auc.reshape(-1)[self.cells] += self.counts
+        state._ece += self.ece
+        state._psum += self.psum
+        state._nll += self.nll
 
     def state(self) -> CalibrationState:
         """The sums as a :class:`CalibrationState` of their own."""

@@ -13,6 +13,7 @@ rather than spelling names). All names start with ``avest_``, use base units
 ``code``      gRPC status code name (``OK``, ``INVALID_ARGUMENT``, ...)
 ``outcome``   refit outcome, one of :data:`avest.core.rules.OUTCOMES`
 ``reason``    refusal reason, one of :data:`REFUSAL_REASONS`
+``bin``       reliability bin, ``"0"`` .. ``"14"`` (see :data:`CURVE_METRICS`)
 ``worker``    a worker id, for at most :data:`WORKER_SERIES` workers per pair;
               ``"other"`` folds the rest
 
@@ -37,7 +38,8 @@ position ``i`` *given that position was verified* (the earlier drafts of the
 row were accepted): a conditional rate. vLLM's
 ``rate(vllm:spec_decode_num_accepted_tokens_per_pos_total[5m]) /
 rate(vllm:spec_decode_num_drafts_total[5m])`` is the unconditional rate,
-comparable to the running product of avest's per-position rates.
+comparable to the running product of avest's per-position rates, which
+``avest_observed_survival`` exports (see :data:`CURVE_METRICS`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from avest.core.estimator import DEFAULT_RECENT_DECAY
+from avest.core.metrics import ECE_BINS
 
 PREFIX = "avest_"
 
@@ -165,6 +168,65 @@ _RECENT = (
     f"recent drafts (each refit round down-weights older ones by {DEFAULT_RECENT_DECAY:g}: "
     "a window of about 20 rounds)"
 )
+
+# -- the dashboard's curves: survival through position i, reliability bins -------
+#
+# Survival through position ``i`` is the running product over positions
+# ``0..i`` of the cumulative per-position gauges above: with
+# ``avest_predicted_acceptance`` the probability the estimator gave a run of
+# ``i + 1`` accepted drafts, with ``avest_observed_acceptance`` (conditional
+# rates, so the product telescopes) the fraction of drafts whose positions
+# ``0..i`` were all accepted: what vLLM's
+# ``rate(..._accepted_tokens_per_pos_total) / rate(..._num_drafts_total)``
+# counts, and ``1 + sum over i`` is the mean acceptance length. NaN from the
+# first position without drafts on. The reliability bins are the cumulative
+# reliability diagram, every position pooled (what ``/v1/pairs/{id}/reliability``
+# and its SVG draw without ``position``): bin ``b`` (``"0"`` .. ``"14"``) holds
+# the drafts predicted in ``[b/15, (b+1)/15)`` (:data:`~avest.core.metrics.ECE_BINS`
+# bins). Per pair: ``2 K + 3 * 15`` series.
+
+PREDICTED_SURVIVAL = "avest_predicted_survival"
+OBSERVED_SURVIVAL = "avest_observed_survival"
+RELIABILITY_DRAFTS = "avest_reliability_drafts"
+RELIABILITY_PREDICTED = "avest_reliability_predicted"
+RELIABILITY_OBSERVED = "avest_reliability_observed"
+
+CURVE_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        PREDICTED_SURVIVAL,
+        "gauge",
+        ("pair", "position"),
+        "Predicted probability that drafts 0..position are all accepted: running product of "
+        f"{PREDICTED_ACCEPTANCE} (all drafts since registration or reset).",
+    ),
+    MetricSpec(
+        OBSERVED_SURVIVAL,
+        "gauge",
+        ("pair", "position"),
+        "Observed fraction of drafts whose positions 0..position were all accepted: running "
+        f"product of {OBSERVED_ACCEPTANCE} (all drafts since registration or reset).",
+    ),
+    MetricSpec(
+        RELIABILITY_DRAFTS,
+        "gauge",
+        ("pair", "bin"),
+        f"Labelled drafts whose predicted acceptance fell in the bin [bin/{ECE_BINS}, "
+        f"(bin+1)/{ECE_BINS}), all positions pooled (all drafts since registration or reset).",
+    ),
+    MetricSpec(
+        RELIABILITY_PREDICTED,
+        "gauge",
+        ("pair", "bin"),
+        "Mean predicted acceptance of the bin's drafts (NaN while the bin is empty).",
+    ),
+    MetricSpec(
+        RELIABILITY_OBSERVED,
+        "gauge",
+        ("pair", "bin"),
+        "Observed acceptance rate of the bin's drafts (NaN while the bin is empty).",
+    ),
+)
+
 
 #: Every avest metric, in exposition order.
 METRICS: tuple[MetricSpec, ...] = (
@@ -288,49 +350,19 @@ METRICS: tuple[MetricSpec, ...] = (
         ("method", "reason"),
         "Requests refused (state untouched) by method and reason.",
     ),
-    MetricSpec(
-        WORKERS,
-        "gauge",
-        ("pair",),
-        "Workers remembered as sending to the pair (raw steps or round summaries), at most "
-        "4096 per pair.",
-    ),
-    MetricSpec(
-        WORKERS_FORGOTTEN,
-        "counter",
-        ("pair",),
-        "Workers forgotten (least recently seen first) to keep the pair's table bounded.",
-    ),
+    *CURVE_METRICS,
+    MetricSpec(WORKERS, "gauge", ("pair",), "Workers remembered for the pair (at most 4096)."),
+    MetricSpec(WORKERS_FORGOTTEN, "counter", ("pair",), "Workers forgotten, oldest first."),
 )
-_WORKER = (
-    f"the {WORKER_SERIES} most recently seen workers of the pair have series of their own, "
-    'the rest are folded into worker="other"'
-)
+_WORKER = f'the {WORKER_SERIES} workers seen last have their own series, the rest worker="other"'
+_PW = ("pair", "worker")
 #: Per-worker series: they exist once a pair has seen a worker (bounded: see WORKER_SERIES).
 WORKER_METRICS: tuple[MetricSpec, ...] = (
-    MetricSpec(WORKER_DRAFTS, "gauge", ("pair", "worker"), f"Labelled drafts sent; {_WORKER}."),
-    MetricSpec(
-        WORKER_STEPS,
-        "gauge",
-        ("pair", "worker"),
-        f"Decode steps covered (summaries' steps and raw steps); {_WORKER}.",
-    ),  # fmt: skip
-    MetricSpec(
-        WORKER_SUMMARIES, "gauge", ("pair", "worker"), f"Round summaries applied; {_WORKER}."
-    ),
-    MetricSpec(
-        WORKER_LAG,
-        "gauge",
-        ("pair", "worker"),
-        "Coefficient versions the worker's last summary was behind the pair when applied "
-        f"(0: current); other: the largest; {_WORKER}.",
-    ),
-    MetricSpec(
-        WORKER_LAST_SEEN,
-        "gauge",
-        ("pair", "worker"),
-        f"Unix time the worker's last step or summary was applied; {_WORKER}.",
-    ),
+    MetricSpec(WORKER_DRAFTS, "gauge", _PW, f"Labelled drafts sent; {_WORKER}."),
+    MetricSpec(WORKER_STEPS, "gauge", _PW, f"Decode steps covered (summaries and raw); {_WORKER}."),
+    MetricSpec(WORKER_SUMMARIES, "gauge", _PW, f"Round summaries applied; {_WORKER}."),
+    MetricSpec(WORKER_LAG, "gauge", _PW, f"Versions its last summary was behind; {_WORKER}."),
+    MetricSpec(WORKER_LAST_SEEN, "gauge", _PW, f"Unix time last applied; {_WORKER}."),
 )
 SPECS: dict[str, MetricSpec] = {m.name: m for m in (*METRICS, *WORKER_METRICS)}
 
