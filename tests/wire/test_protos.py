@@ -277,6 +277,8 @@ def test_every_message_and_field_is_covered():
         "Pair",
         "Calibration",
         "PositionCalibration",
+        "RoundSummary",
+        "CalibrationSketch",
     }
     assert set(pb.DESCRIPTOR.enum_types_by_name) == {"UpdateRule", "BudgetRule"}
 
