@@ -42,6 +42,7 @@ taken at slot centres (a draft moves by at most half an AUC slot, 0.012 in
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,15 +79,6 @@ class RoundSummary:
         return self.stats.k
 
 
-def _vector(value: npt.ArrayLike, field: str, size: int) -> FloatArray:
-    v = np.asarray(value, dtype=np.float64).reshape(-1)
-    if v.shape != (size,):
-        raise InvalidInput(field, f"must have {size} entries, got {v.size}")
-    if not np.all(np.isfinite(v)):
-        raise InvalidInput(field, "must be finite")
-    return v
-
-
 def make_summary(
     k: int,
     *,
@@ -100,37 +92,51 @@ def make_summary(
     drafts: int,
     calibration: Sketch | None = None,
 ) -> RoundSummary:
-    """Validate one summary (``info`` [K, 3], ``grad`` [K, 2], ``counts`` [K]) completely."""
+    """Validate one summary (``info`` [K, 3], ``grad`` [K, 2], ``counts`` [K]) completely.
+
+    Ingest cost matters here (thousands of summaries a second): the checks
+    are few, vectorised numpy calls over all the parts at once.
+    """
     check_k(k)
     if version < 0:
         raise InvalidInput("coefficients_version", "must be >= 0")
-    w = _vector([slope], "slope", 1)[0]
-    if w < 0.0:
-        raise InvalidInput("slope", f"must be >= 0, got {w}")
-    b = _vector(intercepts, "intercepts", k)
-    inf = _vector(info, "info", 3 * k).reshape(k, 3)
-    if (inf[:, 0] < 0).any() or (inf[:, 2] < 0).any():
+    parts = {
+        "intercepts": np.asarray(intercepts, dtype=np.float64).reshape(-1),
+        "info": np.asarray(info, dtype=np.float64).reshape(-1),
+        "grad": np.asarray(grad, dtype=np.float64).reshape(-1),
+        "counts": np.asarray(counts, dtype=np.float64).reshape(-1),
+    }
+    for name, size in (("intercepts", k), ("info", 3 * k), ("grad", 2 * k), ("counts", k)):
+        if parts[name].size != size:
+            raise InvalidInput(name, f"must have {size} entries, got {parts[name].size}")
+    w = float(slope)
+    if not (math.isfinite(w) and w >= 0.0):
+        raise InvalidInput("slope", f"must be finite and >= 0, got {w}")
+    every = np.concatenate(list(parts.values()))
+    if not np.isfinite(every).all():
+        bad = next(n for n, v in parts.items() if not np.isfinite(v).all())
+        raise InvalidInput(bad, "must be finite")
+    inf = parts["info"].reshape(k, 3)
+    g = parts["grad"].reshape(k, 2)
+    n = parts["counts"]
+    if inf[:, 0::2].min() < 0:
         raise InvalidInput("info", "a_k and c_k must be >= 0")
-    g = _vector(grad, "grad", 2 * k).reshape(k, 2)
-    n = _vector(counts, "counts", k)
-    if (n < 0).any() or not np.array_equal(n, np.round(n)):
+    if n.min() < 0 or (n != np.rint(n)).any():
         raise InvalidInput("counts", "must be whole numbers >= 0")
     if not 1 <= steps <= MAX_SUMMARY_STEPS:
         raise InvalidInput("steps", f"must lie in [1, {MAX_SUMMARY_STEPS}], got {steps}")
-    if drafts != int(n.sum()):
-        raise InvalidInput("drafts", f"is {drafts}, the counts add up to {int(n.sum())}")
+    total = int(n.sum())
+    if drafts != total:
+        raise InvalidInput("drafts", f"is {drafts}, the counts add up to {total}")
     if calibration is not None:
         if calibration.k != k:
             raise InvalidInput("sketch", f"has K={calibration.k}, expected {k}")
         if not np.array_equal(calibration.drafts_per_position(), n):
             raise InvalidInput("sketch", "its drafts per position differ from counts")
-    stats = RoundStats(
-        a=inf[:, 0].copy(), b=inf[:, 1].copy(), c=inf[:, 2].copy(),
-        g0=g[:, 0].copy(), g1=g[:, 1].copy(), n=n.copy(),
-    )  # fmt: skip
-    return RoundSummary(
-        int(version), Coefficients.of(w, b), stats, int(steps), int(drafts), calibration
-    )
+    # fresh arrays (converted above): the statistics may view them
+    stats = RoundStats(a=inf[:, 0], b=inf[:, 1], c=inf[:, 2], g0=g[:, 0], g1=g[:, 1], n=n)
+    at = Coefficients(w, tuple(parts["intercepts"].tolist()))
+    return RoundSummary(int(version), at, stats, int(steps), total, calibration)
 
 
 def rebase(stats: RoundStats, at: Coefficients, to: Coefficients) -> RoundStats:
@@ -238,11 +244,10 @@ def make_sketch(
     acc = _grid(ece_accepted, "ece_accepted", shape)
     psum = _grid(ece_sum_predicted, "ece_sum_predicted", shape)
     nll = _grid(logloss_sum, "logloss_sum", (k,))
+    every = np.concatenate((rej.reshape(-1), acc.reshape(-1), psum.reshape(-1), nll))
+    if not (np.isfinite(every).all() and every.min(initial=0.0) >= 0):
+        raise InvalidInput("ece_rejected", "the ECE and log-loss sums must be finite and >= 0")
     ece = np.stack([rej, acc], axis=2)
-    for name, v in (("ece_rejected", rej), ("ece_accepted", acc), ("ece_sum_predicted", psum),
-                    ("logloss_sum", nll)):  # fmt: skip
-        if not (np.isfinite(v).all() and v.min() >= 0):
-            raise InvalidInput(name, "must be finite and non-negative")
     if (psum > rej + acc + 1e-3).any():
         raise InvalidInput("ece_sum_predicted", "a bin's predictions exceed its drafts")
     sketch = Sketch(k, idx, cnt, ece, psum, nll)
