@@ -98,6 +98,11 @@ class SummaryRound:
                 round_steps, 3, max_num_reqs, dtype=torch.int64, device=self.device
             )
             self._row = torch.arange(max_num_reqs, device=self.device)
+            if not self._cuda:
+                self._features_np = self._features.numpy()
+                self._meta_np = self._meta.numpy()
+        self._src: Any = None
+        self._src_np: Any = None
         self._rows: list[int] = []
         self._pos = torch.arange(k, device=self.device)
         #: The pooled coefficients the open round's drafts are scored with (None: local).
@@ -127,11 +132,22 @@ class SummaryRound:
         if not self.keep_sketch or t >= self.round_steps:
             return
         rows = idx_mapping.shape[0]
-        self._features[t].copy_(est.features, non_blocking=True)
-        meta = self._meta[t]
-        meta[0, :rows].copy_(idx_mapping, non_blocking=True)
-        meta[1, :rows].copy_(num_sampled[:rows], non_blocking=True)
-        meta[2, :rows].copy_(num_rejected[:rows], non_blocking=True)
+        if self._cuda:
+            self._features[t].copy_(est.features, non_blocking=True)
+            meta = self._meta[t]
+            meta[0, :rows].copy_(idx_mapping, non_blocking=True)
+            meta[1, :rows].copy_(num_sampled[:rows], non_blocking=True)
+            meta[2, :rows].copy_(num_rejected[:rows], non_blocking=True)
+        else:
+            # CPU: the same copies through numpy views (no torch dispatch per copy)
+            src = est.features
+            if src is not self._src:  # vLLM's buffer is stable: view it once
+                self._src, self._src_np = src, src.numpy()
+            self._features_np[t] = self._src_np
+            m = self._meta_np[t]
+            m[0, :rows] = idx_mapping.numpy()
+            m[1, :rows] = num_sampled.numpy()[:rows]
+            m[2, :rows] = num_rejected.numpy()[:rows]
         self._rows.append(rows)
 
     def _sketch(self) -> list[torch.Tensor]:
