@@ -15,19 +15,22 @@ next ``propose`` overwrites the features. No host copy, no synchronisation,
 no arithmetic, no Python loop over requests.
 
 At a round boundary (``REFIT_INTERVAL`` steps, a coefficient update, or the
-sidecar lost) :meth:`SummaryRound.end` builds the round's calibration sketch
-from the kept steps with fixed-shape torch ops over ``[T, R, K]`` on the
-estimator's device (the linear predictor ``eta = slope x + b_k`` in float32
-with the round's coefficients, as the draft graph computed it; its AUC slot
-by label; its ECE bin with the probability; the log loss; all masked by the
-observed flag and added with ``index_add_``), concatenates vLLM's sums and
-the sketch into one device buffer, starts its copy to the host (pinned,
-non-blocking on CUDA), zeroes vLLM's sums and hands the buffer to a sender
-thread, which waits for that copy only and gives the sink a
-:class:`~avest_client.summary.RoundSummaryData`. The sketch buffers cost
-``REFIT_INTERVAL x max_num_reqs x K x 4`` bytes of device memory (0.8 MiB
-at 256 requests and K = 8; 26 MiB at 1024 and K = 64); ``AVEST_SKETCH=0``
-drops them and the sketch.
+sidecar lost) :meth:`SummaryRound.end`, on the step, copies vLLM's sums (one
+small device op), zeroes them, and hands the round to a sender thread with
+its set of kept steps; the next round fills the other set. The sender builds
+the round's calibration sketch from the kept steps with fixed-shape torch ops
+over ``[T, R, K]`` on the estimator's device (on a side stream after the
+round's copies, on CUDA): the linear predictor ``eta = slope x + b_k`` in
+float32 with the round's coefficients, as the draft graph computed it; its
+AUC slot by label; its ECE bin with the probability; the log loss; all masked
+by the observed flag and added with ``index_add_``. It then copies sums and
+sketch to the host in one transfer, gives the set back, and hands the sink a
+:class:`~avest_client.summary.RoundSummaryData`. Should the sender still hold
+both sets when a round starts, that round goes without a sketch (counted in
+``sketches_skipped``). The kept steps cost ``2 x REFIT_INTERVAL x
+max_num_reqs x K x 4`` bytes of device memory plus the counts (1.6 MiB at 256
+requests and K = 8; 52 MiB at 1024 and K = 64); ``AVEST_SKETCH=0`` drops
+them and the sketch.
 
 A round only ever holds steps drafted with one set of pooled coefficients:
 it starts at the first step whose drafts were scored with coefficients from
@@ -40,9 +43,11 @@ include every request.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,15 +63,27 @@ _OFFSET = ETA_RANGE * _SCALE + 1.0
 
 
 @dataclass
-class _Pending:
-    """A round handed to the sender: its host buffer and what it was computed at."""
+class _Kept:
+    """One set of round buffers: the steps a round kept for its sketch."""
 
-    host: torch.Tensor
-    ready: Any  # CUDA event, or None on CPU
+    features: torch.Tensor  # [round_steps, max_num_reqs, K] float32
+    meta: torch.Tensor  # [round_steps, 3, max_num_reqs] int64
+    features_np: Any = None  # CPU: numpy views of the same memory
+    meta_np: Any = None
+
+
+@dataclass
+class _Pending:
+    """A closed round handed to the sender: vLLM's sums and what the sketch needs."""
+
+    sums: torch.Tensor  # info, grad, counts, flattened (on the estimator's device)
+    ready: Any  # CUDA event recorded after the round's last copy, or None on CPU
     version: int
     slope: float
     intercepts: tuple[float, ...]
     steps: int
+    kept: _Kept | None  # None: no sketch for this round
+    rows: list[int]
 
 
 class SummaryRound:
@@ -88,19 +105,26 @@ class SummaryRound:
         self.keep_sketch = sketch and max_num_reqs > 0
         self.round_steps = round_steps
         self._cuda = self.device.type == "cuda" and torch.cuda.is_available()
+        self._cur: _Kept | None = None
+        self._free: deque[_Kept] = deque()
         if self.keep_sketch:
             # What vLLM's next propose overwrites, kept for the round: the features
-            # buffer and the step's (idx_mapping, num_sampled, num_rejected).
-            self._features = torch.zeros(
-                round_steps, max_num_reqs, k, dtype=torch.float32, device=self.device
-            )
-            self._meta = torch.zeros(
-                round_steps, 3, max_num_reqs, dtype=torch.int64, device=self.device
-            )
+            # buffer and the step's (idx_mapping, num_sampled, num_rejected). Two
+            # sets: one fills while the sender builds the last round's sketch.
+            for _ in range(2):
+                f = torch.zeros(
+                    round_steps, max_num_reqs, k, dtype=torch.float32, device=self.device
+                )
+                m = torch.zeros(round_steps, 3, max_num_reqs, dtype=torch.int64, device=self.device)
+                kept = _Kept(f, m)
+                if not self._cuda:
+                    kept.features_np, kept.meta_np = f.numpy(), m.numpy()
+                self._free.append(kept)
+            self._cur = self._free.popleft()
             self._row = torch.arange(max_num_reqs, device=self.device)
-            if not self._cuda:
-                self._features_np = self._features.numpy()
-                self._meta_np = self._meta.numpy()
+        self._side = torch.cuda.Stream(self.device) if self._cuda else None
+        #: Rounds sent without a sketch because the sender still held both buffer sets.
+        self.sketches_skipped = 0
         self._src: Any = None
         self._src_np: Any = None
         self._rows: list[int] = []
@@ -129,12 +153,13 @@ class SummaryRound:
         computed per step; :meth:`end` builds the sketch of the whole round.
         """
         t = len(self._rows)
-        if not self.keep_sketch or t >= self.round_steps:
+        kept = self._cur
+        if kept is None or t >= self.round_steps:
             return
         rows = idx_mapping.shape[0]
         if self._cuda:
-            self._features[t].copy_(est.features, non_blocking=True)
-            meta = self._meta[t]
+            kept.features[t].copy_(est.features, non_blocking=True)
+            meta = kept.meta[t]
             meta[0, :rows].copy_(idx_mapping, non_blocking=True)
             meta[1, :rows].copy_(num_sampled[:rows], non_blocking=True)
             meta[2, :rows].copy_(num_rejected[:rows], non_blocking=True)
@@ -143,23 +168,24 @@ class SummaryRound:
             src = est.features
             if src is not self._src:  # vLLM's buffer is stable: view it once
                 self._src, self._src_np = src, src.numpy()
-            self._features_np[t] = self._src_np
-            m = self._meta_np[t]
+            kept.features_np[t] = self._src_np
+            m = kept.meta_np[t]
             m[0, :rows] = idx_mapping.numpy()
             m[1, :rows] = num_sampled.numpy()[:rows]
             m[2, :rows] = num_rejected.numpy()[:rows]
         self._rows.append(rows)
 
-    def _sketch(self) -> list[torch.Tensor]:
-        """The open round's sketch from the kept steps: fixed-shape ops over [T, R, K]."""
-        t = len(self._rows)
+    def _sketch(self, item: _Pending) -> list[torch.Tensor]:
+        """A closed round's sketch from its kept steps: fixed-shape ops over [T, R, K]."""
+        assert item.kept is not None
+        t = len(item.rows)
         k = self.k
-        rows = torch.tensor(self._rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        rows = torch.tensor(item.rows, dtype=torch.int64).to(self.device, non_blocking=True)
         valid = self._row[None, :] < rows[:, None]  # [T, R]
-        meta = self._meta[:t]
+        meta = item.kept.meta[:t]
         idx = torch.where(valid, meta[:, 0], 0)
-        x = torch.gather(self._features[:t], 1, idx[:, :, None].expand(-1, -1, k))
-        coef = torch.tensor((self.slope, *self.intercepts), dtype=torch.float32)
+        x = torch.gather(item.kept.features[:t], 1, idx[:, :, None].expand(-1, -1, k))
+        coef = torch.tensor((item.slope, *item.intercepts), dtype=torch.float32)
         coef = coef.to(self.device, non_blocking=True)
         eta = torch.addcmul(coef[1:], x, coef[:1])  # as the draft graph computed it, in float32
         acc = (meta[:, 1] - 1).clamp_(min=0)[:, :, None]
@@ -197,22 +223,27 @@ class SummaryRound:
         would; the sketch and the step count start again either way.
         """
         if self.version is not None and self.steps > 0:
-            parts = [est.info.reshape(-1), est.grad.reshape(-1), est.counts.reshape(-1)]
-            if self.keep_sketch:
-                parts += self._sketch()
-            buf = torch.cat(parts)
+            # vLLM's sums are cleared below: copy them (one small device op); the
+            # sketch is built by the sender thread from the kept steps.
+            sums = torch.cat([est.info.reshape(-1), est.grad.reshape(-1), est.counts.reshape(-1)])
+            ready = None
             if self._cuda:
-                host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
-                host.copy_(buf, non_blocking=True)
                 ready = torch.cuda.Event()
                 ready.record()
-            else:
-                host, ready = buf, None
+            kept = self._cur if self._rows else None
             self.closed_rounds += 1
             self.steps_closed += self.steps
             self._queue.put(
-                _Pending(host, ready, self.version, self.slope, self.intercepts, self.steps)
-            )
+                _Pending(sums, ready, self.version, self.slope, self.intercepts, self.steps,
+                         kept, list(self._rows))
+            )  # fmt: skip
+            if kept is not None:
+                self._cur = None  # handed to the sender with the round
+        if self._cur is None and self.keep_sketch:
+            # the next round fills a set the sender gave back; none free: no sketch
+            # for that round (counted by the sender as skipped)
+            with contextlib.suppress(IndexError):
+                self._cur = self._free.popleft()
         self.zero(est if zero else None)
 
     def zero(self, est: Any) -> None:
@@ -242,13 +273,33 @@ class SummaryRound:
                 self.handled += 1
 
     def _unpack(self, item: _Pending) -> RoundSummaryData:
-        if item.ready is not None:
-            item.ready.synchronize()
-        v = item.host.numpy().astype(np.float64)
+        parts = [item.sums]
+        if self._cuda:
+            side = self._side
+            assert side is not None
+            with torch.cuda.device(self.device), torch.cuda.stream(side):
+                side.wait_event(item.ready)
+                if item.kept is not None:
+                    parts += self._sketch(item)
+                buf = torch.cat(parts)
+                host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
+                host.copy_(buf, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(side)
+            done.synchronize()  # this round's work only; releases the GIL
+        else:
+            if item.kept is not None:
+                parts += self._sketch(item)
+            host = torch.cat(parts)
+        if item.kept is not None:
+            self._free.append(item.kept)  # its steps are read: the step may refill it
+        elif self.keep_sketch:
+            self.sketches_skipped += 1
+        v = host.numpy().astype(np.float64)
         k = self.k
         info, grad, counts = v[: 3 * k], v[3 * k : 5 * k], v[5 * k : 6 * k]
         sketch = None
-        if self.keep_sketch:
+        if item.kept is not None:
             o = 6 * k
             n_hist, n_ece, n_psum = k * 2 * AUC_SLOTS, k * ECE_BINS * 2, k * ECE_BINS
             hist = v[o : o + n_hist]
