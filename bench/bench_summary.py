@@ -119,6 +119,38 @@ def bench_shim_steps(batch: int, k: int, steps: int, rounds: int) -> dict[str, d
     return out
 
 
+def bench_record(batch: int, k: int, blocks: int = 200) -> dict[str, float]:
+    """The per-step work summary mode adds, alone: ``SummaryRound.record`` against the
+    plain stand-in step, each timed in blocks (5th percentile and median of block means)."""
+    from avest_client.vllm.rounds import SummaryRound
+
+    est = StandinAcceptanceEstimator(batch, k, CPU)
+    rounds = SummaryRound(SummarySink(k), k, CPU, True, max_num_reqs=batch, round_steps=100)
+    rounds.start(1, 0.5, tuple([-0.2] * k))
+    idx, feats, sampled, rejected = torch_steps(batch, k, 1, seed=4)
+    est.load_features(idx, feats[0])
+
+    def record() -> None:
+        if len(rounds._rows) >= 100:
+            rounds._rows.clear()
+        rounds.record(est, idx, sampled[0], rejected[0])
+
+    def timed(fn: Any, n: int) -> tuple[float, float]:
+        means = []
+        for _ in range(blocks):
+            t = time.perf_counter_ns()
+            for _ in range(n):
+                fn()
+            means.append((time.perf_counter_ns() - t) / n / 1e3)
+        return float(np.percentile(means, 5)), float(np.median(means))
+
+    rec = timed(record, 100)
+    step = timed(lambda: est.step(idx, sampled[0], rejected[0]), 10)
+    rounds.close()
+    return {"record_p5_us": rec[0], "record_median_us": rec[1], "step_p5_us": step[0],
+            "step_median_us": step[1], "ratio_p5": rec[0] / step[0]}  # fmt: skip
+
+
 def bench_bytes(batch: int, k: int, steps: int) -> dict[str, float]:
     idx, feats, sampled, rejected = torch_steps(batch, k, steps, seed=2)
     est, sink = shim("summary", batch, k)
@@ -287,6 +319,7 @@ def main() -> None:
     res: dict[str, Any] = {
         "cpus": os.cpu_count(),
         "shim": bench_shim_steps(a.batch, a.k, a.steps, a.rounds),
+        "record": bench_record(a.batch, a.k),
         "bytes": bench_bytes(a.batch, a.k, a.bytes_steps),
     }
     if not a.no_ingest:
@@ -302,6 +335,11 @@ def main() -> None:
             f"{name:<22} {r['median_us']:>9.1f} {r['plain_median_us']:>9.1f} "
             f"{r['added_median_us']:>+9.1f}"
         )
+    r = res["record"]
+    print(
+        f"record alone: {r['record_p5_us']:.1f} µs (p5; median {r['record_median_us']:.1f}) vs "
+        f"plain step {r['step_p5_us']:.1f} µs (p5): {100 * r['ratio_p5']:.1f} % of the step"
+    )
     b = res["bytes"]
     print(
         f"\nbytes per worker-step: raw {b['raw_bytes_per_step']:.0f}, summary "
