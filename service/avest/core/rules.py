@@ -12,8 +12,9 @@ Both take a :class:`RoundStats` computed at the current coefficients and
 return the new coefficients with an outcome label. Neither raises on bad
 numbers: a step that would make the slope negative or non-finite is dropped,
 and the intercepts are those solved with the slope held (never the ones
-solved together with the dropped slope). ``tracking`` (the default, in
-:mod:`avest.core.tracking`) is a third rule.
+solved together with the dropped slope). ``tracking`` (the default: the
+step of :mod:`avest.core.tracking` with vLLM's rule run as a shadow, in
+:mod:`avest.core.shadow`) is a third rule.
 """
 
 from __future__ import annotations
@@ -264,9 +265,15 @@ def make_rule(
     if name == "recursive":
         return RecursiveRule(forgetting=0.95 if forgetting is None else forgetting, prior=prior)
     if name == "tracking":
-        from avest.core.tracking import TrackingRule
+        from avest.core.shadow import ShadowedTracking
 
-        return TrackingRule(
+        return ShadowedTracking(
             forgetting=0.9 if forgetting is None else forgetting, damping=damping, l2=l2
         )
     raise ValueError(f"unknown update rule {name!r}; choose one of {', '.join(RULE_NAMES)}")
+
+
+def rule_options(rule: str, forgetting: float, prior: float) -> dict[str, float]:
+    """``make_rule`` options from the service's settings: ``--forgetting`` and
+    ``--prior`` are the recursive rule's; the others keep their own defaults."""
+    return {"forgetting": forgetting, "prior": prior} if rule == "recursive" else {}

@@ -80,6 +80,9 @@ RPC_DURATION = "avest_rpc_duration_seconds"
 OPEN_STREAMS = "avest_open_streams"
 QUEUE_DEPTH = "avest_queue_depth"
 REFUSED_BATCHES = "avest_refused_batches_total"
+# The calibration layer (avest.core.calibration), per pair.
+CALIBRATION_LAYER_SERVED = "avest_calibration_layer_served"
+CALIBRATION_LAYER_GAIN = "avest_calibration_layer_logloss_gain"
 WORKERS = "avest_workers"
 WORKERS_FORGOTTEN = "avest_workers_forgotten_total"
 WORKER_DRAFTS = "avest_worker_drafts"
@@ -351,6 +354,21 @@ METRICS: tuple[MetricSpec, ...] = (
         "Requests refused (state untouched) by method and reason.",
     ),
     *CURVE_METRICS,
+    # -- the calibration layer ---------------------------------------------------
+    MetricSpec(
+        CALIBRATION_LAYER_SERVED,
+        "gauge",
+        ("pair",),
+        "1 while the pair's calibration layer (a monotone map over the linear predictor) is "
+        "served by Score and in the pushed coefficients, else 0.",
+    ),
+    MetricSpec(
+        CALIBRATION_LAYER_GAIN,
+        "gauge",
+        ("pair",),
+        "Recent predictive log loss of the plain logistic minus the calibration layer's, nats "
+        "per draft (positive: the layer is better); NaN before any draft.",
+    ),
     MetricSpec(WORKERS, "gauge", ("pair",), "Workers remembered for the pair (at most 4096)."),
     MetricSpec(WORKERS_FORGOTTEN, "counter", ("pair",), "Workers forgotten, oldest first."),
 )
