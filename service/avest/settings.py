@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from avest.core.rules import RULE_NAMES
+from avest.core.rule_factory import RULE_NAMES
 
 ENV_PREFIX = "AVEST_"
 

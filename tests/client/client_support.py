@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from avest.core.estimator import OnlineEstimator
-from avest.core.rules import make_rule, rule_options
+from avest.core.rule_factory import make_rule, rule_options
 from avest.settings import Settings
 
 Step = tuple[np.ndarray, np.ndarray, np.ndarray]

@@ -9,7 +9,8 @@ import pytest
 
 from avest.commands.cli import main
 from avest.core.estimator import OnlineEstimator
-from avest.core.rules import RecursiveRule, VllmRule, make_rule
+from avest.core.rule_factory import make_rule
+from avest.core.rules import RecursiveRule, VllmRule
 from avest.offline.evaluate import METHODS
 from avest.offline.trace import write_trace
 

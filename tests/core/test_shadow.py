@@ -8,7 +8,8 @@ from avest.core.estimator import OnlineEstimator
 from avest.core.labels import labels
 from avest.core.model import Coefficients, linear_predictor
 from avest.core.numeric import bernoulli_nll
-from avest.core.rules import DEFAULT_RULE, VllmRule, make_rule
+from avest.core.rule_factory import DEFAULT_RULE, make_rule
+from avest.core.rules import VllmRule
 from avest.core.shadow import VLLM, ShadowedTracking, loss_change, shifted
 from avest.core.stats import fold
 from avest.core.tracking import TrackingRule

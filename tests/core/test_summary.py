@@ -10,7 +10,8 @@ from avest.core.errors import InvalidInput
 from avest.core.estimator import OnlineEstimator, make_batch
 from avest.core.metrics import CalibrationState
 from avest.core.model import Coefficients, linear_predictor
-from avest.core.rules import RecursiveRule, make_rule
+from avest.core.rule_factory import make_rule
+from avest.core.rules import RecursiveRule
 from avest.core.stats import fold
 from avest.core.summary import (
     Sketch,

@@ -21,7 +21,8 @@ from avest.core.budget import decide
 from avest.core.costs import CostTable
 from avest.core.estimator import OnlineEstimator
 from avest.core.model import Coefficients, linear_predictor, predict, survival
-from avest.core.rules import VllmRule, make_rule
+from avest.core.rule_factory import make_rule
+from avest.core.rules import VllmRule
 from avest.core.stats import fold
 from avest.offline.replay import messages_for, pair_key, replay, step_bounds
 from avest_wire import matrix as wire

@@ -27,7 +27,7 @@ import torch
 from avest.core.budget import decide
 from avest.core.costs import CostTable
 from avest.core.estimator import OnlineEstimator
-from avest.core.rules import make_rule, rule_options
+from avest.core.rule_factory import make_rule, rule_options
 from avest_client import Backoff, EstimatorClient
 from avest_client.vllm import contract, costs, exclusion, plugin
 from avest_client.vllm.config import ShimConfig

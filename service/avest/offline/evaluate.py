@@ -19,7 +19,8 @@ from avest.core.estimator import OnlineEstimator
 from avest.core.metrics import CalibrationState, CalibrationSummary
 from avest.core.mle import fit_mle
 from avest.core.model import Coefficients, linear_predictor
-from avest.core.rules import RecursiveRule, VllmRule, make_rule
+from avest.core.rule_factory import make_rule
+from avest.core.rules import RecursiveRule, VllmRule
 from avest.offline.trace import Trace
 
 FloatArray = npt.NDArray[np.float64]

@@ -19,7 +19,8 @@ from avest.core.costs import CostTable
 from avest.core.errors import InvalidInput
 from avest.core.estimator import Batch, OnlineEstimator
 from avest.core.model import Coefficients, check_k
-from avest.core.rules import DEFAULT_RULE, RULE_NAMES, Refit, make_rule, rule_options
+from avest.core.rule_factory import DEFAULT_RULE, RULE_NAMES, make_rule, rule_options
+from avest.core.rules import Refit
 from avest.core.summary import RoundSummary
 from avest.state.workers import WorkerTable
 

@@ -61,7 +61,7 @@ from avest.core.budget import DEFAULT_RULE, decide
 from avest.core.estimator import DEFAULT_REFIT_INTERVAL, Batch, OnlineEstimator
 from avest.core.model import predict
 from avest.core.numeric import sigmoid
-from avest.core.rules import make_rule, rule_options
+from avest.core.rule_factory import make_rule, rule_options
 from avest.offline.simulate.profiles import CostProfile, StepCosts
 from avest.offline.simulate.results import (
     BASELINES,
