@@ -33,6 +33,7 @@ import numpy.typing as npt
 
 from avest_client._drivers import AsyncDriver, ThreadDriver
 from avest_client._stream import Backoff, ChannelOptions, Session, StepData, encode_step
+from avest_client.credentials import Credentials
 from avest_client.ledger import Ledger, Stats
 from avest_client.summary import RoundSummaryData
 
@@ -64,6 +65,9 @@ class _Base:
         rpc_timeout: float = 5.0,
         backoff: Backoff | None = None,
         fetch_coefficients: bool = True,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
         if not pair_id:
             raise ValueError("pair_id must not be empty")
@@ -81,6 +85,7 @@ class _Base:
             connect_timeout=connect_timeout,
             rpc_timeout=rpc_timeout,
             fetch_coefficients=fetch_coefficients,
+            credentials=credentials or Credentials.resolve(token, tls_ca),
         )
         self._closed = False
         self._invalid_logged = 0

@@ -16,20 +16,25 @@ from avest_client import EstimatorClient
 from avest_client.summary import RoundAccumulator
 
 
-def test_record_writes_the_sampled_raw_steps_as_a_trace(server, trace_slice, tmp_path, capsys):
+def test_record_writes_the_sampled_raw_steps_as_a_trace(open_server, trace_slice, tmp_path, capsys):
+    from service.live import TOKEN
+
+    live = open_server()
+    server = live.handle
+    auth = {"Authorization": f"Bearer {TOKEN}"}
     trace = trace_slice("chat", 0, 60)
     steps = [(s.features, s.num_verified, s.num_accepted) for s in trace.steps()]
     out = tmp_path / "rec.npz"
     with EstimatorClient(server.grpc_address) as client:
         reg = client.register("t", "d", "draft_model", trace.k, {"temperature": "0.7"})
         args = ["record", reg.pair_id, str(out), "--http", server.http_url]
-        args += ["--fraction", "0.5", "--steps", "20", "--timeout", "30"]
+        args += ["--fraction", "0.5", "--steps", "20", "--timeout", "30", "--token", TOKEN]
         rc: list[int] = []
         t = threading.Thread(target=lambda: rc.append(main(args)))
         t.start()
         status = f"{server.http_url}/v1/pairs/{reg.pair_id}/recording"
         deadline = time.monotonic() + 10
-        while httpx.get(status).status_code != 200 and time.monotonic() < deadline:
+        while httpx.get(status, headers=auth).status_code != 200 and time.monotonic() < deadline:
             time.sleep(0.02)
         fwd = client.forwarder(reg.pair_id, "w", k=trace.k)
         acc = RoundAccumulator(trace.k)
@@ -56,7 +61,7 @@ def test_record_writes_the_sampled_raw_steps_as_a_trace(server, trace_slice, tmp
         np.testing.assert_array_equal(obs_r, obs_w)
         np.testing.assert_array_equal(acc_r, acc_w)
     # the recording was removed once downloaded
-    assert httpx.get(status).status_code == 404
+    assert httpx.get(status, headers=auth).status_code == 404
 
 
 def test_recording_routes_need_the_admin_token(open_server) -> None:
@@ -66,7 +71,7 @@ def test_recording_routes_need_the_admin_token(open_server) -> None:
     pid = register(live)
     url = f"/v1/pairs/{pid}/recording"
     assert live.http.post(url).status_code == 401
-    assert live.http.post(url, headers={"Authorization": "Bearer nope"}).status_code == 403
+    assert live.http.post(url, headers={"Authorization": "Bearer nope"}).status_code == 401
     ok = live.http.post(url, params={"steps": 5}, headers={"Authorization": f"Bearer {TOKEN}"})
     assert ok.status_code == 200 and ok.json()["kept"] == 0
     assert live.http.post("/v1/pairs/nope/recording", headers={
