@@ -162,7 +162,7 @@ def shim_class(
     cls = make_sidecar_estimator(
         StandinAcceptanceEstimator,
         sink_factory,
-        config=ShimConfig(address=address, queue_size=queue, hardware="bench"),
+        config=ShimConfig(address=address, queue_size=queue, hardware="bench", mode="raw"),
         pair_resolver=lambda kk: PairKey("bench-target", "bench-draft", "draft_model", kk),
     )
     return cls

@@ -32,6 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from avest_client.ledger import Ledger, Step
+from avest_client.summary import RoundSummaryData
 from avest_wire.v1 import estimator_pb2 as pb
 
 log = logging.getLogger("avest_client.forwarder")
@@ -60,6 +61,67 @@ class StepData:
     num_verified: npt.NDArray[np.uint32]
     num_accepted: npt.NDArray[np.uint32]
     exclude: npt.NDArray[np.bool_] | None
+
+
+#: Largest |feature| the service accepts (logit q_max is clamped to this).
+MAX_FEATURE = 40.0
+MAX_K = 64
+
+
+def encode_step(
+    features: npt.ArrayLike,
+    num_verified: npt.ArrayLike,
+    num_accepted: npt.ArrayLike,
+    exclude: npt.ArrayLike | None,
+    k: int | None = None,
+) -> StepData:
+    """Validate and copy one step (the checks the service makes); ValueError if bad."""
+    x = np.asarray(features)
+    if x.ndim != 2:
+        raise ValueError(f"features must be 2-D [R, K], got shape {x.shape}")
+    rows, kk = x.shape
+    if not 1 <= kk <= MAX_K:
+        raise ValueError(f"features has K={kk}, must be in [1, {MAX_K}]")
+    if k is not None and kk != k:
+        raise ValueError(f"features has K={kk}, the pair has K={k}")
+    if x.dtype.kind not in "fiu":
+        raise ValueError(f"features must be numeric, got dtype {x.dtype}")
+    x32 = np.ascontiguousarray(x, dtype="<f4")
+    if x32.size:
+        finite = np.isfinite(x32)
+        if not finite.all():
+            raise ValueError("features must be finite")
+        if float(np.abs(x32).max()) > MAX_FEATURE:
+            raise ValueError(f"features must lie in [-{MAX_FEATURE}, {MAX_FEATURE}]")
+    counts = []
+    for name, v in (("num_verified", num_verified), ("num_accepted", num_accepted)):
+        a = np.asarray(v)
+        if a.shape != (rows,):
+            raise ValueError(f"{name} must have shape [{rows}], got {list(a.shape)}")
+        whole = a.dtype.kind in "iu" or (a.dtype.kind == "f" and np.all(a == np.round(a)))
+        if a.size and not whole:
+            raise ValueError(f"{name} must hold whole numbers")
+        counts.append(a)
+    d = counts[0].astype(np.int64)
+    a = counts[1].astype(np.int64)
+    if d.size and (d.min() < 0 or d.max() > kk):
+        raise ValueError(f"num_verified must lie in [0, K={kk}]")
+    if a.size and (a.min() < 0 or np.any(a > d)):
+        raise ValueError("num_accepted must lie in [0, num_verified]")
+    ex = None
+    if exclude is not None:
+        e = np.asarray(exclude)
+        if e.shape != (rows,):
+            raise ValueError(f"exclude must have shape [{rows}], got {list(e.shape)}")
+        ex = e.astype(bool)
+    return StepData(
+        features=x32.tobytes(),
+        rows=int(rows),
+        k=int(kk),
+        num_verified=d.astype(np.uint32),
+        num_accepted=a.astype(np.uint32),
+        exclude=ex,
+    )
 
 
 @dataclass(frozen=True)
@@ -175,6 +237,15 @@ class Session:
 
     def message(self, step: Step) -> pb.ObserveRequest:
         """The wire message of a step (built once, kept for resends)."""
+        if step.message is None and isinstance(step.payload, RoundSummaryData):
+            step.message = pb.ObserveRequest(
+                pair_id=self.pair_id,
+                worker_id=self.worker_id,
+                sequence=step.sequence,
+                k=step.payload.k,
+                summary=step.payload.to_pb(),
+            )
+            step.payload = None
         if step.message is None:
             d: StepData = step.payload
             latest = self.latest

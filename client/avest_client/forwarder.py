@@ -29,81 +29,23 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
 import numpy.typing as npt
 
 from avest_client._drivers import AsyncDriver, ThreadDriver
-from avest_client._stream import Backoff, ChannelOptions, Session, StepData
+from avest_client._stream import Backoff, ChannelOptions, Session, StepData, encode_step
 from avest_client.credentials import Credentials
 from avest_client.ledger import Ledger, Stats
+from avest_client.summary import RoundSummaryData
 
 log = logging.getLogger("avest_client.forwarder")
 
-#: Largest |feature| the service accepts (logit q_max is clamped to this).
-MAX_FEATURE = 40.0
-MAX_K = 64
+__all__ = ["AsyncForwarder", "Forwarder", "StepData", "default_worker_id", "encode_step"]
 
 
 def default_worker_id() -> str:
     """``host:pid:random``: unique per sender incarnation, as the contract requires."""
     host = socket.gethostname()[:96] or "host"
     return f"{host}:{os.getpid()}:{secrets.token_hex(4)}"
-
-
-def encode_step(
-    features: npt.ArrayLike,
-    num_verified: npt.ArrayLike,
-    num_accepted: npt.ArrayLike,
-    exclude: npt.ArrayLike | None,
-    k: int | None = None,
-) -> StepData:
-    """Validate and copy one step (the checks the service makes); ValueError if bad."""
-    x = np.asarray(features)
-    if x.ndim != 2:
-        raise ValueError(f"features must be 2-D [R, K], got shape {x.shape}")
-    rows, kk = x.shape
-    if not 1 <= kk <= MAX_K:
-        raise ValueError(f"features has K={kk}, must be in [1, {MAX_K}]")
-    if k is not None and kk != k:
-        raise ValueError(f"features has K={kk}, the pair has K={k}")
-    if x.dtype.kind not in "fiu":
-        raise ValueError(f"features must be numeric, got dtype {x.dtype}")
-    x32 = np.ascontiguousarray(x, dtype="<f4")
-    if x32.size:
-        finite = np.isfinite(x32)
-        if not finite.all():
-            raise ValueError("features must be finite")
-        if float(np.abs(x32).max()) > MAX_FEATURE:
-            raise ValueError(f"features must lie in [-{MAX_FEATURE}, {MAX_FEATURE}]")
-    counts = []
-    for name, v in (("num_verified", num_verified), ("num_accepted", num_accepted)):
-        a = np.asarray(v)
-        if a.shape != (rows,):
-            raise ValueError(f"{name} must have shape [{rows}], got {list(a.shape)}")
-        whole = a.dtype.kind in "iu" or (a.dtype.kind == "f" and np.all(a == np.round(a)))
-        if a.size and not whole:
-            raise ValueError(f"{name} must hold whole numbers")
-        counts.append(a)
-    d = counts[0].astype(np.int64)
-    a = counts[1].astype(np.int64)
-    if d.size and (d.min() < 0 or d.max() > kk):
-        raise ValueError(f"num_verified must lie in [0, K={kk}]")
-    if a.size and (a.min() < 0 or np.any(a > d)):
-        raise ValueError("num_accepted must lie in [0, num_verified]")
-    ex = None
-    if exclude is not None:
-        e = np.asarray(exclude)
-        if e.shape != (rows,):
-            raise ValueError(f"exclude must have shape [{rows}], got {list(e.shape)}")
-        ex = e.astype(bool)
-    return StepData(
-        features=x32.tobytes(),
-        rows=int(rows),
-        k=int(kk),
-        num_verified=d.astype(np.uint32),
-        num_accepted=a.astype(np.uint32),
-        exclude=ex,
-    )
 
 
 class _Base:
@@ -182,6 +124,20 @@ class _Base:
         self._ledger.submit(data)
         return True
 
+    def _queue_summary(self, summary: RoundSummaryData) -> bool:
+        """Validate and queue a round summary; False (counted in ``stats.invalid``) if bad."""
+        try:
+            summary.validate(self.k)
+        except (ValueError, TypeError) as exc:
+            self._ledger.count_invalid()
+            self.last_invalid = str(exc)
+            if self._invalid_logged < 10:
+                self._invalid_logged += 1
+                log.warning("avest forwarder: summary not queued: %s", exc)
+            return False
+        self._ledger.submit(summary)
+        return True
+
     def latest_coefficients(self) -> tuple[int, float, list[float]] | None:
         """``(version, slope, intercepts)`` last received from the server, or None."""
         latest = self._session.latest
@@ -247,6 +203,18 @@ class Forwarder(_Base):
                 self._driver.notify()
         except Exception:  # the hot path never raises
             log.exception("avest forwarder: submit failed")
+
+    def submit_summary(self, summary: RoundSummaryData) -> None:
+        """Queue one round summary (summary mode); never blocks. Takes the next sequence."""
+        if self._closed:
+            return
+        try:
+            if self._pid != os.getpid() or self._thread is None:
+                self._start()
+            if self._queue_summary(summary):
+                self._driver.notify()
+        except Exception:  # the hot path never raises
+            log.exception("avest forwarder: submit_summary failed")
 
     def start(self) -> Forwarder:
         """Start the sender now (otherwise the first :meth:`submit` does)."""
@@ -333,6 +301,19 @@ class AsyncForwarder(_Base):
             self._driver.notify()
         except Exception:
             log.exception("avest forwarder: submit failed")
+
+    def submit_summary(self, summary: RoundSummaryData) -> None:
+        """Queue one round summary (summary mode); a plain call on the forwarder's loop."""
+        if self._closed:
+            return
+        try:
+            if not self._queue_summary(summary):
+                return
+            if self._task is None or self._task.done():
+                self._start()
+            self._driver.notify()
+        except Exception:
+            log.exception("avest forwarder: submit_summary failed")
 
     def start(self) -> AsyncForwarder:
         """Start the sender task on the running loop (otherwise the first submit does)."""

@@ -32,6 +32,7 @@ class FakeSink:
     ) -> None:
         self._lock = threading.Lock()
         self.received: list[Submitted] = []
+        self.summaries: list = []
         self.is_connected = connected
         self.coefficients: tuple[int, float, list[float]] | None = None
         self.delay_s = delay_s
@@ -52,6 +53,12 @@ class FakeSink:
             raise RuntimeError("sink down")
         with self._lock:
             self.received.append(Submitted(features, num_verified, num_accepted, exclude))
+
+    def submit_summary(self, summary) -> None:  # noqa: ANN001
+        if self.fail:
+            raise RuntimeError("sink down")
+        with self._lock:
+            self.summaries.append(summary)
 
     def latest_coefficients(self):  # noqa: ANN201
         self.reads += 1

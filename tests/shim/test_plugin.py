@@ -141,6 +141,7 @@ def test_register_patches_the_speculator_name(fake_vllm, monkeypatch):
         return sink
 
     monkeypatch.setattr(sidecar_sink, "make_sink", make_sink)
+    monkeypatch.setenv("AVEST_MODE", "raw")  # every step to the sink (summary is the default)
     plugin.register()
     plugin.register()  # vLLM may load plugins more than once
     shim = fake_vllm.spec.OnlineAcceptanceEstimator

@@ -24,7 +24,10 @@ CPU = torch.device("cpu")
 def _shim(sink: FakeSink, queue_size: int = 4096, **kw):
     factory = FakeSinkFactory(sink)
     cls = make_sidecar_estimator(
-        StandinAcceptanceEstimator, factory, config=ShimConfig(queue_size=queue_size), **kw
+        StandinAcceptanceEstimator,
+        factory,
+        config=ShimConfig(queue_size=queue_size, mode="raw"),
+        **kw,
     )
     return cls, factory
 
@@ -183,7 +186,7 @@ def test_slow_or_failing_sink_never_slows_the_step():
 
 def test_no_sink_leaves_a_plain_estimator():
     factory = FakeSinkFactory(error=NotImplementedError("network sink not wired yet"))
-    cls = make_sidecar_estimator(StandinAcceptanceEstimator, factory)
+    cls = make_sidecar_estimator(StandinAcceptanceEstimator, factory, config=ShimConfig(mode="raw"))
     est = cls(8, 3, CPU)
     plain = StandinAcceptanceEstimator(8, 3, CPU)
     trace = synthetic_trace(steps=250, batch=6, k=3, seed=5)

@@ -90,11 +90,12 @@ def make_shim(
     recorder: costs.CostCurveRecorder | None = None,
     k: int = 5,
     base: type = StandinAcceptanceEstimator,
+    mode: str = "raw",
 ):
     """A stand-in estimator wrapped by the shim over a real :class:`SidecarSink`."""
     cfg = ShimConfig(
         address=address, timeout_s=timeout_s, queue_size=queue_size, labels=LABELS,
-        hardware=hardware,
+        hardware=hardware, mode=mode,
     )  # fmt: skip
     rec = recorder if recorder is not None else costs.CostCurveRecorder()
 
@@ -405,7 +406,7 @@ FORK_SCRIPT = textwrap.dedent(
     def ours():
         return [t.name for t in threading.enumerate() if t.name.startswith("avest")]
 
-    config = ShimConfig(address=sys.argv[1])
+    config = ShimConfig(address=sys.argv[1], mode="raw")
     if sys.argv[3] == "worker":
         # The parent (vLLM's engine process) loads the plugin: the shim class
         # exists; no sink, no channel, no thread of ours.

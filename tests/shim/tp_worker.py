@@ -50,7 +50,7 @@ def run(rank: int, world: int, init_file: str, out_dir: str, sink_fails: bool = 
         cls = make_sidecar_estimator(
             FastRefit,
             factory,
-            config=ShimConfig(sync_steps=SYNC, queue_size=256),
+            config=ShimConfig(sync_steps=SYNC, queue_size=256, mode="raw"),
             group_resolver=TorchDistGroup,
         )
         est = cls(32, K, torch.device("cpu"))

@@ -281,6 +281,8 @@ def test_every_message_and_field_is_covered():
         "PositionCalibration",
         "DeletePairRequest",
         "DeletePairResponse",
+        "RoundSummary",
+        "CalibrationSketch",
     }
     assert set(pb.DESCRIPTOR.enum_types_by_name) == {"UpdateRule", "BudgetRule"}
 

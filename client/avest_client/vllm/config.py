@@ -13,6 +13,12 @@ variable               default     meaning
 ``AVEST_HARDWARE``     (empty)     hardware label of the cost curves sent to the
                                    sidecar; empty = the CUDA device name, else
                                    ``default``
+``AVEST_MODE``         ``summary`` ``summary``: one round summary per round (vLLM's
+                                   sums and a calibration sketch kept on the
+                                   device); ``raw``: every step's drafts
+``AVEST_RAW_SAMPLE``   ``0``       summary mode: also send this fraction of steps raw
+                                   (0 to 1; e.g. for ``avest record``)
+``AVEST_SKETCH``       ``1``       summary mode: keep the calibration sketch (0 = off)
 =====================  ==========  ===================================================
 """
 
@@ -30,6 +36,10 @@ ENV_QUEUE = "AVEST_QUEUE_SIZE"
 ENV_LABELS = "AVEST_LABELS"
 ENV_SYNC = "AVEST_SYNC_STEPS"
 ENV_HARDWARE = "AVEST_HARDWARE"
+ENV_MODE = "AVEST_MODE"
+ENV_RAW_SAMPLE = "AVEST_RAW_SAMPLE"
+ENV_SKETCH = "AVEST_SKETCH"
+MODES = ("summary", "raw")
 
 _LABEL_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
 
@@ -46,8 +56,15 @@ class ShimConfig:
     labels: tuple[tuple[str, str], ...] = ()
     sync_steps: int = 16
     hardware: str = ""
+    mode: str = "summary"
+    raw_sample: float = 0.0
+    sketch: bool = True
 
     def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"{ENV_MODE} must be summary or raw, got {self.mode!r}")
+        if not (math.isfinite(self.raw_sample) and 0.0 <= self.raw_sample <= 1.0):
+            raise ConfigError(f"{ENV_RAW_SAMPLE} must lie in [0, 1], got {self.raw_sample}")
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise ConfigError(f"{ENV_TIMEOUT} must be a positive number, got {self.timeout_s}")
         if self.queue_size < 1:
@@ -72,6 +89,9 @@ class ShimConfig:
             labels=parse_labels(env.get(ENV_LABELS, "")),
             sync_steps=_number(env, ENV_SYNC, 16, int),
             hardware=env.get(ENV_HARDWARE, "").strip(),
+            mode=env.get(ENV_MODE, "").strip().lower() or "summary",
+            raw_sample=_number(env, ENV_RAW_SAMPLE, 0.0, float),
+            sketch=env.get(ENV_SKETCH, "1").strip().lower() not in ("0", "false", "no", "off"),
         )
 
 

@@ -36,6 +36,8 @@ from avest_client.vllm.coefficients import Governor, Update
 from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.exclusion import ExclusionRegistry
 from avest_client.vllm.pair import PairKey
+from avest_client.vllm.prom import Exporter
+from avest_client.vllm.rounds import SummaryRound
 from avest_client.vllm.sink import Sink
 from avest_client.vllm.tp import SingleProcessGroup, TPGroup
 from avest_client.vllm.transfer import Forwarder
@@ -62,6 +64,12 @@ class _Runtime:
     def __init__(self, est: Any, max_num_reqs: int, opts: ShimOptions) -> None:
         k = int(est.num_speculative_steps)
         self.group = opts.group_resolver()
+        self.mode = opts.config.mode
+        #: Summary mode: send every this-many-th step raw as well (0 = none).
+        rate = opts.config.raw_sample if self.mode == "summary" else 0.0
+        self.raw_every = max(1, round(1.0 / rate)) if rate > 0 else 0
+        self.rounds: SummaryRound | None = None
+        self.exporter: Exporter | None = None
         self.sink: Sink | None = None
         self.forwarder: Forwarder | None = None
         self.pair: PairKey | None = None
@@ -74,7 +82,15 @@ class _Runtime:
                 self.sink = opts.sink_factory(opts.config, self.pair)
             except Exception as exc:  # noqa: BLE001 - no sidecar: vLLM's own estimator
                 logger.warning("avest: no sink (%s); local refits only", exc)
-            if self.sink is not None:
+            if self.sink is not None and opts.config.mode == "summary":
+                try:
+                    self.rounds = SummaryRound(
+                        self.sink, k, est.features.device, opts.config.sketch,
+                        max_num_reqs=max_num_reqs, round_steps=int(est.REFIT_INTERVAL),
+                    )  # fmt: skip
+                except Exception:  # noqa: BLE001
+                    logger.exception("avest: summary mode setup failed; not forwarding")
+            if self.sink is not None and (opts.config.mode == "raw" or self.raw_every):
                 try:
                     self.forwarder = Forwarder(
                         self.sink, max_num_reqs, k, est.features.device,
@@ -85,6 +101,7 @@ class _Runtime:
         self.governor = Governor(self.group, self.sink, k, opts.config.sync_steps)
         self.tables = TableSync(self.group, self.sink, opts.config.sync_steps, est.slope.device)
         self.skipped_refits = 0
+        self.steps = 0
         self._forward_failed = False
 
     def apply(self, est: Any, update: Update) -> None:
@@ -107,10 +124,49 @@ class _Runtime:
             self._forward_failed = True
             logger.exception("avest: capturing a step failed; forwarding disabled")
 
+    def summary_step(self, est: Any, base_step: Any, update: Update | None,
+                     idx_mapping: Any, num_sampled: Any, num_rejected: Any) -> None:  # fmt: skip
+        """One step in summary mode (see :mod:`avest_client.vllm.rounds`)."""
+        rounds = self.rounds
+        assert rounds is not None
+        if rounds.version is not None:
+            # keep what the round's sketch needs before vLLM's next propose overwrites it
+            rounds.record(est, idx_mapping, num_sampled, num_rejected)
+        if update is not None:
+            # before the base step, as in raw mode: the step's sums use the
+            # stored predictions, and the next draft graph reads the new values
+            self.apply(est, update)
+        self.tables.boundary(self.governor.governed)
+        governed = self.governor.governed
+        if governed and est._steps_since_refit + 1 >= est.REFIT_INTERVAL:
+            est._steps_since_refit = -1  # the pooled round replaces vLLM's local refit
+            base_step(idx_mapping, num_sampled, num_rejected)
+            self.skipped_refits += 1
+        else:
+            base_step(idx_mapping, num_sampled, num_rejected)
+        if rounds.version is not None:
+            rounds.steps += 1
+            if update is not None or not governed or rounds.steps >= est.REFIT_INTERVAL:
+                rounds.end(est, zero=governed)
+                if not governed:
+                    rounds.stop()
+        if update is not None:
+            if rounds.version is None:
+                rounds.zero(est)  # drop the local partial round: pooled coefficients govern
+            rounds.start(update.version, update.slope, update.intercepts)
+        if self.raw_every:
+            self.steps += 1
+            if self.steps % self.raw_every == 0:
+                self.forward(est, idx_mapping, num_sampled, num_rejected)
+
     def stats(self) -> dict[str, Any]:
         fwd = self.forwarder
+        rounds = self.rounds
         return {
-            "rank": self.group.rank,
+            "mode": self.mode,
+            "summaries": rounds.summaries if rounds else 0,
+            "summary_errors": rounds.send_errors if rounds else 0,
+            "local_refits": None,  # filled by the estimator (vLLM's own refit counter)
             "governed": self.governor.governed,
             "version": self.governor.applied_version,
             "updates": self.governor.updates,
@@ -124,6 +180,11 @@ class _Runtime:
         }
 
     def close(self) -> None:
+        if self.exporter is not None:
+            self.exporter.close()
+        if self.rounds is not None:
+            self.rounds.flush(2.0)
+            self.rounds.close()
         if self.forwarder is not None:
             self.forwarder.close()
         if self.sink is not None:
@@ -135,6 +196,16 @@ class _Runtime:
 
 def _close_runtime(rt: _Runtime) -> None:
     rt.close()
+
+
+def _stats_reader(ref: weakref.ReferenceType[Any]) -> Callable[[], dict[str, Any]]:
+    """The estimator's ``avest_stats`` without keeping the estimator alive."""
+
+    def read() -> dict[str, Any]:
+        est = ref()
+        return {} if est is None else dict(est.avest_stats())
+
+    return read
 
 
 def make_sidecar_estimator(
@@ -179,6 +250,8 @@ def make_sidecar_estimator(
                 logger.exception("avest: shim setup failed; vLLM's estimator runs alone")
                 return
             self._avest = rt
+            if rt.sink is not None:
+                rt.exporter = Exporter(_stats_reader(weakref.ref(self)))
             weakref.finalize(self, _close_runtime, rt)
 
         def step(self, idx_mapping: Any, num_sampled: Any, num_rejected: Any) -> None:
@@ -186,6 +259,9 @@ def make_sidecar_estimator(
             if rt is None:
                 return super().step(idx_mapping, num_sampled, num_rejected)
             update = rt.governor.boundary()
+            if rt.rounds is not None:
+                rt.summary_step(self, super().step, update, idx_mapping, num_sampled, num_rejected)
+                return None
             if update is not None:
                 rt.apply(self, update)
             rt.tables.boundary(rt.governor.governed)
@@ -218,7 +294,11 @@ def make_sidecar_estimator(
                 )
 
         def avest_stats(self) -> dict[str, Any]:
-            return {} if self._avest is None else self._avest.stats()
+            if self._avest is None:
+                return {}
+            out = self._avest.stats()
+            out["local_refits"] = int(getattr(self, "_refits", 0))
+            return out
 
         def avest_close(self) -> None:
             if self._avest is not None:

@@ -16,6 +16,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from avest_client.summary import RoundSummaryData
+
 #: ``(version, slope, intercepts)`` as pushed by the sidecar.
 Coefficients = tuple[int, float, list[float]]
 
@@ -35,6 +37,11 @@ class Sink(Protocol):
         int32 [R], ``exclude`` bool [R] (rows whose target sampling is transformed)
         or None when unknown. The arrays are owned by the sink after the call.
         """
+        ...
+
+    def submit_summary(self, summary: RoundSummaryData) -> None:
+        """Queue one round summary (summary mode); non-blocking. Called from the
+        shim's summary sender thread, once per round."""
         ...
 
     def latest_coefficients(self) -> Coefficients | None:

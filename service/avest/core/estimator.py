@@ -25,6 +25,7 @@ from avest.core.metrics import CalibrationState
 from avest.core.model import Coefficients, check_k, linear_predictor
 from avest.core.rules import REJECTED, Refit, UpdateRule, VllmRule
 from avest.core.stats import RoundStats, fold
+from avest.core.summary import RoundSummary, observe_sketch, rebase
 from avest.core.tracking import round_steps
 
 FloatArray = npt.NDArray[np.float64]
@@ -142,6 +143,29 @@ class OnlineEstimator:
         self.drafts += batch.labelled
         self.steps += 1
         self.steps_in_round += 1
+        if self.steps_in_round >= self.round_length:
+            return self.refit()
+        return None
+
+    def apply_summary(self, summary: RoundSummary) -> Refit | None:
+        """Pool one worker's round summary into the open round; refit when it is full.
+
+        Statistics at the current version merge as they are; older ones are
+        first moved to the coefficients in force (:func:`avest.core.summary.rebase`).
+        """
+        if summary.k != self.k:
+            raise ValueError(f"summary has K={summary.k}, estimator has K={self.k}")
+        stats = summary.stats
+        if summary.version != self.version:
+            stats = rebase(stats, summary.at, self.coefficients)
+        self.round_stats.add_(stats)
+        if summary.calibration is not None:
+            summary.calibration.add_to(self._calibration_round)
+            if self.recalibrator is not None:
+                observe_sketch(self.recalibrator, summary.calibration)
+        self.drafts += summary.drafts
+        self.steps += summary.steps
+        self.steps_in_round += summary.steps
         if self.steps_in_round >= self.round_length:
             return self.refit()
         return None

@@ -31,6 +31,7 @@ from avest.grpc.convert import (
 )
 from avest.grpc.observe import ObserveStream
 from avest.grpc.refusals import Refused, refusals
+from avest.grpc.summaries import summary_from_pb
 from avest.state.access import Access, may_replace_costs
 from avest.state.app import Avest
 from avest.state.pairs import CostCurves, Exhausted, NotFound, Pair, PairKey, check_sequence
@@ -318,6 +319,8 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
             last = pair.applied.get(req.worker_id, -1)
             if req.sequence > last:
                 check_sequence(req.sequence, last)
+            if req.HasField("summary"):
+                return pair, summary_from_pb(req, pair)
             self._check_shape(pair, req.rows, req.k)
             x = wire.decode(req.features, req.rows, req.k)
             if len(req.num_verified) != req.rows:

@@ -17,10 +17,12 @@ blocking I/O.
                                             (all-time and recent)
 ``GET /v1/pairs/{id}/history``              coefficient history (newest last, at most 256)
 ``GET /v1/pairs/{id}/reliability``          reliability-diagram data (JSON)
+``GET /v1/pairs/{id}/workers``              workers seen: mode, last summary, version, drafts
 ``GET /v1/pairs/{id}/reliability.svg``      the reliability diagram and per-position plot
 ``POST /v1/pairs/{id}/reset``               forget what the pair learned (admin token)
 ``DELETE /v1/pairs/{id}``                   delete the pair, its stored rows and metric
                                             series (admin token)
+``/v1/pairs/{id}/recording[.npz]``          record raw steps (:mod:`avest.http.recording`)
 ``GET /docs``, ``GET /openapi.json``        OpenAPI
 ==========================================  ==========================================
 
@@ -55,9 +57,12 @@ from avest.http.models import (
     ReliabilityBinOut,
     ReliabilityOut,
     Status,
+    WorkerOut,
+    WorkersOut,
     finite,
     pair_out,
 )
+from avest.http.recording import add_recording_routes
 from avest.state.access import Access, http_role
 from avest.state.pairs import NotFound, Pair
 
@@ -195,6 +200,27 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
             ],
         )
 
+    @api.get(
+        "/v1/pairs/{pair_id}/workers",
+        response_model=WorkersOut,
+        tags=["pairs"],
+        responses=_NOT_FOUND,
+    )
+    async def workers(
+        pair_id: str,
+        limit: Annotated[
+            int, Query(ge=1, le=4096, description="At most this many; the rest fold into 'other'")
+        ] = 100,
+    ) -> WorkersOut:
+        """The workers seen sending to the pair: mode, last summary, version, drafts."""
+        pair = get_pair(pair_id)
+        return WorkersOut(
+            id=pair.id,
+            workers=[WorkerOut(**w.as_dict()) for w in pair.workers.top(limit)],
+            tracked=len(pair.workers),
+            forgotten=pair.workers.forgotten,
+        )
+
     def _reliability(pair: Pair, position: int | None) -> Any:
         if position is not None and not 0 <= position < pair.k:
             raise HTTPException(
@@ -322,6 +348,7 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
             raise HTTPException(503, detail=f"pair {pair.id} not deleted: {exc}") from None
         return last
 
+    add_recording_routes(api, app, settings, get_pair)
     return api
 
 

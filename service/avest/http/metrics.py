@@ -75,6 +75,7 @@ from avest.http.names import (
     exposed_names,
     family_name,
 )
+from avest.http.worker_metrics import WorkerCollector
 
 __all__ = [
     "AUC",
@@ -169,6 +170,7 @@ class Metrics:
             for reason in REFUSAL_REASONS:
                 self._refused_child(method, reason)
         self.registry.register(PairCollector(self))
+        self.registry.register(WorkerCollector(app))
         try:
             ProcessCollector(registry=self.registry)
         except Exception:  # pragma: no cover - platforms without /proc

@@ -228,3 +228,26 @@ def calibration_layer_out(pair: Pair) -> CalibrationLayerOut | None:
         knots=knots.tolist(),
         logits=logits.tolist(),
     )
+
+
+class WorkerOut(BaseModel):
+    worker_id: str = Field(description="The sender's worker id, or 'other' folding the rest")
+    mode: str = Field(description="summary or raw: the kind of its last message")
+    first_seen: float = Field(description="Unix time")
+    last_seen: float = Field(description="Unix time")
+    summaries: int
+    raw_steps: int
+    steps: int = Field(description="Decode steps covered (summaries' steps and raw steps)")
+    drafts: int = Field(description="Labelled drafts")
+    version: int | None = Field(description="Coefficients version of its last summary")
+    lag: int = Field(description="Versions its last summary was behind the pair")
+    last_summary: float | None = Field(description="Unix time of its last summary")
+    last_steps: int
+    last_drafts: int
+
+
+class WorkersOut(BaseModel):
+    id: str
+    workers: list[WorkerOut] = Field(description="Most recently seen first")
+    tracked: int = Field(description="Workers remembered for the pair")
+    forgotten: int = Field(description="Workers forgotten to keep the table bounded")

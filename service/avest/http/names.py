@@ -14,6 +14,8 @@ rather than spelling names). All names start with ``avest_``, use base units
 ``outcome``   refit outcome, one of :data:`avest.core.rules.OUTCOMES`
 ``reason``    refusal reason, one of :data:`REFUSAL_REASONS`
 ``bin``       reliability bin, ``"0"`` .. ``"14"`` (see :data:`CURVE_METRICS`)
+``worker``    a worker id, for at most :data:`WORKER_SERIES` workers per pair;
+              ``"other"`` folds the rest
 
 Per-pair series exist from the pair's registration (or restoration from the
 store) on, before any observation. ``avest_drafts_observed_total`` and
@@ -84,6 +86,16 @@ QUARANTINED_PAIRS = "avest_quarantined_pairs"
 # The calibration layer (avest.core.calibration), per pair.
 CALIBRATION_LAYER_SERVED = "avest_calibration_layer_served"
 CALIBRATION_LAYER_GAIN = "avest_calibration_layer_logloss_gain"
+WORKERS = "avest_workers"
+WORKERS_FORGOTTEN = "avest_workers_forgotten_total"
+WORKER_DRAFTS = "avest_worker_drafts"
+WORKER_STEPS = "avest_worker_steps"
+WORKER_SUMMARIES = "avest_worker_summaries"
+WORKER_LAG = "avest_worker_coefficients_lag"
+WORKER_LAST_SEEN = "avest_worker_last_seen_timestamp_seconds"
+#: Per pair, the most recently seen workers with series of their own; the rest
+#: are folded into ``worker="other"`` (bounded cardinality).
+WORKER_SERIES = 16
 
 #: Values of the ``reason`` label of :data:`REFUSED_BATCHES` (the gRPC adapter's
 #: refusal reasons); anything else is counted as ``other``.
@@ -385,13 +397,25 @@ METRICS: tuple[MetricSpec, ...] = (
         "Recent predictive log loss of the plain logistic minus the calibration layer's, nats "
         "per draft (positive: the layer is better); NaN before any draft.",
     ),
+    MetricSpec(WORKERS, "gauge", ("pair",), "Workers remembered for the pair (at most 4096)."),
+    MetricSpec(WORKERS_FORGOTTEN, "counter", ("pair",), "Workers forgotten, oldest first."),
 )
-SPECS: dict[str, MetricSpec] = {m.name: m for m in METRICS}
+_WORKER = f'the {WORKER_SERIES} workers seen last have their own series, the rest worker="other"'
+_PW = ("pair", "worker")
+#: Per-worker series: they exist once a pair has seen a worker (bounded: see WORKER_SERIES).
+WORKER_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(WORKER_DRAFTS, "gauge", _PW, f"Labelled drafts sent; {_WORKER}."),
+    MetricSpec(WORKER_STEPS, "gauge", _PW, f"Decode steps covered (summaries and raw); {_WORKER}."),
+    MetricSpec(WORKER_SUMMARIES, "gauge", _PW, f"Round summaries applied; {_WORKER}."),
+    MetricSpec(WORKER_LAG, "gauge", _PW, f"Versions its last summary was behind; {_WORKER}."),
+    MetricSpec(WORKER_LAST_SEEN, "gauge", _PW, f"Unix time last applied; {_WORKER}."),
+)
+SPECS: dict[str, MetricSpec] = {m.name: m for m in (*METRICS, *WORKER_METRICS)}
 
 
 def exposed_names() -> frozenset[str]:
     """Every sample name avest exposes (for checking dashboards and rules)."""
-    return frozenset(n for m in METRICS for n in m.sample_names())
+    return frozenset(n for m in (*METRICS, *WORKER_METRICS) for n in m.sample_names())
 
 
 def family_name(name: str) -> str:

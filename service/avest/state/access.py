@@ -45,8 +45,6 @@ WORKER_METHODS = frozenset(
         "ListPairs",
         "GetPair",
         "SetCostCurves",
-        "GetSummary",
-        "ListSummaries",
     )
 ) | frozenset(
     {

@@ -23,9 +23,11 @@ from typing import Any
 
 from avest.core.estimator import Batch
 from avest.core.rules import Refit
+from avest.core.summary import RoundSummary
 from avest.settings import Settings
 from avest.state.guard import StateFile
 from avest.state.pairs import Pair, PairKey, Registry, RuleConfig
+from avest.state.recording import Recording
 from avest.state.store import Store
 
 log = logging.getLogger("avest")
@@ -91,6 +93,8 @@ class Avest:
         self.ready = False
         #: Set by the server when it starts draining: /readyz answers 503 from then on.
         self.draining = False
+        #: Pair id -> the recording of its raw steps in progress or finished (admin API).
+        self.recordings: dict[str, Recording] = {}
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -171,15 +175,19 @@ class Avest:
             self._flush_now.set()
         return pair, created
 
-    def observe(self, pair: Pair, worker: str, seq: int, batch: Batch) -> bool:
-        """Apply one validated step; returns whether it was new (not a duplicate)."""
+    def observe(self, pair: Pair, worker: str, seq: int, batch: Batch | RoundSummary) -> bool:
+        """Apply one validated step or round summary; returns whether it was new."""
         t0 = time.perf_counter()
         applied, refit = pair.observe(worker, seq, batch)
         if not applied:
             return False
-        rows = int(batch.features.shape[0])
-        for hook in self.hooks.observed:
-            hook(pair, rows, batch.labelled)
+        if isinstance(batch, Batch):
+            recording = self.recordings.get(pair.id)
+            if recording is not None:
+                recording.offer(batch)
+            rows = int(batch.features.shape[0])
+            for hook in self.hooks.observed:
+                hook(pair, rows, batch.labelled)
         if refit is not None:
             elapsed = time.perf_counter() - t0
             for refit_hook in self.hooks.refit:

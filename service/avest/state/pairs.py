@@ -21,6 +21,8 @@ from avest.core.estimator import Batch, OnlineEstimator
 from avest.core.model import Coefficients, check_k
 from avest.core.rule_factory import DEFAULT_RULE, RULE_NAMES, make_rule, rule_options
 from avest.core.rules import Refit
+from avest.core.summary import RoundSummary
+from avest.state.workers import WorkerTable
 from avest_wire import limits
 
 
@@ -155,6 +157,8 @@ class Pair:
     #: Changed since the last snapshot was written.
     dirty: bool = False
     watchers: list[Callable[[Pair], None]] = field(default_factory=list)
+    #: The workers seen sending to this pair (bounded; not persisted).
+    workers: WorkerTable = field(default_factory=WorkerTable)
 
     @property
     def id(self) -> str:
@@ -191,14 +195,22 @@ class Pair:
         self._tables[curves.hardware] = table
         self.dirty = True
 
-    def observe(self, worker: str, seq: int, batch: Batch) -> tuple[bool, Refit | None]:
-        """Apply a validated batch unless ``(worker, seq)`` was applied already.
+    def observe(
+        self, worker: str, seq: int, batch: Batch | RoundSummary
+    ) -> tuple[bool, Refit | None]:
+        """Apply a validated batch or round summary unless ``(worker, seq)`` was applied already.
 
         Returns ``(applied, refit)``.
         """
         if seq <= self.applied.get(worker, -1):
             return False, None
-        refit = self.estimator.apply(batch)
+        if isinstance(batch, RoundSummary):
+            lag = self.estimator.version - batch.version
+            refit = self.estimator.apply_summary(batch)
+            self.workers.summary(worker, batch, lag)
+        else:
+            refit = self.estimator.apply(batch)
+            self.workers.raw(worker, batch.labelled)
         self.applied[worker] = seq
         self.updated = self.seen[worker] = time.time()
         self.changed_workers.add(worker)

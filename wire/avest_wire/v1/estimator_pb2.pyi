@@ -102,7 +102,7 @@ class RegisterPairResponse(_message.Message):
     def __init__(self, pair_id: _Optional[str] = ..., update_rule: _Optional[_Union[UpdateRule, str]] = ..., refit_interval: _Optional[int] = ..., coefficients: _Optional[_Union[Coefficients, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
 
 class ObserveRequest(_message.Message):
-    __slots__ = ("pair_id", "worker_id", "sequence", "features", "rows", "k", "num_verified", "num_accepted", "exclude", "coefficients_version")
+    __slots__ = ("pair_id", "worker_id", "sequence", "features", "rows", "k", "num_verified", "num_accepted", "exclude", "coefficients_version", "summary")
     PAIR_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class ObserveRequest(_message.Message):
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_FIELD_NUMBER: _ClassVar[int]
     COEFFICIENTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
     pair_id: str
     worker_id: str
     sequence: int
@@ -123,7 +124,8 @@ class ObserveRequest(_message.Message):
     num_accepted: _containers.RepeatedScalarFieldContainer[int]
     exclude: _containers.RepeatedScalarFieldContainer[bool]
     coefficients_version: int
-    def __init__(self, pair_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., sequence: _Optional[int] = ..., features: _Optional[bytes] = ..., rows: _Optional[int] = ..., k: _Optional[int] = ..., num_verified: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., exclude: _Optional[_Iterable[bool]] = ..., coefficients_version: _Optional[int] = ...) -> None: ...
+    summary: RoundSummary
+    def __init__(self, pair_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., sequence: _Optional[int] = ..., features: _Optional[bytes] = ..., rows: _Optional[int] = ..., k: _Optional[int] = ..., num_verified: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., exclude: _Optional[_Iterable[bool]] = ..., coefficients_version: _Optional[int] = ..., summary: _Optional[_Union[RoundSummary, _Mapping]] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("pair_id", "worker_id", "acked_sequence")
@@ -352,3 +354,43 @@ class DeletePairResponse(_message.Message):
     PAIR_FIELD_NUMBER: _ClassVar[int]
     pair: Pair
     def __init__(self, pair: _Optional[_Union[Pair, _Mapping]] = ...) -> None: ...
+
+class RoundSummary(_message.Message):
+    __slots__ = ("coefficients_version", "slope", "intercepts", "k", "info", "grad", "counts", "steps", "drafts", "sketch")
+    COEFFICIENTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SLOPE_FIELD_NUMBER: _ClassVar[int]
+    INTERCEPTS_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    GRAD_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_FIELD_NUMBER: _ClassVar[int]
+    coefficients_version: int
+    slope: float
+    intercepts: _containers.RepeatedScalarFieldContainer[float]
+    k: int
+    info: _containers.RepeatedScalarFieldContainer[float]
+    grad: _containers.RepeatedScalarFieldContainer[float]
+    counts: _containers.RepeatedScalarFieldContainer[float]
+    steps: int
+    drafts: int
+    sketch: CalibrationSketch
+    def __init__(self, coefficients_version: _Optional[int] = ..., slope: _Optional[float] = ..., intercepts: _Optional[_Iterable[float]] = ..., k: _Optional[int] = ..., info: _Optional[_Iterable[float]] = ..., grad: _Optional[_Iterable[float]] = ..., counts: _Optional[_Iterable[float]] = ..., steps: _Optional[int] = ..., drafts: _Optional[int] = ..., sketch: _Optional[_Union[CalibrationSketch, _Mapping]] = ...) -> None: ...
+
+class CalibrationSketch(_message.Message):
+    __slots__ = ("cell_deltas", "cell_counts", "ece_rejected", "ece_accepted", "ece_sum_predicted", "logloss_sum")
+    CELL_DELTAS_FIELD_NUMBER: _ClassVar[int]
+    CELL_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    ECE_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    ECE_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    ECE_SUM_PREDICTED_FIELD_NUMBER: _ClassVar[int]
+    LOGLOSS_SUM_FIELD_NUMBER: _ClassVar[int]
+    cell_deltas: _containers.RepeatedScalarFieldContainer[int]
+    cell_counts: _containers.RepeatedScalarFieldContainer[int]
+    ece_rejected: _containers.RepeatedScalarFieldContainer[int]
+    ece_accepted: _containers.RepeatedScalarFieldContainer[int]
+    ece_sum_predicted: _containers.RepeatedScalarFieldContainer[float]
+    logloss_sum: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, cell_deltas: _Optional[_Iterable[int]] = ..., cell_counts: _Optional[_Iterable[int]] = ..., ece_rejected: _Optional[_Iterable[int]] = ..., ece_accepted: _Optional[_Iterable[int]] = ..., ece_sum_predicted: _Optional[_Iterable[float]] = ..., logloss_sum: _Optional[_Iterable[float]] = ...) -> None: ...

@@ -58,6 +58,7 @@ import numpy as np
 from avest_client import Backoff, EstimatorClient, Stats
 from avest_client.errors import AvestError
 from avest_client.forwarder import Forwarder
+from avest_client.summary import RoundSummaryData
 from avest_client.vllm import costs
 from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.pair import PairKey
@@ -134,7 +135,7 @@ class SidecarSink(Supervisor, PairSync):
         self._connected = False
         self._coef: Coefficients | None = None
         # Before registration: steps wait here (drop-oldest, same capacity).
-        self._buffer: deque[tuple[Any, Any, Any, Any]] = deque()
+        self._buffer: deque[Any] = deque()  # step tuples and round summaries
         self._fwd: Forwarder | None = None
         # Supervisor state.
         self.pair_id = ""
@@ -205,6 +206,23 @@ class SidecarSink(Supervisor, PairSync):
                     self._buffer.append((features, num_verified, num_accepted, exclude))
                     return
         fwd.submit(features, num_verified, num_accepted, exclude)
+
+    def submit_summary(self, summary: RoundSummaryData) -> None:
+        """Queue one round summary (summary mode); non-blocking, like :meth:`submit`."""
+        if self._closed or self._forked:
+            return
+        self._submitted += 1
+        fwd = self._fwd
+        if fwd is None:
+            with self._lock:
+                fwd = self._fwd
+                if fwd is None:
+                    if len(self._buffer) >= self._capacity:
+                        self._buffer.popleft()
+                        self._buffer_dropped += 1
+                    self._buffer.append(summary)
+                    return
+        fwd.submit_summary(summary)
 
     def close(self, timeout: float | None = None) -> None:
         """Send what is queued and wait for its acknowledgements, for at most ``timeout`` s.

@@ -18,6 +18,7 @@ import grpc
 from avest_client import Backoff, EstimatorClient
 from avest_client.errors import AvestError
 from avest_client.forwarder import Forwarder
+from avest_client.summary import RoundSummaryData
 from avest_client.vllm import costs
 from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.pair import PairKey
@@ -59,7 +60,7 @@ class PairSync:
     _backoff: Backoff
     _lock: threading.Lock
     _stop: threading.Event
-    _buffer: deque[tuple[Any, Any, Any, Any]]
+    _buffer: deque[Any]
     _fwd: Forwarder | None
     _known: Coefficients | None
 
@@ -139,7 +140,11 @@ class PairSync:
             if not self._closed:
                 # In order, before anything submitted after this point.
                 while self._buffer:
-                    fwd.submit(*self._buffer.popleft())
+                    item = self._buffer.popleft()
+                    if isinstance(item, RoundSummaryData):
+                        fwd.submit_summary(item)
+                    else:
+                        fwd.submit(*item)
                 self._fwd = fwd
         if self._fwd is not fwd:  # closed meanwhile
             fwd.close(timeout=0.0)

@@ -1,0 +1,357 @@
+"""Summary mode against raw mode, in one run: the shim's step, bytes on the wire, ingest.
+
+* **Shim**: added wall time per ``step`` at B x K on the CPU stand-in of vLLM's
+  estimator (tests/shim/standin.py), each variant interleaved with a plain
+  estimator in blocks (``bench_shim._phase``): raw mode, summary mode with the
+  on-device calibration sketch, summary mode without it. In-memory sinks
+  (pooled coefficients govern), so only the shim's own cost is measured.
+* **Bytes on the wire per worker-step**: the serialized ``ObserveRequest``
+  of one raw step (B x K float32 features and the counts), against the
+  serialized summary messages the summary shim produced over the same
+  distinct steps, divided by the steps they cover (gRPC and HTTP/2 framing,
+  about 14 bytes per message, not counted).
+* **Ingest**: ``avest serve`` in a subprocess on loopback, one pair per K,
+  ``--workers`` workers multiplexed over ``--streams`` Observe streams, each
+  worker sending one summary (100 steps, with a sketch) per round at an
+  offered rate of ``--rate`` summaries/s in total, for ``--seconds``. Reports
+  the summaries acknowledged per second and the acknowledgement latency
+  (from the write to the ack that covers it; acks wait for the group commit,
+  ``--flush-interval-ms`` 100 by default), p50 / p99. Then the same flat out
+  (every worker's summaries written back to back) for the ceiling.
+
+    python bench/bench_summary.py [--batch 256] [--k 8] [--ingest-k 8,64] [--rate 5000] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve()
+for _path in (str(HERE.parents[1]), str(HERE.parent)):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+from bench_ingest import make_steps, start_server  # noqa: E402
+from bench_shim import _phase  # noqa: E402
+from shim_variants import CPU, BenchSink, StandinAcceptanceEstimator  # noqa: E402
+
+from avest_client import EstimatorClient  # noqa: E402
+from avest_client.summary import RoundAccumulator  # noqa: E402
+from avest_client.vllm.config import ShimConfig  # noqa: E402
+from avest_client.vllm.estimator import make_sidecar_estimator  # noqa: E402
+from avest_client.vllm.pair import PairKey  # noqa: E402
+from avest_wire import matrix as wire  # noqa: E402
+from avest_wire.v1 import estimator_pb2 as pb  # noqa: E402
+
+PAIR_ID, WORKER_ID = "0123456789abcdef", "gpu-node-17:48213:9f3a1c2e"
+ROUND_STEPS = 100
+
+
+class SummarySink(BenchSink):
+    """The bench sink, keeping the round summaries it gets."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__(True, k=k)
+        self.summaries: list[Any] = []
+
+    def submit_summary(self, summary: Any) -> None:
+        self.summaries.append(summary)
+
+
+def shim(mode: str, batch: int, k: int, sketch: bool = True) -> tuple[Any, SummarySink]:
+    sink = SummarySink(k)
+    cls = make_sidecar_estimator(
+        StandinAcceptanceEstimator,
+        lambda config, pair: sink,
+        config=ShimConfig(address="bench", queue_size=64, mode=mode, sketch=sketch),
+        pair_resolver=lambda kk: PairKey("bench-target", "bench-draft", "draft_model", kk),
+    )
+    return cls(batch, k, CPU), sink
+
+
+def torch_steps(batch: int, k: int, n: int, seed: int) -> tuple:
+    """``(idx, features, sampled, rejected)`` lists: n distinct steps from bench_ingest's model."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randperm(batch, generator=g).to(torch.int64)
+    feats, sampled, rejected = [], [], []
+    for x, d, a in make_steps(n, batch, k, seed):
+        rej = np.minimum(np.random.default_rng(seed).integers(0, 2, batch), d - a)
+        feats.append(torch.from_numpy(x))
+        sampled.append(torch.from_numpy((a + 1).astype(np.int32)))
+        rejected.append(torch.from_numpy(rej.astype(np.int32)))
+    return idx, feats, sampled, rejected
+
+
+def bench_shim_steps(batch: int, k: int, steps: int, rounds: int) -> dict[str, dict[str, float]]:
+    inputs = torch_steps(batch, k, 64, seed=1)
+    out = {}
+    for name, mode, sketch in (
+        ("raw", "raw", True),
+        ("summary + sketch", "summary", True),
+        ("summary, no sketch", "summary", False),
+    ):
+        est, _ = shim(mode, batch, k, sketch)
+        plain = StandinAcceptanceEstimator(batch, k, CPU)
+        try:
+            shim_t, plain_t = _phase(est, plain, inputs, steps, rounds, 0.0)
+        finally:
+            est.avest_close()
+        base = statistics.median(plain_t)
+        out[name] = {
+            "median_us": float(np.median(shim_t)),
+            "plain_median_us": base,
+            "added_median_us": float(np.median(shim_t)) - base,
+        }
+    return out
+
+
+def bench_record(batch: int, k: int, blocks: int = 200) -> dict[str, float]:
+    """The per-step work summary mode adds, alone: ``SummaryRound.record`` against the
+    plain stand-in step, each timed in blocks (5th percentile and median of block means)."""
+    from avest_client.vllm.rounds import SummaryRound
+
+    est = StandinAcceptanceEstimator(batch, k, CPU)
+    rounds = SummaryRound(SummarySink(k), k, CPU, True, max_num_reqs=batch, round_steps=100)
+    rounds.start(1, 0.5, tuple([-0.2] * k))
+    idx, feats, sampled, rejected = torch_steps(batch, k, 1, seed=4)
+    est.load_features(idx, feats[0])
+
+    def record() -> None:
+        if len(rounds._rows) >= 100:
+            rounds._rows.clear()
+        rounds.record(est, idx, sampled[0], rejected[0])
+
+    def timed(fn: Any, n: int) -> tuple[float, float]:
+        means = []
+        for _ in range(blocks):
+            t = time.perf_counter_ns()
+            for _ in range(n):
+                fn()
+            means.append((time.perf_counter_ns() - t) / n / 1e3)
+        return float(np.percentile(means, 5)), float(np.median(means))
+
+    rec = timed(record, 100)
+    step = timed(lambda: est.step(idx, sampled[0], rejected[0]), 10)
+    rounds.close()
+    return {"record_p5_us": rec[0], "record_median_us": rec[1], "step_p5_us": step[0],
+            "step_median_us": step[1], "ratio_p5": rec[0] / step[0]}  # fmt: skip
+
+
+def bench_bytes(batch: int, k: int, steps: int) -> dict[str, float]:
+    idx, feats, sampled, rejected = torch_steps(batch, k, steps, seed=2)
+    est, sink = shim("summary", batch, k)
+    raw_bytes = []
+    for j in range(steps):
+        est.load_features(idx, feats[j])
+        est.step(idx, sampled[j], rejected[j])
+        a = np.maximum(sampled[j].numpy() - 1, 0)
+        data, rows, kk = wire.encode(feats[j].numpy())
+        msg = pb.ObserveRequest(
+            pair_id=PAIR_ID, worker_id=WORKER_ID, sequence=j + 1, features=data, rows=rows,
+            k=kk, num_verified=(a + rejected[j].numpy()).tolist(), num_accepted=a.tolist(),
+            coefficients_version=1,
+        )  # fmt: skip
+        raw_bytes.append(msg.ByteSize())
+    est._avest.rounds.flush(10)
+    est.avest_close()
+    sizes = [
+        pb.ObserveRequest(
+            pair_id=PAIR_ID, worker_id=WORKER_ID, sequence=i + 1, k=k, summary=s.to_pb()
+        ).ByteSize()
+        for i, s in enumerate(sink.summaries)
+    ]
+    covered = sum(s.steps for s in sink.summaries)
+    per_raw = float(np.mean(raw_bytes))
+    per_summary = sum(sizes) / covered
+    return {
+        "raw_bytes_per_step": per_raw,
+        "summary_bytes_per_message": float(np.mean(sizes)),
+        "summary_bytes_per_step": per_summary,
+        "ratio": per_raw / per_summary,
+        "summaries": len(sizes),
+        "steps_covered": covered,
+    }
+
+
+# -- ingest -----------------------------------------------------------------------------
+
+
+def summary_body(k: int, batch: int = 256) -> bytes:
+    """A realistic summary (100 steps of B x K drafts) serialized as ObserveRequest's field."""
+    acc = RoundAccumulator(k)
+    for x, d, a in make_steps(ROUND_STEPS, batch, k, seed=3):
+        acc.add(x, d, a, 0.5, [-0.2] * k)
+    s = acc.take(0, 0.5, [-0.2] * k)
+    assert s is not None
+    return pb.ObserveRequest(k=k, summary=s.to_pb()).SerializeToString()
+
+
+async def ingest(address: str, pair_id: str, body: bytes, workers: int, streams: int,
+                 rate: float, seconds: float) -> dict[str, float]:  # fmt: skip
+    """Offered ``rate`` summaries/s (0: flat out) from ``workers`` over ``streams``."""
+    per_stream = [list(range(s, workers, streams)) for s in range(streams)]
+    lat: list[float] = []
+    acked = [0]
+    async with grpc.aio.insecure_channel(
+        address, options=[("grpc.max_send_message_length", 64 << 20)]
+    ) as channel:
+        await channel.channel_ready()
+        observe = channel.stream_stream(
+            "/avest.v1.EstimatorService/Observe",
+            request_serializer=lambda b: b,
+            response_deserializer=pb.ObserveResponse.FromString,
+        )
+        total = int(rate * seconds) if rate else workers * 20
+        t0 = time.perf_counter()
+
+        async def one(ws: list[int], share: int) -> None:
+            call = observe()
+            sent: dict[str, list[tuple[int, float]]] = {}
+            seq = {w: 0 for w in ws}
+            done = asyncio.Event()
+            remaining = [share]
+
+            async def write() -> None:
+                for i in range(share):
+                    w = ws[i % len(ws)]
+                    seq[w] += 1
+                    if rate:
+                        due = t0 + (i * len(per_stream)) / rate
+                        delay = due - time.perf_counter()
+                        if delay > 0:
+                            await asyncio.sleep(delay)
+                    head = pb.ObserveRequest(
+                        pair_id=pair_id, worker_id=f"w{w}", sequence=seq[w]
+                    ).SerializeToString()
+                    sent.setdefault(f"w{w}", []).append((seq[w], time.perf_counter()))
+                    await call.write(head + body)
+                await done.wait()
+                await call.done_writing()
+
+            writer = asyncio.ensure_future(write())
+            async for resp in call:
+                if resp.HasField("ack"):
+                    now = time.perf_counter()
+                    pend = sent.get(resp.ack.worker_id, [])
+                    while pend and pend[0][0] <= resp.ack.acked_sequence:
+                        lat.append(now - pend.pop(0)[1])
+                        remaining[0] -= 1
+                        acked[0] += 1
+                    if remaining[0] == 0:
+                        done.set()
+                        break
+            await writer
+            call.cancel()
+
+        shares = [total // streams + (1 if s < total % streams else 0) for s in range(streams)]
+        await asyncio.gather(*(one(ws, n) for ws, n in zip(per_stream, shares, strict=True)))
+        elapsed = time.perf_counter() - t0
+    ms = np.array(lat) * 1e3
+    return {
+        "offered_per_s": rate,
+        "acked_per_s": acked[0] / elapsed,
+        "ack_p50_ms": float(np.percentile(ms, 50)),
+        "ack_p99_ms": float(np.percentile(ms, 99)),
+        "summaries": acked[0],
+        "bytes_per_summary": len(body) + 40,
+    }
+
+
+def bench_ingest_summaries(ks: list[int], workers: int, streams: int, rate: float,
+                           seconds: float) -> dict[str, Any]:  # fmt: skip
+    tmp = tempfile.mkdtemp(prefix="avest-bench-summary-")
+    proc, address = start_server(tmp)
+    out: dict[str, Any] = {}
+    try:
+        with EstimatorClient(address, timeout=30) as client:
+            for k in ks:
+                body = summary_body(k)
+                for label, r in (("offered", rate), ("flat out", 0.0)):
+                    # a pair refits once per pooled round of every worker (W x 100 steps)
+                    reg = client.register(
+                        "bench/target", "bench/draft", "bench", k, labels={"run": f"{k}-{label}"},
+                        rule="recursive", refit_interval=min(1_000_000, workers * ROUND_STEPS),
+                    )  # fmt: skip
+                    res = asyncio.run(
+                        ingest(address, reg.pair_id, body, workers, streams, r, seconds)
+                    )
+                    info = client.pair(reg.pair_id)
+                    res["refits"] = info.coefficients.round
+                    out[f"K={k} {label}"] = res
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except Exception:  # noqa: BLE001
+            proc.kill()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=4000)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--bytes-steps", type=int, default=401)
+    ap.add_argument("--ingest-k", default="8,64")
+    ap.add_argument("--workers", type=int, default=1000)
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--rate", type=float, default=5000.0)
+    ap.add_argument("--seconds", type=float, default=6.0)
+    ap.add_argument("--no-ingest", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    res: dict[str, Any] = {
+        "cpus": os.cpu_count(),
+        "shim": bench_shim_steps(a.batch, a.k, a.steps, a.rounds),
+        "record": bench_record(a.batch, a.k),
+        "bytes": bench_bytes(a.batch, a.k, a.bytes_steps),
+    }
+    if not a.no_ingest:
+        ks = [int(x) for x in a.ingest_k.split(",") if x]
+        res["ingest"] = bench_ingest_summaries(ks, a.workers, a.streams, a.rate, a.seconds)
+    if a.json:
+        print(json.dumps(res, indent=2))
+        return
+    print(f"shim step at B={a.batch}, K={a.k} (CPU stand-in; {res['cpus']} CPUs)")
+    print(f"{'mode':<22} {'step µs':>9} {'plain µs':>9} {'added µs':>9}")
+    for name, r in res["shim"].items():
+        print(
+            f"{name:<22} {r['median_us']:>9.1f} {r['plain_median_us']:>9.1f} "
+            f"{r['added_median_us']:>+9.1f}"
+        )
+    r = res["record"]
+    print(
+        f"record alone: {r['record_p5_us']:.1f} µs (p5; median {r['record_median_us']:.1f}) vs "
+        f"plain step {r['step_p5_us']:.1f} µs (p5): {100 * r['ratio_p5']:.1f} % of the step"
+    )
+    b = res["bytes"]
+    print(
+        f"\nbytes per worker-step: raw {b['raw_bytes_per_step']:.0f}, summary "
+        f"{b['summary_bytes_per_step']:.1f} ({b['summary_bytes_per_message']:.0f} B per summary "
+        f"of ~{ROUND_STEPS} steps): {b['ratio']:.0f}x fewer"
+    )
+    for name, r in res.get("ingest", {}).items():
+        print(
+            f"ingest {name:<16} acked {r['acked_per_s']:>8.0f}/s  ack p50 {r['ack_p50_ms']:>7.1f} ms"
+            f"  p99 {r['ack_p99_ms']:>7.1f} ms  ({r['summaries']} summaries, {r['refits']} refits)"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""``avest record PAIR OUT``: record a pair's incoming raw stream into a trace file."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser(
+        "record",
+        help="record a pair's incoming raw steps (or a sampled fraction) to an avest-trace/1 file",
+        description="Ask a running service (admin HTTP) to record the raw steps its workers "
+        "send for a pair, wait until it holds --steps of them (or --timeout passes), and write "
+        "them as an avest-trace/1 file. Workers in summary mode send raw steps only at their "
+        "sampling rate (AVEST_RAW_SAMPLE); round summaries carry no drafts.",
+    )
+    p.add_argument("pair", help="pair id (see `avest pairs`)")
+    p.add_argument("out", help="trace file to write (.npz)")
+    p.add_argument("--http", default="http://127.0.0.1:8000", help="the service's admin HTTP URL")
+    p.add_argument("--fraction", type=float, default=1.0, help="share of raw steps to keep")
+    p.add_argument("--steps", type=int, default=1000, help="steps to record")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait at most")
+    p.add_argument(
+        "--token",
+        default=os.environ.get("AVEST_ADMIN_TOKEN", ""),
+        help="admin bearer token (default: $AVEST_ADMIN_TOKEN)",
+    )
+    p.set_defaults(func=run)
+
+
+def _call(method: str, url: str, token: str) -> tuple[int, bytes]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, method=method)
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 - the operator's URL
+            return int(resp.status), resp.read()
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read()
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+    import urllib.parse
+
+    from avest.offline.trace import TraceError, read_trace
+
+    base = f"{args.http.rstrip('/')}/v1/pairs/{urllib.parse.quote(args.pair)}/recording"
+    query = urllib.parse.urlencode({"fraction": args.fraction, "steps": args.steps})
+    try:
+        code, body = _call("POST", f"{base}?{query}", args.token)
+        if code != 200:
+            print(f"avest record: {code}: {body.decode(errors='replace')}", file=sys.stderr)
+            return 1
+        status = json.loads(body)
+        deadline = time.monotonic() + args.timeout
+        while not status["done"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+            status = json.loads(_call("GET", base, args.token)[1])
+        code, data = _call("GET", f"{base}.npz", args.token)
+        if code != 200:
+            print(f"avest record: {code}: {data.decode(errors='replace')}", file=sys.stderr)
+            return 1
+        _call("DELETE", base, args.token)
+    except OSError as exc:
+        print(f"avest record: cannot reach {args.http}: {exc}", file=sys.stderr)
+        return 1
+    with open(args.out, "wb") as f:
+        f.write(data)
+    try:
+        trace = read_trace(args.out)
+    except TraceError as exc:
+        print(f"avest record: the service sent an invalid trace: {exc}", file=sys.stderr)
+        return 1
+    done = "" if status["done"] else f" (timed out after {args.timeout:g} s)"
+    print(
+        f"recorded {trace.num_steps} steps ({trace.rows} rows, {trace.labelled_count()} labelled "
+        f"drafts) of pair {args.pair} out of {status['offered']} offered to {args.out}{done}"
+    )
+    return 0

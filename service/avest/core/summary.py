@@ -1,0 +1,342 @@
+"""Round summaries: one worker's round as sums, merged into a pair's round.
+
+In summary mode a worker sends, once per round, the IRLS sums vLLM's
+estimator accumulates on the device (``info`` [K, 3] = ``a, b, c``, ``grad``
+[K, 2] = ``g0, g1``, ``counts`` [K]), the coefficients they were computed at,
+the number of steps and labelled drafts, and a calibration sketch (the
+:class:`~avest.core.metrics.CalibrationState` sums of the round: the AUC
+histograms of the linear predictor by label in the service's 1026 slots, the
+15 ECE bins and the log-loss sums). Everything is a sum, so summaries from W
+workers add up to the round the pair would have pooled from their raw steps.
+
+**Statistics at the current coefficients merge exactly**: they are the same
+sums the service would have folded from the raw steps.
+
+**Statistics at older coefficients** ``theta_v`` (a worker that had not yet
+applied the last refit when its round ended) are moved to the current point
+``theta`` before they join the round (:func:`rebase`): per position,
+``g_k <- g_k - H_k (theta - theta_v)`` with ``H_k = [[a_k, b_k], [b_k, c_k]]``,
+the first-order change of the gradient (``dg/dtheta = -H``); the information
+``H`` is kept as computed. What each rule makes of that:
+
+- ``recursive`` is **exact at any version**: it carries
+  ``h <- lam h + H_t theta_t + g_t``, and with the rebased gradient
+  ``H_v theta + g_v - H_v (theta - theta_v) = H_v theta_v + g_v`` — exactly
+  the term the worker's own sums define, whatever ``theta`` is now.
+- ``tracking`` and ``vllm`` take one Newton-type step from the current point
+  with the round's gradient there; the rebased gradient is that gradient to
+  first order (the error is quadratic in ``theta - theta_v``, small for the
+  one or two refits a worker lags). Both **accept** older statistics
+  rather than drop them: with W workers and a refit per pooled round, most
+  summaries are a refit behind, and dropping them would discard most labels.
+- The calibration sketch is merged as sent: it scores each draft with the
+  coefficients the worker actually served (predict, then learn).
+
+The calibration layer (:class:`~avest.core.calibration.Recalibrator`) learns
+from the sketch's linear-predictor histogram (:func:`observe_sketch`): its
+bins are 21.3 AUC slots wide, an AUC slot that straddles one of its edges is
+split by overlap, and the losses that decide whether the layer is served are
+taken at slot centres (a draft moves by at most half an AUC slot, 0.012 in
+``eta``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from avest.core.calibration import Recalibrator, slot
+from avest.core.errors import InvalidInput
+from avest.core.metrics import AUC_SLOTS, ECE_BINS, ETA_RANGE, CalibrationState
+from avest.core.model import Coefficients, check_k
+from avest.core.numeric import bernoulli_nll
+from avest.core.stats import RoundStats
+
+FloatArray = npt.NDArray[np.float64]
+
+#: Most steps one summary may cover.
+MAX_SUMMARY_STEPS = 1_000_000
+#: Cells of a sketch's linear-predictor histogram per position: (label, slot).
+CELLS_PER_POSITION = 2 * AUC_SLOTS
+
+
+@dataclass(frozen=True)
+class RoundSummary:
+    """One worker's round: sums at ``at`` (version ``version``), steps, drafts, sketch."""
+
+    version: int
+    at: Coefficients
+    stats: RoundStats
+    steps: int
+    drafts: int
+    calibration: Sketch | None = None
+
+    @property
+    def k(self) -> int:
+        return self.stats.k
+
+
+def make_summary(
+    k: int,
+    *,
+    version: int,
+    slope: float,
+    intercepts: npt.ArrayLike,
+    info: npt.ArrayLike,
+    grad: npt.ArrayLike,
+    counts: npt.ArrayLike,
+    steps: int,
+    drafts: int,
+    calibration: Sketch | None = None,
+) -> RoundSummary:
+    """Validate one summary (``info`` [K, 3], ``grad`` [K, 2], ``counts`` [K]) completely.
+
+    Ingest cost matters here (thousands of summaries a second): the checks
+    are few, vectorised numpy calls over all the parts at once.
+    """
+    check_k(k)
+    if version < 0:
+        raise InvalidInput("coefficients_version", "must be >= 0")
+    parts = {
+        "intercepts": np.asarray(intercepts, dtype=np.float64).reshape(-1),
+        "info": np.asarray(info, dtype=np.float64).reshape(-1),
+        "grad": np.asarray(grad, dtype=np.float64).reshape(-1),
+        "counts": np.asarray(counts, dtype=np.float64).reshape(-1),
+    }
+    for name, size in (("intercepts", k), ("info", 3 * k), ("grad", 2 * k), ("counts", k)):
+        if parts[name].size != size:
+            raise InvalidInput(name, f"must have {size} entries, got {parts[name].size}")
+    w = float(slope)
+    if not (math.isfinite(w) and w >= 0.0):
+        raise InvalidInput("slope", f"must be finite and >= 0, got {w}")
+    every = np.concatenate(list(parts.values()))
+    if not np.isfinite(every).all():
+        bad = next(n for n, v in parts.items() if not np.isfinite(v).all())
+        raise InvalidInput(bad, "must be finite")
+    inf = parts["info"].reshape(k, 3)
+    g = parts["grad"].reshape(k, 2)
+    n = parts["counts"]
+    if inf[:, 0::2].min() < 0:
+        raise InvalidInput("info", "a_k and c_k must be >= 0")
+    if n.min() < 0 or (n != np.rint(n)).any():
+        raise InvalidInput("counts", "must be whole numbers >= 0")
+    if not 1 <= steps <= MAX_SUMMARY_STEPS:
+        raise InvalidInput("steps", f"must lie in [1, {MAX_SUMMARY_STEPS}], got {steps}")
+    total = int(n.sum())
+    if drafts != total:
+        raise InvalidInput("drafts", f"is {drafts}, the counts add up to {total}")
+    if calibration is not None:
+        if calibration.k != k:
+            raise InvalidInput("sketch", f"has K={calibration.k}, expected {k}")
+        if not np.array_equal(calibration.drafts_per_position(), n):
+            raise InvalidInput("sketch", "its drafts per position differ from counts")
+    # fresh arrays (converted above): the statistics may view them
+    stats = RoundStats(a=inf[:, 0], b=inf[:, 1], c=inf[:, 2], g0=g[:, 0], g1=g[:, 1], n=n)
+    at = Coefficients(w, tuple(parts["intercepts"].tolist()))
+    return RoundSummary(int(version), at, stats, int(steps), total, calibration)
+
+
+def rebase(stats: RoundStats, at: Coefficients, to: Coefficients) -> RoundStats:
+    """Statistics computed at ``at`` with their gradient moved to ``to`` (first order).
+
+    ``g_k <- g_k - H_k (to - at)`` per position; ``a, b, c, n`` unchanged.
+    Exact for the ``recursive`` rule (see the module docstring). Returns
+    ``stats`` itself when ``at == to``.
+    """
+    if at.k != stats.k or to.k != stats.k:
+        raise InvalidInput("intercepts", f"coefficients and statistics disagree on K={stats.k}")
+    if at == to:
+        return stats
+    dw = to.slope - at.slope
+    db = to.intercept_array() - at.intercept_array()
+    return RoundStats(
+        a=stats.a.copy(),
+        b=stats.b.copy(),
+        c=stats.c.copy(),
+        g0=stats.g0 - stats.a * dw - stats.b * db,
+        g1=stats.g1 - stats.b * dw - stats.c * db,
+        n=stats.n.copy(),
+    )
+
+
+# -- the calibration sketch ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sketch:
+    """A round's calibration sums, the eta histogram kept sparse.
+
+    ``cells``: ascending flat indices ``(position * 2 + label) * AUC_SLOTS +
+    slot`` of the occupied histogram cells, ``counts`` their drafts; ``ece``
+    ``[K, ECE_BINS, 2]`` (rejected, accepted) drafts, ``psum`` ``[K,
+    ECE_BINS]`` predicted probabilities, ``nll`` ``[K]`` log loss. Merging
+    into a pair's round costs O(occupied cells), not O(K x 2052).
+    """
+
+    k: int
+    cells: npt.NDArray[np.int64]
+    counts: FloatArray
+    ece: FloatArray
+    psum: FloatArray
+    nll: FloatArray
+
+    def drafts_per_position(self) -> FloatArray:
+        per = np.bincount(self.cells // CELLS_PER_POSITION, weights=self.counts, minlength=self.k)
+        return np.asarray(per, dtype=np.float64)
+
+    def add_to(self, state: CalibrationState) -> None:
+        """Add these sums into ``state`` (in place), in O(occupied cells).
+
+        Writes the state's arrays directly (its layout: ``_auc`` [K, 2,
+        AUC_SLOTS], ``_ece`` [K, ECE_BINS, 2], ``_psum``, ``_nll``): building
+        a dense state per summary to :meth:`CalibrationState.merge` would cost
+        O(K x 2052) per summary, the most of a K = 64 summary's ingest.
+        """
+        if state.k != self.k:
+            raise InvalidInput("sketch", f"has K={self.k}, the state has K={state.k}")
+        state._auc.reshape(-1)[self.cells] += self.counts
+        state._ece += self.ece
+        state._psum += self.psum
+        state._nll += self.nll
+
+    def state(self) -> CalibrationState:
+        """The sums as a :class:`CalibrationState` of their own."""
+        out = CalibrationState.empty(self.k)
+        self.add_to(out)
+        return out
+
+    @classmethod
+    def of(cls, state: CalibrationState) -> Sketch:
+        """The sketch of a whole state (its occupied cells)."""
+        a = state.to_arrays()
+        auc = np.stack([a["auc_rejected"], a["auc_accepted"]], axis=1).reshape(-1)
+        idx = np.flatnonzero(auc).astype(np.int64)
+        ece = np.stack([a["ece_rejected"], a["ece_accepted"]], axis=2)
+        return cls(state.k, idx, auc[idx], ece, a["ece_sum_predicted"], a["logloss_sum"])
+
+
+def make_sketch(
+    k: int,
+    cells: npt.ArrayLike,
+    cell_counts: npt.ArrayLike,
+    ece_rejected: npt.ArrayLike,
+    ece_accepted: npt.ArrayLike,
+    ece_sum_predicted: npt.ArrayLike,
+    logloss_sum: npt.ArrayLike,
+) -> Sketch:
+    """Validate a sketch's parts (``cells``: absolute flat indices) into a :class:`Sketch`."""
+    check_k(k)
+    idx = np.asarray(cells, dtype=np.int64).reshape(-1)
+    cnt = np.asarray(cell_counts, dtype=np.float64).reshape(-1)
+    if idx.shape != cnt.shape:
+        raise InvalidInput("cell_counts", f"has {cnt.size} entries, cell_deltas {idx.size}")
+    if idx.size and (idx[0] < 0 or idx[-1] >= k * CELLS_PER_POSITION):
+        raise InvalidInput("cell_deltas", f"cells must lie in [0, {k * CELLS_PER_POSITION})")
+    if idx.size > 1 and (np.diff(idx) < 1).any():
+        raise InvalidInput("cell_deltas", "cells must ascend (gaps >= 1)")
+    if idx.size and not (np.isfinite(cnt).all() and cnt.min() >= 1):
+        raise InvalidInput("cell_counts", "must be >= 1")
+    shape = (k, ECE_BINS)
+    rej = _grid(ece_rejected, "ece_rejected", shape)
+    acc = _grid(ece_accepted, "ece_accepted", shape)
+    psum = _grid(ece_sum_predicted, "ece_sum_predicted", shape)
+    nll = _grid(logloss_sum, "logloss_sum", (k,))
+    every = np.concatenate((rej.reshape(-1), acc.reshape(-1), psum.reshape(-1), nll))
+    if not (np.isfinite(every).all() and every.min(initial=0.0) >= 0):
+        raise InvalidInput("ece_rejected", "the ECE and log-loss sums must be finite and >= 0")
+    ece = np.stack([rej, acc], axis=2)
+    if (psum > rej + acc + 1e-3).any():
+        raise InvalidInput("ece_sum_predicted", "a bin's predictions exceed its drafts")
+    sketch = Sketch(k, idx, cnt, ece, psum, nll)
+    if not np.array_equal(sketch.drafts_per_position(), ece.sum(axis=(1, 2))):
+        raise InvalidInput(
+            "cell_counts", "the eta histogram and the ECE bins count different drafts"
+        )
+    return sketch
+
+
+def _grid(value: npt.ArrayLike, field: str, shape: tuple[int, ...]) -> FloatArray:
+    v = np.asarray(value, dtype=np.float64).reshape(-1)
+    size = int(np.prod(shape))
+    if v.size != size:
+        raise InvalidInput(field, f"must have {size} entries, got {v.size}")
+    return v.reshape(shape)
+
+
+#: Centre of each AUC slot in ``eta`` (the edge slots at the grid's ends).
+SLOT_CENTRES = np.concatenate(
+    (
+        [-ETA_RANGE],
+        -ETA_RANGE + (np.arange(AUC_SLOTS - 2) + 0.5) * (2.0 * ETA_RANGE / (AUC_SLOTS - 2)),
+        [ETA_RANGE],
+    )
+)
+
+
+def observe_sketch(recal: Recalibrator, sketch: Sketch) -> None:
+    """Feed a sketch to the calibration layer (see the module docstring)."""
+    slots = sketch.cells % AUC_SLOTS
+    accepted = (sketch.cells // AUC_SLOTS) % 2 == 1
+    acc = np.bincount(slots[accepted], weights=sketch.counts[accepted], minlength=AUC_SLOTS)
+    rej = np.bincount(slots[~accepted], weights=sketch.counts[~accepted], minlength=AUC_SLOTS)
+    tot = rej + acc
+    live = tot > 0
+    if not live.any():
+        return
+    e = SLOT_CENTRES[live]
+    m = recal.mapped(e)
+    n_acc, n_rej = acc[live], rej[live]
+    ones, zeros = np.ones(e.size, dtype=bool), np.zeros(e.size, dtype=bool)
+    recal.loss[0] += float(n_acc @ bernoulli_nll(m, ones) + n_rej @ bernoulli_nll(m, zeros))
+    recal.loss[1] += float(n_acc @ bernoulli_nll(e, ones) + n_rej @ bernoulli_nll(e, zeros))
+    recal.round_total += tot @ _TO_RECAL_SLOTS
+    recal.round_accepted += acc @ _TO_RECAL_SLOTS
+
+
+def _recal_split() -> FloatArray:
+    """``[AUC_SLOTS, SLOTS]``: the share of each AUC slot in each calibration-layer slot.
+
+    An AUC slot that straddles a calibration-layer edge is split by overlap
+    (drafts taken as uniform within it); the edge slots go to the end slots.
+    """
+    from avest.core.calibration import ETA_MAX, SLOTS
+
+    width = 2.0 * ETA_RANGE / (AUC_SLOTS - 2)
+    inner = np.concatenate(
+        ([-np.inf], -ETA_MAX + np.arange(SLOTS - 1) * (2 * ETA_MAX / (SLOTS - 2)))
+    )
+    upper = np.concatenate((inner[1:], [np.inf]))
+    out = np.zeros((AUC_SLOTS, SLOTS))
+    out[0, slot(-ETA_RANGE - 1.0)[()]] = 1.0
+    out[-1, slot(ETA_RANGE)[()]] = 1.0
+    for i in range(1, AUC_SLOTS - 1):
+        lo = -ETA_RANGE + (i - 1) * width
+        hi = lo + width
+        overlap = np.clip(np.minimum(hi, upper) - np.maximum(lo, inner), 0.0, None)
+        out[i] = overlap / width
+    return out
+
+
+_TO_RECAL_SLOTS = _recal_split()
+
+
+def summarise(
+    batches: list[tuple[FloatArray, npt.NDArray[np.bool_], npt.NDArray[np.bool_]]],
+    at: Coefficients,
+    version: int,
+) -> RoundSummary:
+    """The summary a worker sends for ``batches`` (``(features, observed, accepted)``,
+    each ``[R, K]``) scored at ``at``: the reference the workers' sums must match."""
+    from avest.core.model import linear_predictor
+    from avest.core.stats import fold
+
+    stats = RoundStats.zeros(at.k)
+    cal = CalibrationState.empty(at.k)
+    for x, obs, acc in batches:
+        eta = linear_predictor(at, x)
+        stats.add_(fold(x, eta, obs, acc))
+        cal.update(eta, obs, acc)
+    return RoundSummary(version, at, stats, len(batches), stats.labelled(), Sketch.of(cal))

@@ -1,0 +1,57 @@
+"""Summary mode on the Observe stream: a ``RoundSummary`` message into the core's form."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from avest.core.errors import InvalidInput
+from avest.core.summary import RoundSummary, make_sketch, make_summary
+from avest.state.pairs import Pair
+from avest_wire.v1 import estimator_pb2 as pb
+
+
+def summary_from_pb(req: pb.ObserveRequest, pair: Pair) -> RoundSummary:
+    """Validate an Observe message carrying a summary; InvalidInput names the field."""
+    if req.rows or req.features or len(req.num_verified) or len(req.num_accepted):
+        raise InvalidInput("summary", "a summary message carries no step (rows, features, counts)")
+    if len(req.exclude):
+        raise InvalidInput("exclude", "must be empty in a summary message")
+    if req.k not in (0, pair.k):
+        raise InvalidInput("k", f"is {req.k}, the pair has K={pair.k}")
+    s = req.summary
+    if s.k != pair.k:
+        raise InvalidInput("summary.k", f"is {s.k}, the pair has K={pair.k}")
+    calibration = None
+    sk = s.sketch
+    if s.HasField("sketch") and (len(sk.cell_deltas) or len(sk.logloss_sum)):
+        deltas = np.asarray(sk.cell_deltas, dtype=np.int64)
+        if deltas.size > 1 and (deltas[1:] < 1).any():
+            raise InvalidInput("sketch.cell_deltas", "gaps after the first cell must be >= 1")
+        try:
+            calibration = make_sketch(
+                pair.k,
+                np.cumsum(deltas),
+                np.asarray(sk.cell_counts, dtype=np.float64),
+                np.asarray(sk.ece_rejected, dtype=np.float64),
+                np.asarray(sk.ece_accepted, dtype=np.float64),
+                np.asarray(sk.ece_sum_predicted, dtype=np.float64),
+                np.asarray(sk.logloss_sum, dtype=np.float64),
+            )
+        except InvalidInput as exc:
+            raise InvalidInput(f"sketch.{exc.field}", exc.problem) from None
+    try:
+        return make_summary(
+            pair.k,
+            version=int(s.coefficients_version),
+            slope=float(s.slope),
+            intercepts=np.asarray(s.intercepts, dtype=np.float64),
+            info=np.asarray(s.info, dtype=np.float64),
+            grad=np.asarray(s.grad, dtype=np.float64),
+            counts=np.asarray(s.counts, dtype=np.float64),
+            steps=int(s.steps),
+            drafts=int(s.drafts),
+            calibration=calibration,
+        )
+    except InvalidInput as exc:
+        field = exc.field if exc.field.startswith("sketch") else f"summary.{exc.field}"
+        raise InvalidInput(field, exc.problem) from None

@@ -1,0 +1,67 @@
+"""Per-pair worker tables as metrics, read on each scrape, with bounded cardinality.
+
+Each pair exposes how many workers it remembers and how many it forgot; the
+:data:`~avest.http.names.WORKER_SERIES` most recently seen workers get series
+of their own (drafts, steps, summaries, coefficient lag, last seen), and
+everything else is folded into one ``worker="other"`` series per family, so
+a pair adds at most ``5 x (WORKER_SERIES + 1) + 2`` series whatever the
+fleet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from avest.http.names import (
+    SPECS,
+    WORKER_DRAFTS,
+    WORKER_LAG,
+    WORKER_LAST_SEEN,
+    WORKER_METRICS,
+    WORKER_SERIES,
+    WORKER_STEPS,
+    WORKER_SUMMARIES,
+    WORKERS,
+    WORKERS_FORGOTTEN,
+    family_name,
+)
+
+
+class WorkerCollector:
+    """Reads every pair's :class:`~avest.state.workers.WorkerTable` on a scrape."""
+
+    def __init__(self, app: Any) -> None:
+        self._app = app
+
+    def _families(self) -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
+        out: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+            WORKERS: GaugeMetricFamily(WORKERS, SPECS[WORKERS].help, labels=["pair"]),
+            WORKERS_FORGOTTEN: CounterMetricFamily(
+                family_name(WORKERS_FORGOTTEN), SPECS[WORKERS_FORGOTTEN].help, labels=["pair"]
+            ),
+        }
+        for spec in WORKER_METRICS:
+            out[spec.name] = GaugeMetricFamily(spec.name, spec.help, labels=list(spec.labels))
+        return out
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self._families().values())
+
+    def collect(self) -> Iterable[Metric]:
+        f = self._families()
+        for pair in list(self._app.registry.pairs.values()):
+            pid = pair.id
+            table = pair.workers
+            f[WORKERS].add_metric([pid], float(len(table)))
+            f[WORKERS_FORGOTTEN].add_metric([pid], float(table.forgotten))
+            for row in table.top(WORKER_SERIES):
+                labels = [pid, row.worker_id]
+                f[WORKER_DRAFTS].add_metric(labels, float(row.drafts))
+                f[WORKER_STEPS].add_metric(labels, float(row.steps))
+                f[WORKER_SUMMARIES].add_metric(labels, float(row.summaries))
+                f[WORKER_LAG].add_metric(labels, float(row.lag))
+                f[WORKER_LAST_SEEN].add_metric(labels, float(row.last_seen))
+        return list(f.values())

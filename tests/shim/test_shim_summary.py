@@ -1,0 +1,138 @@
+"""Summary mode in the shim: one summary per round, the device sums and sketch equal the
+host reference, rounds never mix coefficients, raw steps only as sampled; against the
+real sidecar the pair pools the summaries and pushes coefficients back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from avest_client import EstimatorClient
+from avest_client.summary import AUC_SLOTS, RoundAccumulator
+from avest_client.vllm.config import ShimConfig
+from avest_client.vllm.estimator import make_sidecar_estimator
+
+from .fakes import FakeSink, FakeSinkFactory
+from .standin import StandinAcceptanceEstimator
+from .test_sidecar_sink import make_shim, sink_of, start_sidecar, trace_steps, wait_until
+from .tracedrive import drive, load_trace, steps, synthetic_trace
+
+CPU = torch.device("cpu")
+__all__ = ["start_sidecar"]  # the fixture, imported
+POOLED = (3, 0.61, [0.4, 0.1, -0.2, -0.5, -0.9])
+
+
+def _trace(n=260):
+    t = load_trace()
+    t = t if t is not None else synthetic_trace(steps=n, batch=16, k=5)
+    return list(steps(t, 32))[:n]
+
+
+def _shim(sink, **cfg):
+    cls = make_sidecar_estimator(
+        StandinAcceptanceEstimator, FakeSinkFactory(sink), config=ShimConfig(**cfg)
+    )
+    return cls(32, 5, CPU)
+
+
+def _reference(trace, coef):
+    """The host accumulator over the same steps at the float32 coefficients the device used."""
+    acc = RoundAccumulator(5)
+    w = float(np.float32(coef[1]))
+    b = np.asarray(coef[2], dtype=np.float32).astype(np.float64)
+    for s in trace:
+        acc.add(s.features.numpy(), s.num_verified, s.num_accepted, w, b)
+    out = acc.take(coef[0], coef[1], coef[2])
+    assert out is not None
+    return out
+
+
+def test_device_sums_and_sketch_equal_the_host_reference():
+    sink = FakeSink()
+    sink.push(*POOLED)
+    est = _shim(sink)
+    trace = _trace()
+    for s in trace:
+        drive(est, s)
+    est._avest.rounds.flush(10)
+    # step 0 ran under vLLM's own coefficients (dropped); rounds of 100 steps follow
+    assert [s.steps for s in sink.summaries] == [100, 100]
+    assert sink.received == []  # nothing per step
+    for got, part in zip(sink.summaries, (trace[1:101], trace[101:201]), strict=True):
+        want = _reference(part, POOLED)
+        assert (got.version, got.slope, got.intercepts) == (3, 0.61, tuple(POOLED[2]))
+        np.testing.assert_array_equal(got.counts, want.counts)
+        np.testing.assert_allclose(got.info, want.info, rtol=2e-4, atol=1e-3)
+        np.testing.assert_allclose(got.grad, want.grad, rtol=2e-4, atol=1e-3)
+        gs, ws = got.sketch, want.sketch
+        dense_g, dense_w = np.zeros(5 * 2 * AUC_SLOTS), np.zeros(5 * 2 * AUC_SLOTS)
+        dense_g[gs.cells], dense_w[ws.cells] = gs.cell_counts, ws.cell_counts
+        # float32 eta on the device: a draft on a bin edge may land one slot over
+        assert np.abs(dense_g - dense_w).sum() <= 2 + 0.002 * got.drafts
+        assert np.abs(gs.ece_accepted - ws.ece_accepted).sum() <= 2
+        assert np.abs(gs.ece_rejected - ws.ece_rejected).sum() <= 2
+        np.testing.assert_allclose(gs.ece_sum_predicted, ws.ece_sum_predicted, rtol=1e-3, atol=0.05)
+        np.testing.assert_allclose(gs.logloss_sum, ws.logloss_sum, rtol=1e-4)
+    assert est._refits == 0  # pooled rounds replace vLLM's local refits
+    est.avest_close()
+
+
+def test_a_new_version_ends_the_round_and_raw_steps_go_only_as_sampled():
+    sink = FakeSink()
+    sink.push(*POOLED)
+    est = _shim(sink, raw_sample=0.1)
+    trace = _trace(160)
+    for i, s in enumerate(trace):
+        if i == 51:
+            sink.push(4, 0.7, [0.0] * 5)
+        drive(est, s)
+    est._avest.rounds.flush(10)
+    assert est._avest.forwarder.flush(10)
+    # steps 1..51 at version 3 (the step that sees version 4 was drafted at 3), then 4
+    assert [(s.version, s.steps) for s in sink.summaries] == [(3, 51), (4, 100)]
+    assert len(sink.received) == 16  # every tenth step also raw
+    stats = est.avest_stats()
+    assert stats["mode"] == "summary" and stats["summaries"] == 2
+    est.avest_close()
+
+
+def test_rounds_under_local_refits_are_not_sent():
+    sink = FakeSink(connected=False)
+    est = _shim(sink)
+    for s in _trace(220):
+        drive(est, s)
+    est._avest.rounds.flush(10)
+    assert sink.summaries == [] and est._refits == 2
+    est.avest_close()
+
+
+@pytest.mark.parametrize("sketch", [True, False])
+def test_summaries_reach_the_sidecar_which_pools_and_pushes_back(
+    start_sidecar, tmp_path, trace_slice, sketch
+):
+    srv = start_sidecar(tmp_path, refit_interval=100, default_rule="recursive")
+    trace = trace_steps(trace_slice("chat", 0, 301))
+    est = make_shim(srv.grpc_address, mode="summary")
+    if not sketch:
+        rounds = est._avest.rounds
+        rounds.keep_sketch, rounds._cur = False, None  # as built with AVEST_SKETCH=0
+    sink = sink_of(est)
+    assert sink.wait_connected(10)
+    for s in trace:
+        drive(est, s)
+    est._avest.rounds.flush(10)
+    assert sink.flush(20), sink.stats
+    with EstimatorClient(srv.grpc_address) as client:
+        pair = client.pair(sink.pair_id)
+        summaries = est._avest.rounds.summaries
+        assert summaries >= 2 and sink.stats["acked"] == summaries
+        assert pair.coefficients.version >= 2  # refitted from the pooled summaries
+        # rounds end at 100 steps or where a pushed update applies: all are pooled
+        assert pair.steps_observed == est._avest.rounds.steps_closed >= 200
+        assert (pair.calibration.count > 0) == sketch
+        # the pushed coefficients govern the worker's tensors
+        wait_until(lambda: (sink.latest_coefficients() or (0,))[0] == pair.coefficients.version)
+    drive(est, trace[-1])
+    assert est.slope.item() == pytest.approx(pair.coefficients.slope, rel=1e-6)
+    est.avest_close()
