@@ -231,18 +231,13 @@ class CalibrationState:
             a *= f
 
     def summary(self) -> CalibrationSummary:
-        """All measures, pooled over positions and per position."""
-        per = tuple(
-            _summarise(self._auc[i], self._ece[i], self._psum[i], float(self._nll[i]))
-            for i in range(self.k)
-        )
-        pooled = _summarise(
-            self._auc.sum(axis=0),
-            self._ece.sum(axis=0),
-            self._psum.sum(axis=0),
-            float(self._nll.sum()),
-        )
-        return CalibrationSummary(**asdict(pooled), by_position=per)
+        """All measures, pooled over positions and per position (one vectorised pass)."""
+        auc = np.concatenate((self._auc, self._auc.sum(axis=0, keepdims=True)))
+        ece = np.concatenate((self._ece, self._ece.sum(axis=0, keepdims=True)))
+        psum = np.concatenate((self._psum, self._psum.sum(axis=0, keepdims=True)))
+        nll = np.append(self._nll, self._nll.sum())
+        *per, pooled = _summaries(auc, ece, psum, nll)
+        return CalibrationSummary(**asdict(pooled), by_position=tuple(per))
 
     def reliability(self, position: int | None = None) -> Reliability:
         """Per ECE bin: count, mean predicted and observed rate (pooled or one position)."""
@@ -332,21 +327,30 @@ def auc_from_histograms(rejected: FloatArray, accepted: FloatArray) -> float:
     return float(np.dot(rejected, above + 0.5 * accepted) / (n_acc * n_rej))
 
 
-def _summarise(auc: FloatArray, ece: FloatArray, psum: FloatArray, nll: float) -> PositionSummary:
-    count = float(ece.sum())
-    if count <= 0.0:
-        nan = float("nan")
-        return PositionSummary(nan, nan, nan, nan, nan, 0.0)
-    n_acc = float(ece[:, 1].sum())
-    return PositionSummary(
-        auc=auc_from_histograms(auc[0], auc[1]),
-        logloss=nll / count,
+def _summaries(
+    auc: FloatArray, ece: FloatArray, psum: FloatArray, nll: FloatArray
+) -> list[PositionSummary]:
+    """Measures of each row: ``auc`` [R, 2, AUC_SLOTS], ``ece`` [R, ECE_BINS, 2],
+    ``psum`` [R, ECE_BINS], ``nll`` [R]."""
+    count = ece.sum(axis=(1, 2))
+    n_acc = ece[:, :, 1].sum(axis=1)
+    rejected, accepted = auc[:, 0].astype(np.float64), auc[:, 1].astype(np.float64)
+    cum = np.cumsum(accepted, axis=1)
+    hist_acc = cum[:, -1]
+    hist_rej = rejected.sum(axis=1)
+    # AUC from per-bin counts in ascending score order; a bin's drafts tie (one half).
+    ties = np.einsum("rs,rs->r", rejected, hist_acc[:, None] - cum + 0.5 * accepted)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        auc_v = np.where((hist_acc > 0) & (hist_rej > 0), ties / (hist_acc * hist_rej), np.nan)
         # sum_b (n_b / n) |psum_b / n_b - acc_b / n_b| = sum_b |psum_b - acc_b| / n
-        ece=float(np.abs(psum - ece[:, 1]).sum()) / count,
-        mean_predicted=float(psum.sum()) / count,
-        observed=n_acc / count,
-        count=count,
-    )
+        gap = np.abs(psum - ece[:, :, 1]).sum(axis=1)
+        measures = np.stack(
+            (auc_v, nll / count, gap / count, psum.sum(axis=1) / count, n_acc / count, count),
+            axis=1,
+        )
+    measures[count <= 0.0, :5] = np.nan
+    measures[count <= 0.0, 5] = 0.0
+    return [PositionSummary(*row) for row in measures.tolist()]
 
 
 def _pair(x: npt.ArrayLike, y_true: npt.ArrayLike, field: str) -> tuple[FloatArray, BoolArray]:
