@@ -135,7 +135,10 @@ class Avest:
     # -- persistence --------------------------------------------------------
 
     async def flush(self, force: bool = False) -> None:
-        """Write every dirty pair in one transaction, then mark its batches durable."""
+        """Write every dirty pair in one transaction, then mark its batches durable.
+
+        Only pairs that changed are written, and of each only what changed: the
+        estimator's arrays, plus history entries and cost curves not yet saved."""
         async with self._flush_lock:
             await self._flush(force)
 
@@ -149,6 +152,7 @@ class Avest:
             pair.dirty = False
         await asyncio.get_running_loop().run_in_executor(self._writer, self.store.write, records)
         for pair, record in zip(pairs, records, strict=True):
+            pair.saved(record)
             for worker, seq in record["applied"].items():
                 if seq > pair.durable.get(worker, 0):
                     pair.durable[worker] = seq
