@@ -45,9 +45,7 @@ def _pairs(n: int, k: int = 3) -> list[Pair]:
 def _samples(text: str) -> dict[str, list[tuple[str, tuple, float]]]:
     """Every family's samples, process metrics left out (they move between two reads)."""
     return {
-        f.name: sorted(
-            (s.name, tuple(sorted(s.labels.items())), s.value) for s in f.samples
-        )
+        f.name: sorted((s.name, tuple(sorted(s.labels.items())), s.value) for s in f.samples)
         for f in text_string_to_metric_families(text)
         if not f.name.startswith("process_")
     }
@@ -61,6 +59,7 @@ def test_the_sliced_text_is_prometheus_clients_text():
     body, _ = metrics.exposition()
     reference = generate_latest(registry)  # the whole registry, pair collector included
     assert _samples(body.decode()) == _samples(reference.decode())
+
     # line for line too, families in another order (the pair families come last)
     def lines(text: bytes) -> list[str]:
         return sorted(x for x in text.decode().splitlines() if "process_" not in x)
