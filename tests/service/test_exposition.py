@@ -42,10 +42,11 @@ def _pairs(n: int, k: int = 3) -> list[Pair]:
     return out
 
 
-def _samples(text: str) -> dict[str, list[tuple[str, tuple, float]]]:
-    """Every family's samples, process metrics left out (they move between two reads)."""
+def _samples(text: str) -> dict[str, list[tuple[str, tuple, str]]]:
+    """Every family's samples (values by repr: NaN equals NaN), process metrics left
+    out (they move between two reads)."""
     return {
-        f.name: sorted((s.name, tuple(sorted(s.labels.items())), s.value) for s in f.samples)
+        f.name: sorted((s.name, tuple(sorted(s.labels.items())), repr(s.value)) for s in f.samples)
         for f in text_string_to_metric_families(text)
         if not f.name.startswith("process_")
     }
