@@ -195,10 +195,11 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=1024)
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--memory-pairs", type=int, default=200)
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory table")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     scrape = scrape_table(args.pairs, args.calls)
-    mem = [memory(k, args.memory_pairs) for k in (8, 64)]
+    mem = [] if args.no_memory else [memory(k, args.memory_pairs) for k in (8, 64)]
     if args.json:
         print(json.dumps({"scrape": scrape, "memory": mem, "cpus": os.cpu_count()}, indent=2))
         return
