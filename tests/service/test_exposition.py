@@ -92,7 +92,7 @@ def test_rendering_yields_between_pairs_and_runs_what_waits():
             order.append("rpc")
 
         async def scrape() -> None:
-            await exposition.render_async(metrics.registry, metrics._pairs, 0.0, 0.0)
+            await exposition.render_async(metrics.registry, metrics._pairs, slice_s=0.0)
             order.append("scrape done")
 
         await asyncio.gather(scrape(), call())

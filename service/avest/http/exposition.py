@@ -5,7 +5,7 @@ event loop. Rendering thousands of pairs' series in one go (prometheus_client's
 ``generate_latest``) held that loop for hundreds of milliseconds, and every RPC
 waited. Here the per-pair families are rendered pair by pair; :func:`render`
 is a generator that yields whenever it has worked for ``slice_s`` seconds, and
-the async caller gives the loop back at each yield for ``pause_s`` seconds. A pair is always rendered
+the async caller gives the loop back at each yield. A pair is always rendered
 whole between two yields, so its series are consistent with each other; pairs
 may be read a few milliseconds apart.
 
@@ -30,11 +30,6 @@ from avest.http.collector import Families, PairCollector
 
 #: Longest stretch of rendering between two yields to the event loop.
 SLICE_S = 0.0005
-#: How long the scrape then stays away. A unary RPC takes several loop turns
-#: (its request, handler and response each wake the loop once the gRPC core
-#: has moved them): yielding for a single turn would let the scrape take the
-#: loop back before the RPC's next stage is ready.
-PAUSE_S = 0.0005
 
 
 class _Static:
@@ -112,12 +107,9 @@ def render_now(registry: CollectorRegistry, collector: PairCollector) -> bytes:
 
 
 async def render_async(
-    registry: CollectorRegistry,
-    collector: PairCollector,
-    slice_s: float = SLICE_S,
-    pause_s: float = PAUSE_S,
+    registry: CollectorRegistry, collector: PairCollector, slice_s: float = SLICE_S
 ) -> bytes:
-    """The exposition, giving the event loop back for ``pause_s`` every ``slice_s``."""
+    """The exposition, giving the event loop back every ``slice_s`` seconds."""
     gen = render(registry, collector, slice_s)
     while True:
         try:
@@ -125,7 +117,7 @@ async def render_async(
         except StopIteration as done:
             body: bytes = done.value
             return body
-        await asyncio.sleep(pause_s)
+        await asyncio.sleep(0)
 
 
-__all__ = ["PAUSE_S", "SLICE_S", "render", "render_async", "render_now", "sample_line"]
+__all__ = ["SLICE_S", "render", "render_async", "render_now", "sample_line"]
