@@ -72,7 +72,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument(
         "--update-rule",
-        choices=("vllm", "recursive"),
+        choices=("tracking", "vllm", "recursive"),
         default=defaults.default_rule,
         help=f"estimator update rule (default {defaults.default_rule}, as the service)",
     )

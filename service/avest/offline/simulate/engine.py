@@ -61,7 +61,7 @@ from avest.core.budget import DEFAULT_RULE, decide
 from avest.core.estimator import DEFAULT_REFIT_INTERVAL, Batch, OnlineEstimator
 from avest.core.model import predict
 from avest.core.numeric import sigmoid
-from avest.core.rules import make_rule
+from avest.core.rule_factory import make_rule, rule_options
 from avest.offline.simulate.profiles import CostProfile, StepCosts
 from avest.offline.simulate.results import (
     BASELINES,
@@ -304,7 +304,7 @@ def simulate(
             estimator = None
             source: _Source
             if policy.kind == "avest":
-                rule = make_rule(update_rule, forgetting=forgetting, prior=prior)
+                rule = make_rule(update_rule, **rule_options(update_rule, forgetting, prior))
                 estimator = OnlineEstimator(k, rule, refit_interval)
                 source = _EstimatorSource(estimator)
             elif policy.kind == "qmax-nofit":
