@@ -37,7 +37,9 @@ def _batch(rng: np.random.Generator) -> Any:
 
 
 async def _run(tmp_path) -> None:  # noqa: ANN001
-    settings = Settings(data_dir=str(tmp_path), refit_interval=3, flush_interval_ms=3_600_000)
+    settings = Settings(
+        data_dir=str(tmp_path), default_rule="vllm", refit_interval=3, flush_interval_ms=3_600_000
+    )
     store = RecordingStore(settings.database)
     app = Avest(settings, store)
     await app.start()
