@@ -342,7 +342,7 @@ def test_reset_needs_the_admin_token(fed: tuple[_Live, str]) -> None:
     r = live.http.post(f"/v1/pairs/{pid}/reset", headers={"Authorization": "Basic eDp5"})
     assert r.status_code == 401
     r = live.http.post(f"/v1/pairs/{pid}/reset", headers={"Authorization": "Bearer nope"})
-    assert r.status_code == 403 and r.json() == {"detail": "wrong admin token"}
+    assert r.status_code == 401 and r.json() == {"detail": "unknown token"}
     # Refused: nothing changed.
     same = live.stub.GetCoefficients(pb.GetCoefficientsRequest(pair_id=pid)).coefficients
     assert (same.version, same.round, same.slope) == (before.version, before.round, before.slope)
@@ -366,11 +366,14 @@ def test_reset_needs_the_admin_token(fed: tuple[_Live, str]) -> None:
     assert f'avest_coefficients_version{{pair="{pid}"}} {float(after.version)}' in metrics
 
 
-def test_reset_without_a_configured_token(open_server: Callable[..., _Live]) -> None:
+def test_reset_without_a_configured_token_is_refused(open_server: Callable[..., _Live]) -> None:
+    # Found: with no admin token configured, anyone could reset any pair.
     live = open_server(admin_token="")
     pid = register(live, k=2)
     r = live.http.post(f"/v1/pairs/{pid}/reset")
-    assert r.status_code == 200 and r.json()["id"] == pid
+    assert r.status_code == 403 and "no admin token" in r.json()["detail"]
+    r = live.http.post(f"/v1/pairs/{pid}/reset", headers={"Authorization": "Bearer anything"})
+    assert r.status_code == 403
 
 
 # -- 4xx bodies ----------------------------------------------------------------------------

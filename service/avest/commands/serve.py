@@ -23,6 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 def run(args: argparse.Namespace) -> int:
     from avest import settings
     from avest.server import serve
+    from avest.state.throttle import install_storm_filter
 
     try:
         s = settings.from_sources(args)
@@ -32,5 +33,10 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=s.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    asyncio.run(serve(s))
+    install_storm_filter()
+    try:
+        asyncio.run(serve(s))
+    except PermissionError as exc:
+        print(f"avest serve: {exc}")
+        return 2
     return 0

@@ -15,9 +15,15 @@ blocking I/O.
 ``GET /v1/pairs/{id}/history``              coefficient history (newest last, at most 256)
 ``GET /v1/pairs/{id}/reliability``          reliability-diagram data (JSON)
 ``GET /v1/pairs/{id}/reliability.svg``      the reliability diagram and per-position plot
-``POST /v1/pairs/{id}/reset``               forget what the pair learned (bearer token)
+``POST /v1/pairs/{id}/reset``               forget what the pair learned (admin token)
 ``GET /docs``, ``GET /openapi.json``        OpenAPI
 ==========================================  ==========================================
+
+Access (:mod:`avest.state.access`): ``/healthz``, ``/readyz`` and ``/metrics``
+are open (probes and Prometheus; a token sent there is ignored); every other
+``GET`` needs the worker or admin token when a worker token is configured;
+everything else needs the admin token (401 without a token or with an unknown
+one, 403 with the worker token or when no admin token is configured).
 
 Floats that are undefined (NaN: AUC with one class, anything with no drafts)
 are ``null`` in JSON. An unknown pair is a 404 whose ``detail`` names the id.
@@ -26,7 +32,6 @@ The response models are in :mod:`avest.http.models`.
 
 from __future__ import annotations
 
-import hmac
 import math
 from typing import Annotated, Any
 
@@ -48,10 +53,14 @@ from avest.http.models import (
     finite,
     pair_out,
 )
+from avest.state.access import Access, http_role
 from avest.state.pairs import NotFound, Pair
 
 #: Module level: the handlers' annotations are strings resolved in this module.
-_BEARER = HTTPBearer(auto_error=False, description="settings.admin_token (AVEST_ADMIN_TOKEN)")
+_BEARER = HTTPBearer(
+    auto_error=False,
+    description="AVEST_ADMIN_TOKEN for changes; AVEST_WORKER_TOKEN (or the admin token) to read",
+)
 
 _NOT_FOUND: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorOut, "description": "No pair with that id"}
@@ -61,14 +70,32 @@ _NOT_FOUND: dict[int | str, dict[str, Any]] = {
 # -- the app ---------------------------------------------------------------------
 
 
-def build_http(app: Any, metrics: Any, settings: Any) -> FastAPI:
+def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = None) -> FastAPI:
     """The admin API over ``app`` (an :class:`avest.state.app.Avest`)."""
+    if access is None:
+        access = Access(getattr(settings, "worker_token", ""), getattr(settings, "admin_token", ""))
     api = FastAPI(
         title="avest admin",
         version=__version__,
         description="Admin API of the avest acceptance-estimator sidecar: pairs, "
         "coefficients, calibration, reliability diagrams, Prometheus metrics.",
     )
+
+    @api.middleware("http")
+    async def check_access(request: Request, call_next: Any) -> Response:
+        denied = access.check(
+            http_role(request.method, request.url.path), request.headers.get("authorization")
+        )
+        if denied is None:
+            response: Response = await call_next(request)
+            return response
+        if denied.unauthenticated:
+            return JSONResponse(
+                {"detail": denied.message},
+                status_code=401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        return JSONResponse({"detail": denied.message}, status_code=403)
 
     @api.exception_handler(NotFound)
     async def not_found(request: Request, exc: NotFound) -> JSONResponse:
@@ -238,8 +265,8 @@ def build_http(app: Any, metrics: Any, settings: Any) -> FastAPI:
         response_model=PairOut,
         tags=["pairs"],
         responses={
-            401: {"model": ErrorOut, "description": "Token required"},
-            403: {"model": ErrorOut, "description": "Wrong token"},
+            401: {"model": ErrorOut, "description": "No token, or an unknown one"},
+            403: {"model": ErrorOut, "description": "Not the admin token, or none configured"},
             **_NOT_FOUND,
         },
     )
@@ -248,18 +275,8 @@ def build_http(app: Any, metrics: Any, settings: Any) -> FastAPI:
         credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)],
     ) -> PairOut:
         """Forget what the pair learned: cold-start coefficients, round 0, empty
-        counters, calibration and history; the version moves forward by one. Needs ``Authorization: Bearer <token>`` when the
-        service has an admin token."""
-        token = getattr(settings, "admin_token", "")
-        if token:
-            if credentials is None:
-                raise HTTPException(
-                    401,
-                    detail="admin token required: Authorization: Bearer <token>",
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-            if not hmac.compare_digest(credentials.credentials.encode(), token.encode()):
-                raise HTTPException(403, detail="wrong admin token")
+        counters, calibration and history; the version moves forward by one. Needs
+        ``Authorization: Bearer <admin token>`` (refused when the service has none)."""
         pair = get_pair(pair_id)
         app.reset(pair)
         return pair_out(pair, metrics)

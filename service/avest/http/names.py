@@ -89,6 +89,10 @@ REFUSAL_REASONS = (
     "not_found",
     "resource_exhausted",
     "failed_precondition",
+    "already_exists",
+    "malformed",
+    "unauthenticated",
+    "permission_denied",
     "other",
 )
 

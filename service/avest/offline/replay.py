@@ -15,10 +15,10 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 
 from avest.offline.trace import Trace
+from avest_client.credentials import Credentials, aio_channel
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
@@ -99,7 +99,8 @@ async def replay(
     """Replay ``trace``; ``rate`` caps messages per second per worker (0: no cap)."""
     if workers < 1:
         raise ValueError("workers must be >= 1")
-    async with grpc.aio.insecure_channel(address) as channel:
+    # AVEST_TOKEN / AVEST_TLS_CA from the environment, as every client reads them.
+    async with aio_channel(address, (), Credentials.resolve()) as channel:
         stub = pb_grpc.EstimatorServiceStub(channel)
         reg = await stub.RegisterPair(
             pb.RegisterPairRequest(

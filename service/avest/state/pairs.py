@@ -21,6 +21,7 @@ from avest.core.estimator import Batch, OnlineEstimator
 from avest.core.model import Coefficients, check_k
 from avest.core.rule_factory import DEFAULT_RULE, RULE_NAMES, make_rule, rule_options
 from avest.core.rules import Refit
+from avest_wire import limits
 
 
 class NotFound(LookupError):
@@ -93,6 +94,31 @@ class CostCurves:
         )
 
 
+def check_costs(curves: CostCurves) -> None:
+    """Cost curves inside the contract's limits (before the table's own checks)."""
+    if limits.byte_length(curves.hardware) > limits.MAX_HARDWARE_BYTES:
+        raise InvalidInput("hardware", f"at most {limits.MAX_HARDWARE_BYTES} bytes")
+    for name, curve in (("draft_curve", curves.draft), ("verify_curve", curves.verify)):
+        if len(curve) > limits.MAX_COST_POINTS:
+            raise InvalidInput(name, f"has {len(curve)} points, at most {limits.MAX_COST_POINTS}")
+        for size, ms in curve:
+            if not 0 <= size <= limits.MAX_COST_SIZE:
+                raise InvalidInput(name, f"size {size} outside [0, {limits.MAX_COST_SIZE}]")
+            if not 0.0 <= ms <= limits.MAX_COST_MS:  # also refuses NaN
+                raise InvalidInput(name, f"ms {ms} outside [0, {limits.MAX_COST_MS:g}]")
+
+
+def check_sequence(seq: int, last: int) -> None:
+    """A new step's sequence number: at most :data:`limits.MAX_SEQUENCE_GAP` past the last."""
+    if seq > limits.MAX_SEQUENCE:
+        raise InvalidInput("sequence", f"must be at most {limits.MAX_SEQUENCE}")
+    if last > 0 and seq - last > limits.MAX_SEQUENCE_GAP:
+        raise InvalidInput(
+            "sequence",
+            f"{seq} is more than {limits.MAX_SEQUENCE_GAP} past this worker's last step {last}",
+        )
+
+
 @dataclass
 class HistoryEntry:
     version: int
@@ -150,6 +176,13 @@ class Pair:
         return self._tables[hardware]
 
     def set_costs(self, curves: CostCurves) -> None:
+        check_costs(curves)
+        if curves.hardware not in self.costs and len(self.costs) >= limits.MAX_HARDWARE_PER_PAIR:
+            raise Exhausted(
+                "hardware",
+                f"pair {self.id} holds cost curves for {len(self.costs)} hardware labels, "
+                f"the limit is {limits.MAX_HARDWARE_PER_PAIR}",
+            )
         table = curves.table()  # validates before anything changes
         self.costs[curves.hardware] = curves
         self._tables[curves.hardware] = table
@@ -227,7 +260,7 @@ class Registry:
         try:
             return self.pairs[pair_id]
         except KeyError:
-            raise NotFound(f"unknown pair_id {pair_id!r}") from None
+            raise NotFound(f"unknown pair_id {limits.echo(pair_id)}") from None
 
     def register(self, key: PairKey, rule: str = "", refit_interval: int = 0) -> tuple[Pair, bool]:
         """Idempotent: an existing key returns its pair unchanged. ``(pair, created)``."""
@@ -247,6 +280,9 @@ class Registry:
             raise InvalidInput("rule", f"must be one of {', '.join(RULE_NAMES)}, got {rule!r}")
         if refit_interval < 0 or refit_interval > 1_000_000:
             raise InvalidInput("refit_interval", "must lie in [0, 1000000] (0 = server default)")
+        problem = limits.key_problem(key.target, key.draft, key.method, dict(key.labels))
+        if problem is not None:
+            raise InvalidInput(*problem)
         if len(self.pairs) >= self.max_pairs:
             raise Exhausted("pairs", f"the service holds its limit of {self.max_pairs} pairs")
         pair = self.build(
