@@ -87,8 +87,9 @@ def start_server(data_dir: str) -> tuple[subprocess.Popen[str], str]:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
-        m = re.search(r"avest serving grpc=(\S+)", line)
+        m = re.search(r"avest serving grpc=(\S+) http=(\S+)", line)
         if m:
+            proc.avest_http = m.group(2)  # type: ignore[attr-defined]
             return proc, m.group(1)
         if proc.poll() is not None:
             break

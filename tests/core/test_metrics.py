@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from sklearn.metrics import log_loss, roc_auc_score
 
+from avest.core import exact
 from avest.core.errors import InvalidInput
+from avest.core.exact import exact_auc, exact_ece, exact_log_loss
 from avest.core.labels import labels
 from avest.core.metrics import (
     AUC_SLOTS,
@@ -20,9 +22,6 @@ from avest.core.metrics import (
     CalibrationState,
     auc_from_histograms,
     eta_bin,
-    exact_auc,
-    exact_ece,
-    exact_log_loss,
     probability_bin,
 )
 from avest.core.numeric import sigmoid
@@ -223,7 +222,11 @@ def test_arrays_round_trip_exactly(tmp_path):
     back = CalibrationState.from_arrays(arrays)
     for key, value in back.to_arrays().items():
         np.testing.assert_array_equal(value, arrays[key], err_msg=key)
-        assert value.dtype == np.float64
+        # the AUC histograms are a float32 window of the slots; the rest float64
+        assert value.dtype == (
+            np.float32 if key.startswith("auc_") and key != "auc_first_slot" else np.float64
+        )
+    assert arrays["auc_rejected"].shape[1] < AUC_SLOTS  # a window, not every slot
     assert back.summary() == state.summary()
     arrays["logloss_sum"][0] += 1.0  # to_arrays hands out copies
     assert CalibrationState.from_arrays(state.to_arrays()).summary() == state.summary()
@@ -397,3 +400,41 @@ def test_update_is_vectorised():
             state.update(eta, obs, acc)
         best = min(best, (time.perf_counter() - t0) / 50)
     assert obs.sum() / best > 2e6
+
+
+def test_the_exact_references_use_the_services_ece_bins():
+    assert exact.ECE_BINS == ECE_BINS
+
+
+def test_the_auc_window_grows_lazily_and_matches_dense_counts():
+    """Nothing allocated until drafts arrive; the window covers where they landed,
+    grows when later drafts land outside it, and counts what dense histograms count."""
+    rng = np.random.default_rng(21)
+    state = CalibrationState.empty(4)
+    assert state.to_arrays()["auc_rejected"].shape == (4, 0)
+    dense = np.zeros((4, 2, AUC_SLOTS))
+    for centre in (0.0, 0.5, 6.0, -9.0, 30.0):  # the last lands in the overflow slot
+        eta = rng.normal(centre, 0.3, size=(64, 4))
+        obs, acc = rng.random((64, 4)) < 0.8, rng.random((64, 4)) < 0.5
+        state.update(eta, obs, acc)
+        pos = np.broadcast_to(np.arange(4), eta.shape)
+        np.add.at(dense, (pos[obs], acc[obs].astype(int), eta_bin(eta[obs])), 1.0)
+        a = state.to_arrays()
+        first, width = int(a["auc_first_slot"][0]), a["auc_rejected"].shape[1]
+        used = np.flatnonzero(dense.any(axis=(0, 1)))
+        assert first <= used.min() and used.max() < first + width
+        np.testing.assert_array_equal(a["auc_rejected"], dense[:, 0, first : first + width])
+        np.testing.assert_array_equal(a["auc_accepted"], dense[:, 1, first : first + width])
+    # a dense snapshot (the format before windows) restores, trimmed to the slots in use
+    a = state.to_arrays()
+    old = {**a, "auc_rejected": dense[:, 0], "auc_accepted": dense[:, 1]}
+    del old["auc_first_slot"]
+    back = CalibrationState.from_arrays(old)
+    assert back.summary() == state.summary()
+    assert back.to_arrays()["auc_rejected"].shape[1] < AUC_SLOTS
+    # merging states with different windows adds slot by slot
+    other = CalibrationState.of(
+        rng.normal(-3, 0.2, (16, 4)), np.ones((16, 4), bool), np.ones((16, 4), bool)
+    )
+    both = state + other
+    assert both.summary().count == state.summary().count + other.summary().count

@@ -16,7 +16,7 @@ one). Nothing here keeps individual drafts.
   accepted and rejected drafts and the sum of predictions, which also give
   the mean predicted and observed acceptance.
 
-``exact_*`` compute the same measures from individual drafts (references).
+:mod:`avest.core.exact` computes the same measures from individual drafts (references).
 """
 
 from __future__ import annotations
@@ -28,20 +28,17 @@ import numpy as np
 import numpy.typing as npt
 
 from avest.core.errors import InvalidInput
+from avest.core.histogram import AUC_BINS, AUC_SLOTS, ETA_RANGE, EtaHistogram
 from avest.core.labels import check_counts, labels
 from avest.core.model import MAX_K, check_k
-from avest.core.numeric import bernoulli_nll
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.intp]
 BoolArray = npt.NDArray[np.bool_]
 
-#: Equal-width bins of the linear predictor for the AUC histograms.
-AUC_BINS = 1024
-#: The AUC bins cover ``eta`` in ``[-ETA_RANGE, ETA_RANGE)``.
-ETA_RANGE = 12.0
-#: AUC slots per class and position: underflow, ``AUC_BINS`` bins, overflow.
-AUC_SLOTS = AUC_BINS + 2
+#: AUC_* and ETA_RANGE live in avest.core.histogram (the exact references in avest.core.exact).
+__all__ = ["AUC_BINS", "AUC_SLOTS", "ETA_RANGE"]
+
 #: Equal-width probability bins for ECE and the reliability diagram.
 ECE_BINS = 15
 
@@ -51,9 +48,9 @@ _AUC_OFFSET = ETA_RANGE * _AUC_SCALE + 1.0
 _LAYOUT = np.array([AUC_BINS, -ETA_RANGE, ETA_RANGE, ECE_BINS], dtype=np.float64)
 
 
-def _array_shapes(k: int) -> dict[str, tuple[int, ...]]:
+def _array_shapes(k: int, auc_width: int) -> dict[str, tuple[int, ...]]:
     """Persisted arrays and their shapes for ``k`` positions."""
-    auc, ece = (k, AUC_SLOTS), (k, ECE_BINS)
+    auc, ece = (k, auc_width), (k, ECE_BINS)
     return {
         **dict.fromkeys(("auc_rejected", "auc_accepted"), auc),
         **dict.fromkeys(("ece_rejected", "ece_accepted", "ece_sum_predicted"), ece),
@@ -121,16 +118,19 @@ class CalibrationState:
 
     __slots__ = ("_auc", "_ece", "_psum", "_nll")
 
-    def __init__(self, auc: FloatArray, ece: FloatArray, psum: FloatArray, nll: FloatArray) -> None:
-        # Use empty()/from_arrays(). auc [K, 2, AUC_SLOTS] and ece [K, ECE_BINS, 2]
-        # count (rejected, accepted) drafts; psum [K, ECE_BINS] sums p; nll [K].
+    def __init__(
+        self, auc: EtaHistogram, ece: FloatArray, psum: FloatArray, nll: FloatArray
+    ) -> None:
+        # Use empty()/from_arrays(). auc (a window of [K, 2, AUC_SLOTS], float32)
+        # and ece [K, ECE_BINS, 2] count (rejected, accepted) drafts; psum
+        # [K, ECE_BINS] sums p; nll [K].
         self._auc, self._ece, self._psum, self._nll = auc, ece, psum, nll
 
     @classmethod
     def empty(cls, k: int) -> CalibrationState:
         check_k(k)
         return cls(
-            np.zeros((k, 2, AUC_SLOTS)),
+            EtaHistogram.empty(k),
             np.zeros((k, ECE_BINS, 2)),
             np.zeros((k, ECE_BINS)),
             np.zeros(k),
@@ -158,11 +158,16 @@ class CalibrationState:
         """Total (weighted) number of labelled drafts folded in."""
         return float(self._ece.sum())
 
-    def _parts(self) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray]:
-        return (self._auc, self._ece, self._psum, self._nll)
+    def _parts(self) -> tuple[FloatArray, FloatArray, FloatArray]:
+        return (self._ece, self._psum, self._nll)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the sums."""
+        return self._auc.nbytes + sum(a.nbytes for a in self._parts())
 
     def copy(self) -> CalibrationState:
-        return CalibrationState(*(a.copy() for a in self._parts()))
+        return CalibrationState(self._auc.copy(), *(a.copy() for a in self._parts()))
 
     def update(self, eta: npt.ArrayLike, observed: npt.ArrayLike, accepted: npt.ArrayLike) -> None:
         """Fold in one batch: linear predictors and label masks, all ``[R, K]``.
@@ -186,7 +191,7 @@ class CalibrationState:
         p = np.where(e >= 0.0, 1.0, t) / (1.0 + t)
         nll = np.log1p(t) + np.maximum(np.where(y, -e, e), 0.0)
         cell = pos * 2 + y  # (position, class) pairs
-        np.add.at(self._auc.reshape(-1), cell * AUC_SLOTS + eta_bin(e), 1.0)
+        self._auc.add(cell, eta_bin(e))
         pb = pos * ECE_BINS + probability_bin(p)
         np.add.at(self._ece.reshape(-1), pb * 2 + y, 1.0)
         np.add.at(self._psum.reshape(-1), pb, p)
@@ -204,6 +209,7 @@ class CalibrationState:
     def merge(self, other: CalibrationState) -> None:
         """Add ``other``'s sums into this state (in place)."""
         self._check_same_k(other)
+        self._auc.merge(other._auc)
         for mine, theirs in zip(self._parts(), other._parts(), strict=True):
             mine += theirs
 
@@ -227,22 +233,19 @@ class CalibrationState:
         f = float(factor)
         if not (np.isfinite(f) and 0.0 <= f <= 1.0):
             raise InvalidInput("factor", f"must lie in [0, 1], got {factor!r}")
+        self._auc.scale(f)
         for a in self._parts():
             a *= f
 
     def summary(self) -> CalibrationSummary:
-        """All measures, pooled over positions and per position."""
-        per = tuple(
-            _summarise(self._auc[i], self._ece[i], self._psum[i], float(self._nll[i]))
-            for i in range(self.k)
-        )
-        pooled = _summarise(
-            self._auc.sum(axis=0),
-            self._ece.sum(axis=0),
-            self._psum.sum(axis=0),
-            float(self._nll.sum()),
-        )
-        return CalibrationSummary(**asdict(pooled), by_position=per)
+        """All measures, pooled over positions and per position (one vectorised pass)."""
+        counts = self._auc.counts
+        auc = np.concatenate((counts, counts.sum(axis=0, keepdims=True, dtype=np.float64)))
+        ece = np.concatenate((self._ece, self._ece.sum(axis=0, keepdims=True)))
+        psum = np.concatenate((self._psum, self._psum.sum(axis=0, keepdims=True)))
+        nll = np.append(self._nll, self._nll.sum())
+        *per, pooled = _summaries(auc, ece, psum, nll)
+        return CalibrationSummary(**asdict(pooled), by_position=tuple(per))
 
     def reliability(self, position: int | None = None) -> Reliability:
         """Per ECE bin: count, mean predicted and observed rate (pooled or one position)."""
@@ -263,8 +266,10 @@ class CalibrationState:
         """Copies of the sums, by name, for persistence; ``from_arrays`` inverts it exactly."""
         return {
             "layout": _LAYOUT.copy(),
-            "auc_rejected": self._auc[:, 0].copy(),
-            "auc_accepted": self._auc[:, 1].copy(),
+            # slots [auc_first_slot, + width) of the AUC histograms, float32
+            "auc_first_slot": np.array([float(self._auc.first)]),
+            "auc_rejected": self._auc.counts[:, 0].copy(),
+            "auc_accepted": self._auc.counts[:, 1].copy(),
             "ece_rejected": self._ece[:, :, 0].copy(),
             "ece_accepted": self._ece[:, :, 1].copy(),
             "ece_sum_predicted": self._psum.copy(),
@@ -283,8 +288,19 @@ class CalibrationState:
         k = nll_shape[0] if len(nll_shape) == 1 else 0
         if not 1 <= k <= MAX_K:
             raise InvalidInput("logloss_sum", f"needs shape [K], 1 <= K <= {MAX_K}")
+        # A window of the AUC slots (float32), or all of them (snapshots before windows).
+        first = 0
+        if "auc_first_slot" in arrays:
+            raw = np.asarray(arrays["auc_first_slot"], dtype=np.float64).reshape(-1)
+            if raw.shape != (1,) or not (0 <= raw[0] <= AUC_SLOTS and raw[0] == int(raw[0])):
+                raise InvalidInput("auc_first_slot", f"must be one slot in [0, {AUC_SLOTS}]")
+            first = int(raw[0])
+        auc_shape = np.shape(arrays["auc_rejected"]) if "auc_rejected" in arrays else ()
+        width = auc_shape[1] if len(auc_shape) == 2 and "auc_first_slot" in arrays else AUC_SLOTS
+        if first + width > AUC_SLOTS:
+            raise InvalidInput("auc_rejected", f"window [{first}, +{width}) exceeds {AUC_SLOTS}")
         got: dict[str, FloatArray] = {}
-        for key, shape in _array_shapes(k).items():
+        for key, shape in _array_shapes(k, width).items():
             if key not in arrays:
                 raise InvalidInput(key, "missing")
             a = np.array(arrays[key], dtype=np.float64)
@@ -293,11 +309,12 @@ class CalibrationState:
             if not np.all(np.isfinite(a)) or (a < 0).any():
                 raise InvalidInput(key, "must be finite and non-negative")
             got[key] = a
-        auc = np.stack([got["auc_rejected"], got["auc_accepted"]], axis=1)
+        auc = EtaHistogram(np.stack([got["auc_rejected"], got["auc_accepted"]], axis=1), first)
         ece = np.stack([got["ece_rejected"], got["ece_accepted"]], axis=2)
-        if not np.allclose(auc.sum(axis=(1, 2)), ece.sum(axis=(1, 2)), rtol=1e-9, atol=1e-9):
+        # float32 counts: sums agree to float32's precision
+        if not np.allclose(auc.totals(), ece.sum(axis=(1, 2)), rtol=1e-5, atol=1e-6):
             raise InvalidInput("auc_accepted", "AUC and ECE histograms disagree on the draft count")
-        return cls(auc, ece, got["ece_sum_predicted"], got["logloss_sum"])
+        return cls(auc.trimmed(), ece, got["ece_sum_predicted"], got["logloss_sum"])
 
     def _check_eta(self, eta: npt.ArrayLike) -> FloatArray:
         e = np.asarray(eta, dtype=np.float64)
@@ -332,66 +349,27 @@ def auc_from_histograms(rejected: FloatArray, accepted: FloatArray) -> float:
     return float(np.dot(rejected, above + 0.5 * accepted) / (n_acc * n_rej))
 
 
-def _summarise(auc: FloatArray, ece: FloatArray, psum: FloatArray, nll: float) -> PositionSummary:
-    count = float(ece.sum())
-    if count <= 0.0:
-        nan = float("nan")
-        return PositionSummary(nan, nan, nan, nan, nan, 0.0)
-    n_acc = float(ece[:, 1].sum())
-    return PositionSummary(
-        auc=auc_from_histograms(auc[0], auc[1]),
-        logloss=nll / count,
+def _summaries(
+    auc: FloatArray, ece: FloatArray, psum: FloatArray, nll: FloatArray
+) -> list[PositionSummary]:
+    """Measures of each row: ``auc`` [R, 2, AUC_SLOTS], ``ece`` [R, ECE_BINS, 2],
+    ``psum`` [R, ECE_BINS], ``nll`` [R]."""
+    count = ece.sum(axis=(1, 2))
+    n_acc = ece[:, :, 1].sum(axis=1)
+    rejected, accepted = auc[:, 0].astype(np.float64), auc[:, 1].astype(np.float64)
+    cum = np.cumsum(accepted, axis=1)
+    hist_acc = cum[:, -1] if cum.shape[1] else np.zeros(len(cum))
+    hist_rej = rejected.sum(axis=1)
+    # AUC from per-bin counts in ascending score order; a bin's drafts tie (one half).
+    ties = np.einsum("rs,rs->r", rejected, hist_acc[:, None] - cum + 0.5 * accepted)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        auc_v = np.where((hist_acc > 0) & (hist_rej > 0), ties / (hist_acc * hist_rej), np.nan)
         # sum_b (n_b / n) |psum_b / n_b - acc_b / n_b| = sum_b |psum_b - acc_b| / n
-        ece=float(np.abs(psum - ece[:, 1]).sum()) / count,
-        mean_predicted=float(psum.sum()) / count,
-        observed=n_acc / count,
-        count=count,
-    )
-
-
-def _pair(x: npt.ArrayLike, y_true: npt.ArrayLike, field: str) -> tuple[FloatArray, BoolArray]:
-    s = np.asarray(x, dtype=np.float64).reshape(-1)
-    y = np.asarray(y_true).reshape(-1)
-    if y.dtype != np.bool_ and y.size and not np.isin(y, (0, 1)).all():
-        raise InvalidInput("labels", "must be 0/1 or boolean")
-    y = y.astype(np.bool_)
-    if y.shape != s.shape:
-        raise InvalidInput("labels", f"has {y.size} entries, {field} has {s.size}")
-    if not np.isfinite(s).all():
-        raise InvalidInput(field, "must be finite")
-    return s, y
-
-
-def exact_auc(scores: npt.ArrayLike, y_true: npt.ArrayLike) -> float:
-    """Exact AUC (Mann-Whitney, tied scores count one half); NaN with one class."""
-    s, y = _pair(scores, y_true, "scores")
-    n_acc = int(y.sum())
-    n_rej = y.size - n_acc
-    if n_acc == 0 or n_rej == 0:
-        return float("nan")
-    _, inverse, counts = np.unique(s, return_inverse=True, return_counts=True)
-    # Average 1-based rank of each group of tied scores.
-    start = np.cumsum(counts) - counts
-    rank = (start + (counts + 1) / 2.0)[inverse.reshape(-1)]
-    u = float(rank[y].sum()) - n_acc * (n_acc + 1) / 2.0
-    return u / (n_acc * n_rej)
-
-
-def exact_log_loss(eta: npt.ArrayLike, y_true: npt.ArrayLike) -> float:
-    """Mean negative log-likelihood from linear predictors; NaN with no drafts."""
-    e, y = _pair(eta, y_true, "eta")
-    return float(np.mean(bernoulli_nll(e, y))) if e.size else float("nan")
-
-
-def exact_ece(probs: npt.ArrayLike, y_true: npt.ArrayLike, bins: int = ECE_BINS) -> float:
-    """ECE over ``bins`` equal-width probability bins; NaN with no drafts."""
-    p, y = _pair(probs, y_true, "probs")
-    if p.size and (p.min() < 0.0 or p.max() > 1.0):
-        raise InvalidInput("probs", "must lie in [0, 1]")
-    if bins < 1:
-        raise InvalidInput("bins", f"must be >= 1, got {bins}")
-    if p.size == 0:
-        return float("nan")
-    b = np.minimum((p * bins).astype(np.intp), bins - 1)
-    gap = np.bincount(b, weights=p, minlength=bins) - np.bincount(b, weights=y, minlength=bins)
-    return float(np.abs(gap).sum()) / p.size
+        gap = np.abs(psum - ece[:, :, 1]).sum(axis=1)
+        measures = np.stack(
+            (auc_v, nll / count, gap / count, psum.sum(axis=1) / count, n_acc / count, count),
+            axis=1,
+        )
+    measures[count <= 0.0, :5] = np.nan
+    measures[count <= 0.0, 5] = 0.0
+    return [PositionSummary(*row) for row in measures.tolist()]

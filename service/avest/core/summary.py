@@ -190,14 +190,20 @@ class Sketch:
     def add_to(self, state: CalibrationState) -> None:
         """Add these sums into ``state`` (in place), in O(occupied cells).
 
-        Writes the state's arrays directly (its layout: ``_auc`` [K, 2,
-        AUC_SLOTS], ``_ece`` [K, ECE_BINS, 2], ``_psum``, ``_nll``): building
-        a dense state per summary to :meth:`CalibrationState.merge` would cost
-        O(K x 2052) per summary, the most of a K = 64 summary's ingest.
+        Writes the state's arrays directly (its layout: ``_auc`` an
+        :class:`~avest.core.histogram.EtaHistogram` [K, 2, window], ``_ece``
+        [K, ECE_BINS, 2], ``_psum``, ``_nll``): building a dense state per
+        summary to :meth:`CalibrationState.merge` would cost O(K x 2052) per
+        summary, the most of a K = 64 summary's ingest.
         """
         if state.k != self.k:
             raise InvalidInput("sketch", f"has K={self.k}, the state has K={state.k}")
-        state._auc.reshape(-1)[self.cells] += self.counts
+        if self.cells.size:
+            hist = state._auc
+            rows, slots = np.divmod(self.cells, AUC_SLOTS)  # rows: position * 2 + label
+            hist.cover(int(slots.min()), int(slots.max()) + 1)
+            flat = rows * hist.width + (slots - hist.first)
+            np.add.at(hist.counts.reshape(-1), flat, self.counts.astype(hist.counts.dtype))
         state._ece += self.ece
         state._psum += self.psum
         state._nll += self.nll
@@ -212,7 +218,11 @@ class Sketch:
     def of(cls, state: CalibrationState) -> Sketch:
         """The sketch of a whole state (its occupied cells)."""
         a = state.to_arrays()
-        auc = np.stack([a["auc_rejected"], a["auc_accepted"]], axis=1).reshape(-1)
+        first = int(a["auc_first_slot"][0])
+        window = np.stack([a["auc_rejected"], a["auc_accepted"]], axis=1)
+        dense = np.zeros((state.k, 2, AUC_SLOTS))
+        dense[:, :, first : first + window.shape[2]] = window
+        auc = dense.reshape(-1)
         idx = np.flatnonzero(auc).astype(np.int64)
         ece = np.stack([a["ece_rejected"], a["ece_accepted"]], axis=2)
         return cls(state.k, idx, auc[idx], ece, a["ece_sum_predicted"], a["logloss_sum"])

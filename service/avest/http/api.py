@@ -157,8 +157,9 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
         responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text"}},
     )
     async def metrics_endpoint() -> Response:
-        """Prometheus metrics (text exposition format)."""
-        body, ctype = metrics.exposition()
+        """Prometheus metrics (text exposition format), rendered in slices that let
+        the RPCs sharing the event loop run in between."""
+        body, ctype = await metrics.exposition_async()
         return Response(body, media_type=ctype, headers={"Cache-Control": "no-store"})
 
     @api.get("/v1/pairs", response_model=PairsOut, tags=["pairs"])

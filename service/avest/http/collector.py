@@ -112,12 +112,20 @@ Families = dict[str, GaugeMetricFamily | CounterMetricFamily]
 
 
 class PairCollector:
-    """Reads the registry on each scrape: every pair's gauges and totals."""
+    """Reads the registry on each scrape: every pair's gauges and totals.
+
+    ``collect()`` renders every pair at once (prometheus_client's path, and
+    ``registry.get_sample_value``); :mod:`avest.http.exposition` renders the
+    same families a few pairs at a time through :meth:`families`,
+    :meth:`add_globals` and :meth:`add_pair`, with ``collect()`` paused.
+    """
 
     def __init__(self, metrics: PairSource) -> None:
         self._metrics = metrics
+        #: While set, ``collect()`` yields nothing (the sliced exposition renders the pairs).
+        self.paused = False
 
-    def _families(self) -> Families:
+    def families(self) -> Families:
         out: Families = {}
         for name in COLLECTED:
             spec = SPECS[name]
@@ -130,11 +138,24 @@ class PairCollector:
         return out
 
     def describe(self) -> Iterable[Metric]:
-        return list(self._families().values())
+        return list(self.families().values())
+
+    def pairs(self) -> list[Any]:
+        return list(self._metrics.app.registry.pairs.values())
 
     def collect(self) -> Iterable[Metric]:
+        if self.paused:
+            return []
+        f = self.families()
+        pairs = self.pairs()
+        self.add_globals(f, pairs)
+        for pair in pairs:
+            self.add_pair(f, pair)
+        return list(f.values())
+
+    def add_globals(self, f: Families, pairs: list[Any]) -> None:
+        """The samples that are not per pair."""
         m = self._metrics
-        f = self._families()
         f[INFO].add_metric([__version__], 1.0)
         f[OPEN_STREAMS].add_metric([], float(m.open_streams()))
         app = m.app
@@ -142,55 +163,55 @@ class PairCollector:
             f[STORE_ERRORS].add_metric([operation], float(count))
         f[STORE_WRITABLE].add_metric([], 0.0 if getattr(app, "store_error", "") else 1.0)
         f[QUARANTINED_PAIRS].add_metric([], float(len(getattr(app, "quarantined", {}))))
-        pairs = list(m.app.registry.pairs.values())
         f[PAIRS].add_metric([], float(len(pairs)))
-        depth = 0
-        for pair in pairs:
-            pid = pair.id
-            est = pair.estimator
-            key = pair.key
-            f[PAIR_INFO].add_metric(
-                [
-                    pid,
-                    key.target,
-                    key.draft,
-                    key.method,
-                    str(key.k),
-                    pair.rule_name,
-                    ",".join(f"{k}={v}" for k, v in key.labels),
-                ],
-                1.0,
-            )
-            coef = est.coefficients
-            f[SLOPE].add_metric([pid], coef.slope)
-            for i, b in enumerate(coef.intercepts):
-                f[INTERCEPT].add_metric([pid, str(i)], b)
-            f[COEFFICIENTS_VERSION].add_metric([pid], float(est.version))
-            f[ROUND].add_metric([pid], float(est.round))
-            s = m.summary(pair)
-            _calibration(f, pid, s, AUC, ECE, LOG_LOSS, PREDICTED_ACCEPTANCE, OBSERVED_ACCEPTANCE)
-            f[CALIBRATION_DRAFTS].add_metric([pid], s.count)
-            _calibration(
-                f,
-                pid,
-                m.recent_summary(pair),
-                RECENT_AUC,
-                RECENT_ECE,
-                RECENT_LOG_LOSS,
-                RECENT_PREDICTED_ACCEPTANCE,
-                RECENT_OBSERVED_ACCEPTANCE,
-            )
-            f[LAST_OBSERVED].add_metric([pid], float(pair.updated))
-            f[DRAFTS_OBSERVED].add_metric([pid], float(est.drafts))
-            f[STEPS_OBSERVED].add_metric([pid], float(est.steps))
-            counts = m.refit_counts(pid)
-            for outcome in OUTCOMES:
-                f[REFITS].add_metric([pid, outcome], float(counts.get(outcome, 0)))
-            depth += queue_depth(pair.applied, pair.durable)
-            _curves(f, pid, s, m.reliability(pair))
-            _calibration_layer(f, pid, est.recalibrator)
+        depth = sum(queue_depth(pair.applied, pair.durable) for pair in pairs)
         f[QUEUE_DEPTH].add_metric([], float(depth))
-        return list(f.values())
+
+    def add_pair(self, f: Families, pair: Any) -> None:
+        """One pair's samples."""
+        m = self._metrics
+        pid = pair.id
+        est = pair.estimator
+        key = pair.key
+        f[PAIR_INFO].add_metric(
+            [
+                pid,
+                key.target,
+                key.draft,
+                key.method,
+                str(key.k),
+                pair.rule_name,
+                ",".join(f"{k}={v}" for k, v in key.labels),
+            ],
+            1.0,
+        )
+        coef = est.coefficients
+        f[SLOPE].add_metric([pid], coef.slope)
+        for i, b in enumerate(coef.intercepts):
+            f[INTERCEPT].add_metric([pid, str(i)], b)
+        f[COEFFICIENTS_VERSION].add_metric([pid], float(est.version))
+        f[ROUND].add_metric([pid], float(est.round))
+        s = m.summary(pair)
+        _calibration(f, pid, s, AUC, ECE, LOG_LOSS, PREDICTED_ACCEPTANCE, OBSERVED_ACCEPTANCE)
+        f[CALIBRATION_DRAFTS].add_metric([pid], s.count)
+        _calibration(
+            f,
+            pid,
+            m.recent_summary(pair),
+            RECENT_AUC,
+            RECENT_ECE,
+            RECENT_LOG_LOSS,
+            RECENT_PREDICTED_ACCEPTANCE,
+            RECENT_OBSERVED_ACCEPTANCE,
+        )
+        f[LAST_OBSERVED].add_metric([pid], float(pair.updated))
+        f[DRAFTS_OBSERVED].add_metric([pid], float(est.drafts))
+        f[STEPS_OBSERVED].add_metric([pid], float(est.steps))
+        counts = m.refit_counts(pid)
+        for outcome in OUTCOMES:
+            f[REFITS].add_metric([pid, outcome], float(counts.get(outcome, 0)))
+        _curves(f, pid, s, m.reliability(pair))
+        _calibration_layer(f, pid, est.recalibrator)
 
 
 def _calibration(

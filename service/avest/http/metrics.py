@@ -25,12 +25,12 @@ from prometheus_client import (
     Counter,
     Histogram,
     ProcessCollector,
-    generate_latest,
 )
 
 from avest.core.metrics import CalibrationState, CalibrationSummary, Reliability
 from avest.core.rules import Refit
 from avest.http.collector import PairCollector, queue_depth
+from avest.http.exposition import render_async, render_now
 from avest.http.names import (
     AUC,
     CALIBRATION_DRAFTS,
@@ -169,8 +169,9 @@ class Metrics:
             self.rpc_duration.labels(method, "OK")
             for reason in REFUSAL_REASONS:
                 self._refused_child(method, reason)
-        self.registry.register(PairCollector(self))
         self.registry.register(WorkerCollector(app))
+        self._pairs = PairCollector(self)
+        self.registry.register(self._pairs)
         try:
             ProcessCollector(registry=self.registry)
         except Exception:  # pragma: no cover - platforms without /proc
@@ -190,8 +191,13 @@ class Metrics:
         self._refused_child(method, reason).inc()
 
     def exposition(self) -> tuple[bytes, str]:
-        """The text exposition of every metric, and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        """The text exposition of every metric, and its content type, in one go."""
+        return render_now(self.registry, self._pairs), CONTENT_TYPE_LATEST
+
+    async def exposition_async(self) -> tuple[bytes, str]:
+        """The same exposition, rendered in slices that give the event loop back
+        (:mod:`avest.http.exposition`): RPCs are served during a scrape."""
+        return await render_async(self.registry, self._pairs), CONTENT_TYPE_LATEST
 
     # -- state shared with the HTTP API -------------------------------------
 

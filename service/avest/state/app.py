@@ -232,6 +232,10 @@ class Avest:
     async def flush(self, force: bool = False, deadline: float | None = None) -> None:
         """Write every dirty pair, then mark its batches durable.
 
+        Only pairs that changed are written, and of each only what changed: the
+        estimator's arrays, the workers that moved, and history entries and cost
+        curves not yet saved.
+
         Pairs are written in chunks (one transaction each, about
         :data:`CHUNK_POSITIONS` draft positions), so that acknowledgements flow
         chunk by chunk and a drain never waits behind a long write: once the
@@ -273,6 +277,7 @@ class Avest:
             log.warning("store writes resumed after: %s", self.store_error)
         self.store_error = ""
         for pair, record in zip(pairs, records, strict=True):
+            pair.saved(record)
             for worker, (seq, _) in record["workers"].items():
                 if seq > pair.durable.get(worker, 0):
                     pair.durable[worker] = seq

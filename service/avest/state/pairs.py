@@ -156,6 +156,10 @@ class Pair:
     history: list[HistoryEntry] = field(default_factory=list)
     #: Changed since the last snapshot was written.
     dirty: bool = False
+    #: The last this many ``history`` entries, and these hardware labels' cost
+    #: curves, are not in the store yet (a snapshot writes only those).
+    unsaved_history: int = 0
+    unsaved_costs: set[str] = field(default_factory=set)
     watchers: list[Callable[[Pair], None]] = field(default_factory=list)
     #: The workers seen sending to this pair (bounded; not persisted).
     workers: WorkerTable = field(default_factory=WorkerTable)
@@ -193,6 +197,7 @@ class Pair:
         table = curves.table()  # validates before anything changes
         self.costs[curves.hardware] = curves
         self._tables[curves.hardware] = table
+        self.unsaved_costs.add(curves.hardware)
         self.dirty = True
 
     def observe(
@@ -220,10 +225,19 @@ class Pair:
             self._record(refit.outcome)
         return True, refit
 
+    def saved(self, record: dict[str, Any]) -> None:
+        """``record`` (from :meth:`Registry.snapshot`) is durable: its history and
+        cost curves need no writing again (unless they changed meanwhile)."""
+        self.unsaved_history = max(0, self.unsaved_history - len(record["history"]))
+        for hardware, curves in record["cost_objects"].items():
+            if self.costs.get(hardware) is curves:
+                self.unsaved_costs.discard(hardware)
+
     def reset(self) -> None:
         self.estimator.reset()
         self.history.clear()
         self.history_cleared = time.time()
+        self.unsaved_history = 0
         self._record("reset")
 
     def prune_workers(self, idle_before: float) -> list[str]:
@@ -260,6 +274,7 @@ class Pair:
             )
         )
         del self.history[:-256]
+        self.unsaved_history = min(self.unsaved_history + 1, len(self.history))
         self.dirty = True
         for notify in list(self.watchers):
             notify(self)
@@ -332,15 +347,18 @@ class Registry:
         return Pair(key=key, rule_name=rule, estimator=estimator)
 
     def snapshot(self, pair: Pair) -> dict[str, Any]:
-        """An immutable picture of a pair for the store (arrays copied).
-
-        Only the workers that changed since the last snapshot are included;
-        :meth:`unsnapshot` puts them back when the write fails.
+        """An immutable picture of a pair for the store (arrays copied): the
+        estimator's state, the workers that changed since the last snapshot, and
+        the history entries and cost curves not yet saved. :meth:`unsnapshot` puts
+        the workers back when the write fails (the unsaved history and cost curves
+        stay unsaved until :meth:`Pair.saved`).
         """
         workers = {w: (pair.applied[w], pair.seen.get(w, 0.0)) for w in pair.changed_workers}
         pruned = sorted(pair.pruned_workers)
         pair.changed_workers = set()
         pair.pruned_workers = set()
+        unsaved = [c for c in pair.costs.values() if c.hardware in pair.unsaved_costs]
+        history = pair.history[len(pair.history) - pair.unsaved_history :]
         return {
             "id": pair.id,
             "key": pair.key.as_dict(),
@@ -358,9 +376,10 @@ class Registry:
                     "verify": list(c.verify),
                     "cudagraph_limit": c.cudagraph_limit,
                 }
-                for c in pair.costs.values()
+                for c in unsaved
             ],
-            "history": [vars(h).copy() for h in pair.history],
+            "cost_objects": {c.hardware: c for c in unsaved},
+            "history": [vars(h).copy() for h in history],
             "updated": pair.updated,
         }
 
@@ -401,5 +420,6 @@ class Registry:
         ]
         pair.updated = float(record["updated"])
         pair.dirty = False
+        pair.unsaved_history, pair.unsaved_costs = 0, set()
         self.pairs[pair.id] = pair
         return pair
