@@ -257,6 +257,9 @@ def build_http(app: Any, metrics: Any, settings: Any) -> FastAPI:
         app.reset(pair)
         return pair_out(pair, metrics)
 
+    from avest.http.draft_lengths import draft_length_router
+
+    api.include_router(draft_length_router(app))  # GET /v1/pairs/{id}/draft-lengths
     return api
 
 

@@ -26,7 +26,7 @@ every restart (when the in-worker estimator is coldest).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -249,33 +249,3 @@ def evaluate_fleet(trace: Trace, fleet: Fleet, name: str = "") -> FleetReport:
     return FleetReport(
         name, fleet, k, count, int(clock.count.sum()), {n: scores[n] for n in fleet.estimators()}
     )
-
-
-def format_fleet(reports: Sequence[FleetReport]) -> str:
-    """One block per fleet: AUC, log loss, ECE overall and in the early window."""
-    lines: list[str] = []
-    for rep in reports:
-        f = rep.fleet
-        lines.append(
-            f"{rep.trace or 'trace'}: {f.label()}; {rep.worker_steps} worker steps, "
-            f"{rep.restarts} restarts; refit every {f.refit_interval} steps (in-worker: its own, "
-            f"pooled: all workers'); pooled rule {f.pooled_rule}; early = each worker's first "
-            f"{f.early} steps after launch and every restart"
-        )
-        head = (
-            f"{'estimator':<20} {'AUC':>7} {'logloss':>8} {'ECE':>7}   "
-            f"{'early AUC':>9} {'logloss':>8} {'ECE':>7} {'drafts':>7}"
-        )
-        lines += [head, "-" * len(head)]
-        for n, (whole, early) in rep.summaries().items():
-            drafts = int(rep.scores[n].early.count)
-            lines.append(
-                f"{n:<20} {_f(whole.auc)} {_f(whole.logloss, 8)} {_f(whole.ece)}   "
-                f"{_f(early.auc, 9)} {_f(early.logloss, 8)} {_f(early.ece)} {drafts:>7}"
-            )
-        lines.append("")
-    return "\n".join(lines).rstrip()
-
-
-def _f(v: float, width: int = 7) -> str:
-    return f"{v:>{width}.4f}" if v == v else f"{'-':>{width}}"
