@@ -72,6 +72,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         metavar="C",
         help=f"requests per worker step in the goodput simulation (default {DEFAULT_CONCURRENCY})",
     )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="goodput: steps per worker (default: the worker's whole share, at least 2000 "
+        "fleet steps and 4 restarts, cycling the trace)",
+    )
     p.add_argument("--no-goodput", action="store_true", help="calibration only (fast)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
@@ -107,7 +115,9 @@ def run(args: argparse.Namespace) -> int:
                 goodput = (
                     None
                     if profile is None
-                    else simulate_fleet(trace, fleet, profile, args.concurrency, name=path)
+                    else simulate_fleet(
+                        trace, fleet, profile, args.concurrency, name=path, steps=args.steps
+                    )
                 )
                 rows.append((report, goodput))
                 print(f"done {path.rsplit('/', 1)[-1]} {fleet.label()}", file=sys.stderr)
