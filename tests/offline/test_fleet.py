@@ -51,7 +51,9 @@ def test_worker_steps_split_every_step_by_request_mod_w(stationary) -> None:
 
 def test_one_worker_pooled_is_the_in_worker_estimator(stationary) -> None:
     # Same rule, one worker, no restarts: pooling changes nothing, to the last bit.
-    fleet = Fleet(workers=1, restart_every=0, pooled_rule="vllm", calibrate=False, refit_interval=20)
+    fleet = Fleet(
+        workers=1, restart_every=0, pooled_rule="vllm", calibrate=False, refit_interval=20
+    )
     report = evaluate_fleet(stationary, fleet)
     s = summaries(report)
     for name in (POOLED, POOLED_COLD):
@@ -59,7 +61,9 @@ def test_one_worker_pooled_is_the_in_worker_estimator(stationary) -> None:
     assert report.worker_steps == stationary.num_steps and report.restarts == 0
     # Restarted every 60 steps: the cold pooled estimator restarts with the worker,
     # the warm one keeps learning and is better calibrated after each restart.
-    restarted = evaluate_fleet(stationary, Fleet(1, 60, pooled_rule="vllm", calibrate=False, refit_interval=20))
+    restarted = evaluate_fleet(
+        stationary, Fleet(1, 60, pooled_rule="vllm", calibrate=False, refit_interval=20)
+    )
     s = summaries(restarted)
     assert s[POOLED_COLD] == s[IN_WORKER]
     assert restarted.restarts == (stationary.num_steps - 1) // 60
@@ -70,7 +74,9 @@ def test_one_worker_pooled_is_the_in_worker_estimator(stationary) -> None:
 
 def test_pooling_beats_each_worker_alone(stationary) -> None:
     # Eight workers, the same rule on both sides: only the pooling differs.
-    report = evaluate_fleet(stationary, Fleet(8, 0, pooled_rule="vllm", calibrate=False, refit_interval=20))
+    report = evaluate_fleet(
+        stationary, Fleet(8, 0, pooled_rule="vllm", calibrate=False, refit_interval=20)
+    )
     s = summaries(report)
     assert s[POOLED].logloss < s[IN_WORKER].logloss - 0.005
     assert s[POOLED].ece < s[IN_WORKER].ece
@@ -90,7 +96,9 @@ def test_default_fleet_has_the_calibration_layer_row(stationary) -> None:
 
 def test_fleet_goodput_speculation_off_by_hand_and_one_worker_pooled(stationary) -> None:
     trace = stationary.slice_steps(0, 50)
-    fleet = Fleet(workers=1, restart_every=0, pooled_rule="vllm", calibrate=False, refit_interval=20)
+    fleet = Fleet(
+        workers=1, restart_every=0, pooled_rule="vllm", calibrate=False, refit_interval=20
+    )
     g = simulate_fleet(trace, fleet, PROPOSAL, 8, steps=120)
     # Speculation off: 8 tokens per step, no draft, verify(8) = 10.8 ms.
     off = g.results["fixed-0"]
@@ -111,7 +119,9 @@ def test_cli_prints_the_fleet_table_and_json(stationary, tmp_path: Path, capsys)
     text = capsys.readouterr().out
     for name in (IN_WORKER, POOLED, POOLED_CALIBRATED, POOLED_COLD):
         assert name in text
-    assert main([*argv[:2], "--workers", "2", "--restart-every", "50", "--steps", "60", "--json"]) == 0
+    assert (
+        main([*argv[:2], "--workers", "2", "--restart-every", "50", "--steps", "60", "--json"]) == 0
+    )
     out = json.loads(capsys.readouterr().out)["fleets"][0]
     assert out["workers"] == 2 and out["restart_every"] == 50
     assert out["goodput"]["profile"] == "a100-llama8b-parallel"

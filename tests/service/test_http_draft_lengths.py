@@ -82,9 +82,7 @@ def test_refusals_name_the_problem(fed: tuple[Live, str]) -> None:
         f"/v1/pairs/{pid}/draft-lengths", params={"hardware": "a", "concurrency": "8,x"}
     )
     assert r.status_code == 422 and "8,x" in r.json()["detail"]
-    r = live.http.get(
-        f"/v1/pairs/{pid}/draft-lengths", params={"hardware": "a", "drafter": "tree"}
-    )
+    r = live.http.get(f"/v1/pairs/{pid}/draft-lengths", params={"hardware": "a", "drafter": "tree"})
     assert r.status_code == 422 and "tree" in r.json()["detail"]
     r = live.http.get("/v1/pairs/0123456789abcdef/draft-lengths")
     assert r.status_code == 404 and "0123456789abcdef" in r.json()["detail"]

@@ -124,9 +124,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return fail(exc)
     if args.json:
-        out = [
-            {**r.as_json(), "goodput": None if g is None else g.as_json()} for r, g in rows
-        ]
+        out = [{**r.as_json(), "goodput": None if g is None else g.as_json()} for r, g in rows]
         print(json.dumps({"fleets": out}, allow_nan=False))
     else:
         print(format_headline(rows))

@@ -47,7 +47,9 @@ def _concurrencies(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise HTTPException(422, detail=f"concurrency must be integers like 8,16, got {text!r}")
+        raise HTTPException(
+            422, detail=f"concurrency must be integers like 8,16, got {text!r}"
+        ) from None
     if not values or min(values) < 1 or max(values) > 65536:
         raise HTTPException(422, detail=f"concurrency must be integers in [1, 65536], got {text!r}")
     return values

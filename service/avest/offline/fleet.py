@@ -85,7 +85,9 @@ class Fleet:
         return names + [POOLED_COLD]
 
     def label(self) -> str:
-        restarts = f"restart every {self.restart_every} steps" if self.restart_every else "no restarts"
+        restarts = (
+            f"restart every {self.restart_every} steps" if self.restart_every else "no restarts"
+        )
         return f"W={self.workers}, {restarts}"
 
 

@@ -128,7 +128,9 @@ class _Shares:
 
 def default_steps(trace: Trace, fleet: Fleet, c: int) -> int:
     """Steps per worker: at least the whole share, ``MIN_FLEET_STEPS`` in all, 4 restarts."""
-    share = max(int(np.count_nonzero(trace.request % fleet.workers == w)) for w in range(fleet.workers))
+    share = max(
+        int(np.count_nonzero(trace.request % fleet.workers == w)) for w in range(fleet.workers)
+    )
     return max(
         math.ceil(share / c), math.ceil(MIN_FLEET_STEPS / fleet.workers), 4 * fleet.restart_every
     )
@@ -183,7 +185,9 @@ def _fixed(
         got = np.minimum(accepted[rows], length)
         c = rows.shape[1]
         tokens[w] = steps * c + int(got.sum())
-        time[w] = steps * costs.draft_ms(c, v) + float(costs.verify_ms(c + length.sum(axis=1)).sum())
+        time[w] = steps * costs.draft_ms(c, v) + float(
+            costs.verify_ms(c + length.sum(axis=1)).sum()
+        )
         verified += int(length.sum())
     return Goodput(tokens, time, verified)
 
@@ -270,7 +274,10 @@ def _adaptive(
             clock.done(w)
     c = shares.rows[0].shape[1]
     time = np.array(
-        [steps * costs.draft_ms(c, k) + float(costs.verify_ms(c + verified[w]).sum()) for w in range(workers)]
+        [
+            steps * costs.draft_ms(c, k) + float(costs.verify_ms(c + verified[w]).sum())
+            for w in range(workers)
+        ]
     )
     return Goodput(tokens, time, int(verified.sum()))
 
@@ -291,4 +298,3 @@ def format_goodput(results: list[FleetGoodput]) -> str:
             lines.append(f"{n:<20} {res.throughput:>11,.0f} {100 * g.gain(n):>+12.1f}%")
         lines.append("")
     return "\n".join(lines).rstrip()
-
