@@ -4,13 +4,12 @@
     python deploy/grafana/build_dashboard.py --check  # exit 1 if it is stale
 
 Metric names come from :mod:`avest.http.names` (the service's single definition)
-and from vLLM 0.33's ``SpecDecodingProm``; every panel uses the provisioned
-Prometheus datasource by its fixed uid, so the file needs no import step.
-
-The "acceptance through position i" panels need a running product over
-positions, which PromQL has no function for: it is written out for positions
-0 .. MAX_POSITIONS-1 as ``exp(sum(ln(p_j)) over j <= i)`` per position, joined
-with ``or``. Pairs with more draft positions show the first MAX_POSITIONS.
+and from vLLM 0.33's ``SpecDecodingProm``. The dashboard is portable: every
+panel, target and query variable names its datasource through the ``datasource``
+variable (Grafana's default Prometheus datasource unless picked otherwise), and
+every avest series is selected by the ``job`` and ``instance`` variables (the
+targets that export ``avest_info``), so it works as provisioned by the shipped
+stack, from the Kubernetes ConfigMap, or imported by hand into any Grafana.
 """
 
 from __future__ import annotations
@@ -28,26 +27,34 @@ HERE = str(Path(__file__).resolve().parent)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from avest_dashboard.panels import DATASOURCE, Layout, query_variable  # noqa: E402
+from avest_dashboard.panels import (  # noqa: E402
+    DATASOURCE,
+    Layout,
+    datasource_variable,
+    query_variable,
+    textbox_variable,
+)
 from avest_dashboard.queries import (  # noqa: E402
-    MAX_POSITIONS,
     PAIR,
-    survival,
+    PAIR_REGEX,
+    pair_names,
     vllm_acceptance_length,
     vllm_per_position,
 )
-from avest_dashboard.rows_model import acceptance, calibration, coefficients, overview  # noqa: E402
+from avest_dashboard.rows_calibration import AVEST_URL_DEFAULT, calibration  # noqa: E402
+from avest_dashboard.rows_model import acceptance, coefficients, overview  # noqa: E402
 from avest_dashboard.rows_service import ingestion, rpc  # noqa: E402
 
 __all__ = [
     "DATASOURCE",
-    "MAX_POSITIONS",
     "OUT",
+    "PAIR_REGEX",
     "UID",
     "build",
     "main",
+    "pair_names",
     "render",
-    "survival",
+    "variables",
     "vllm_acceptance_length",
     "vllm_per_position",
 ]
@@ -59,7 +66,7 @@ UID = "avest-overview"
 def build() -> dict:
     lay = Layout()
     p: list[dict] = []
-    for add_row in (overview, coefficients, acceptance, calibration, ingestion, rpc):
+    for add_row in (overview, calibration, acceptance, coefficients, ingestion, rpc):
         p.extend(add_row(lay))
 
     return {
@@ -74,17 +81,7 @@ def build() -> dict:
         "refresh": "10s",
         "schemaVersion": 39,
         "tags": ["avest", "vllm", "speculative-decoding"],
-        "templating": {
-            "list": [
-                query_variable("pair", "Pair", f"label_values({m.PAIR_INFO}, pair)"),
-                query_variable(
-                    "target",
-                    "Target model",
-                    f"label_values({m.PAIR_INFO}{{{PAIR}}}, target)",
-                    hide=2,
-                ),
-            ]
-        },
+        "templating": {"list": variables()},
         "time": {"from": "now-1h", "to": "now"},
         "timepicker": {},
         "timezone": "browser",
@@ -92,6 +89,37 @@ def build() -> dict:
         "uid": UID,
         "version": 1,
     }
+
+
+def variables() -> list[dict]:
+    """datasource, job, instance, pair (shown as target ← draft [labels]), the
+    pair's target model (hidden, for vLLM's series) and the sidecar's URL."""
+    return [
+        datasource_variable(),
+        query_variable("job", "Job", f"label_values({m.INFO}, job)"),
+        query_variable(
+            "instance",
+            "Instance",
+            f'label_values({m.INFO}{{job="$job"}}, instance)',
+            all_value=".*",
+        ),
+        query_variable(
+            "pair", "Pair", f"query_result({pair_names()})", regex=PAIR_REGEX, query_type=3
+        ),
+        query_variable(
+            "target",
+            "Target model",
+            f"label_values({m.PAIR_INFO}{{{PAIR}}}, target)",
+            hide=2,
+        ),
+        textbox_variable(
+            "avest_url",
+            "avest HTTP",
+            AVEST_URL_DEFAULT,
+            "The sidecar's admin HTTP address as your browser reaches it, for the link to "
+            "the pair's reliability diagram (SVG).",
+        ),
+    ]
 
 
 def render() -> str:

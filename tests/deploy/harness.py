@@ -409,10 +409,14 @@ def selectors(expr: str) -> list[str]:
 
 
 def substitute_grafana(expr: str, values: dict[str, str]) -> str:
-    """Replace Grafana's variables (``$name``, ``${name}``, ``[[name]]``) by values."""
+    """Replace Grafana's variables (``$name``, ``${name}``, ``[[name]]``) by values.
+    ``$1``-style references (label_replace's capture groups) are no variables:
+    Grafana leaves them as they are, and so does this."""
 
     def repl(m: re.Match[str]) -> str:
         name = m.group(1) or m.group(2) or m.group(3)
+        if name.isdigit():
+            return m.group(0)
         if name not in values:
             raise KeyError(f"no test value for Grafana variable {name!r} in {expr!r}")
         return values[name]

@@ -1,7 +1,8 @@
 """deploy/grafana: the provisioned dashboard is what build_dashboard.py makes,
-uses only the provisioned datasource, names only metrics that avest's live
+names its datasource only through the datasource variable (which the shipped
+provisioning's default datasource fills), names only metrics that avest's live
 /metrics or vLLM 0.33 expose, and every query it runs works against a real
-Prometheus scraping a real avest."""
+Prometheus scraping a real avest. Importing it elsewhere: test_deploy_grafana_import."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from .harness import (
     metric_names,
     readmes,
     sample_names,
+    selectors,
     substitute_grafana,
 )
 
@@ -67,12 +69,19 @@ def test_the_dashboard_file_is_what_build_dashboard_py_generates() -> None:
     )
 
 
-def test_the_datasource_is_provisioned_with_the_fixed_uid() -> None:
+def test_the_provisioned_datasource_is_the_default_the_variable_starts_on() -> None:
+    """The shipped stack provisions one Prometheus datasource, its default: the
+    dashboard's datasource variable (no uid preselected) starts on it."""
     text = (PROVISIONING / "datasources" / "prometheus.yml").read_text()
     assert re.search(rf"(?m)^\s+uid:\s*{re.escape(DATASOURCE_UID)}\s*$", text)
     assert re.search(r"(?m)^\s+type:\s*prometheus\s*$", text)
     assert re.search(r"(?m)^\s+url:\s*http://prometheus:9090\s*$", text)
-    assert load_builder().DATASOURCE == {"type": "prometheus", "uid": DATASOURCE_UID}
+    assert re.search(r"(?m)^\s+isDefault:\s*true\s*$", text)
+    assert load_builder().DATASOURCE == {"type": "prometheus", "uid": "${datasource}"}
+    variables = {v["name"]: v for v in json.loads(DASHBOARD.read_text())["templating"]["list"]}
+    ds = variables["datasource"]
+    assert ds["type"] == "datasource" and ds["query"] == "prometheus"
+    assert ds["current"]["value"] == "default" and ds["regex"] == ""
 
 
 def test_dashboards_are_provisioned_from_the_folder_compose_mounts() -> None:
@@ -82,32 +91,6 @@ def test_dashboards_are_provisioned_from_the_folder_compose_mounts() -> None:
     compose = (DEPLOY / "docker-compose.yml").read_text()
     assert f"./grafana/dashboards:{m.group(1)}:ro" in compose
     assert "./grafana/provisioning:/etc/grafana/provisioning:ro" in compose
-
-
-def test_every_panel_target_and_variable_uses_the_provisioned_uid(
-    dashboards: dict[Path, dict[str, Any]],
-) -> None:
-    for path, d in dashboards.items():
-        text = path.read_text()
-        assert "${DS_" not in text and "__inputs" not in d, f"{path.name} has import placeholders"
-        for panel in iter_panels(d["panels"]):
-            if panel["type"] == "row":
-                assert "targets" not in panel
-                continue
-            assert panel.get("datasource") == {"type": "prometheus", "uid": DATASOURCE_UID}, (
-                path.name,
-                panel["title"],
-            )
-            assert panel["targets"], (path.name, panel["title"])
-            for t in panel["targets"]:
-                assert t.get("datasource") == {"type": "prometheus", "uid": DATASOURCE_UID}, (
-                    path.name,
-                    panel["title"],
-                    t["refId"],
-                )
-        for var in d["templating"]["list"]:
-            if var["type"] == "query":
-                assert var["datasource"] == {"type": "prometheus", "uid": DATASOURCE_UID}
 
 
 def test_panels_are_laid_out_on_the_grid_with_unique_ids(
@@ -134,16 +117,28 @@ def test_the_pair_variable_comes_from_avest_pair_info(
 ) -> None:
     variables = {v["name"]: v for v in dashboards[DASHBOARD]["templating"]["list"]}
     pair = variables["pair"]
-    assert pair["type"] == "query"
-    assert pair["query"]["query"] == "label_values(avest_pair_info, pair)"
-    assert pair["hide"] == 0
+    assert pair["type"] == "query" and pair["hide"] == 0
+    assert pair["query"]["query"].startswith("query_result(") and pair["query"]["qryType"] == 3
+    assert 'avest_pair_info{job="$job",instance=~"$instance"}' in pair["query"]["query"]
+    assert "(?<text>" in pair["regex"] and "(?<value>" in pair["regex"]
+    assert "$" not in pair["regex"]  # Grafana interpolates variables in the regex
+    # The sidecar's variables: the targets that export avest_info.
+    assert variables["job"]["query"]["query"] == "label_values(avest_info, job)"
+    assert (
+        variables["instance"]["query"]["query"] == 'label_values(avest_info{job="$job"}, instance)'
+    )
+    assert variables["instance"]["includeAll"] and variables["instance"]["allValue"] == ".*"
     # The vLLM panels select the pair's target model by vLLM's model_name label.
     assert (
         variables["target"]["query"]["query"]
-        == 'label_values(avest_pair_info{pair="$pair"}, target)'
+        == 'label_values(avest_pair_info{job="$job",instance=~"$instance",pair="$pair"}, target)'
     )
-    # Every panel query that is about one pair filters on it.
+    # Every avest query selects the sidecar; every one about one pair, the pair.
     for where, expr in all_exprs(dashboards):
+        for sel in selectors(grafana_function_to_promql(expr)):
+            name = sel.split("{", 1)[0]
+            if name.startswith("avest_") and name != "avest_info" or name == "up":
+                assert 'job="$job",instance=~"$instance"' in sel, (where, sel)
         if any(
             n in expr
             for n in ("avest_slope", "avest_intercept", "avest_auc", "avest_ece", "avest_log_loss")
@@ -154,8 +149,8 @@ def test_the_pair_variable_comes_from_avest_pair_info(
 def test_the_panels_the_issue_asks_for_are_there(dashboards: dict[Path, dict[str, Any]]) -> None:
     exprs = "\n".join(e for _, e in all_exprs(dashboards))
     wanted = {
-        "slope over time": r'avest_slope\{pair="\$pair"\}',
-        "intercepts over time": r'avest_intercept\{pair="\$pair"\}',
+        "slope over time": r'avest_slope\{[^}]*pair="\$pair"\}',
+        "intercepts over time": r'avest_intercept\{[^}]*pair="\$pair"\}',
         "avest predicted acceptance per position": r"avest_predicted_acceptance\{",
         "avest observed acceptance per position": r"avest_observed_acceptance\{",
         "vLLM per-position acceptance": r"rate\(vllm:spec_decode_num_accepted_tokens_per_pos_total\{"
@@ -167,7 +162,9 @@ def test_the_panels_the_issue_asks_for_are_there(dashboards: dict[Path, dict[str
         "drafts ingested per second": r"rate\(avest_drafts_observed_total\{",
         "refit latency": r"histogram_quantile\(0\.99, sum by \(le\) \(rate\(avest_refit_duration_seconds_bucket",
         "RPC latency by method": r"histogram_quantile\(0\.99, sum by \(le, method\) \(rate\(avest_rpc_duration_seconds_bucket",
-        "refused batches": r"rate\(avest_refused_batches_total\[",
+        "refused batches": r"rate\(avest_refused_batches_total\{[^}]*\}\[",
+        "survival gauges": r'avest_observed_survival\{[^}]*pair="\$pair"\}',
+        "reliability bins": r"max by \(bin\) \(avest_reliability_observed\{",
     }
     missing = [what for what, pattern in wanted.items() if not re.search(pattern, exprs)]
     assert not missing, missing
@@ -266,6 +263,8 @@ def test_the_vllm_metric_names_and_labels_match_vllm_0_33_source() -> None:
 
 def grafana_values(fed: Any) -> dict[str, str]:
     return {
+        "job": "avest",
+        "instance": ".*",
         "pair": fed.pair_id,
         "target": fed.target,
         "__rate_interval": "1m",
@@ -297,8 +296,9 @@ def test_every_dashboard_query_runs_and_returns_data(
 
 
 def test_the_running_products_match_vllms_definition(live_prometheus: Any) -> None:
-    """The 'through position i' series: avest's observed running product and
-    vLLM's accepted_per_pos / drafts describe the same trace (every drafted
+    """The 'through position i' panel's series: avest's observed survival gauge
+    (the running product the sidecar exports) and vLLM's accepted_per_pos /
+    drafts describe the same trace (every drafted
     position was verified while it was recorded), so they agree per position;
     both come out for positions 0..K-1 only."""
     builder = load_builder()
@@ -311,9 +311,17 @@ def test_the_running_products_match_vllms_definition(live_prometheus: Any) -> No
         assert body["status"] == "success", body
         return {s["metric"]["position"]: float(s["value"][1]) for s in body["data"]["result"]}
 
-    avest = by_position(builder.survival("avest_observed_acceptance"))
-    vllm = by_position(builder.vllm_per_position())
-    assert sorted(avest) == [str(i) for i in range(fed.k)]
+    through = next(
+        p
+        for p in iter_panels(load_dashboards()[DASHBOARD]["panels"])
+        if p["title"] == "Acceptance through position i: avest vs vLLM"
+    )
+    exprs = {t["legendFormat"].split(" {{")[0]: t["expr"] for t in through["targets"]}
+    avest = by_position(exprs["avest observed"])
+    predicted = by_position(exprs["avest predicted"])
+    vllm = by_position(exprs["vLLM"])
+    assert exprs["vLLM"] == builder.vllm_per_position()
+    assert sorted(avest) == [str(i) for i in range(fed.k)] == sorted(predicted)
     assert sorted(vllm) == sorted(avest)
     # The fed trace, counted the way vLLM's SpecDecodingStats.observe_draft does.
     from avest.offline.trace import bundled_sample_path, read_trace
@@ -327,8 +335,9 @@ def test_the_running_products_match_vllms_definition(live_prometheus: Any) -> No
         # ... and the simulator's windowed rates (partial loops of the trace) come close.
         assert vllm[pos] == pytest.approx(exact[pos], abs=0.03), (pos, vllm, exact)
     # Acceptance through position i can only fall with i.
-    seq = [avest[str(i)] for i in range(fed.k)]
-    assert all(a >= b for a, b in zip(seq, seq[1:], strict=False)), seq
+    for curve in (avest, predicted):
+        seq = [curve[str(i)] for i in range(fed.k)]
+        assert all(a >= b for a, b in zip(seq, seq[1:], strict=False)), seq
 
 
 def test_dashboard_json_is_plain_json_for_grafana() -> None:

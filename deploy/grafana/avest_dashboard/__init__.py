@@ -1,7 +1,9 @@
 """The avest Grafana dashboard, built in Python (see ../build_dashboard.py).
 
-* :mod:`.queries`: PromQL pieces (selectors, vLLM metric names, survival products);
+* :mod:`.queries`: PromQL pieces (the sidecar and pair selectors, vLLM metric
+  names, the pair picker's query and regex);
 * :mod:`.panels`: the panel, target and variable builders and the grid layout;
-* :mod:`.rows_model`: the Overview, Coefficients, Acceptance and Calibration rows;
+* :mod:`.rows_model`: the Overview, Acceptance and Coefficients rows;
+* :mod:`.rows_calibration`: the Calibration row (reliability diagram, SVG link);
 * :mod:`.rows_service`: the Ingestion and refits and RPC rows.
 """

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-DATASOURCE = {"type": "prometheus", "uid": "avest-prometheus"}
+#: Every panel, target and query variable names the datasource through the
+#: ``datasource`` variable, so the dashboard works in any Grafana: the variable
+#: defaults to that Grafana's default Prometheus datasource (the shipped stack's
+#: provisioned one is its default), whatever its uid.
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 
 
 class Layout:
@@ -167,25 +171,97 @@ def dashed(regex: str) -> dict:
     }
 
 
-def query_variable(name: str, label: str, query: str, hide: int = 0) -> dict:
-    return {
+def query_variable(
+    name: str,
+    label: str,
+    query: str,
+    hide: int = 0,
+    regex: str = "",
+    all_value: str | None = None,
+    query_type: int = 1,
+) -> dict:
+    """A Prometheus query variable; ``all_value`` makes it multi-valued with an
+    All option (selected by default) that stands for ``all_value``.
+    ``query_type``: 1 label values, 3 query result (Grafana's editor's numbering)."""
+    v: dict[str, Any] = {
         "current": {},
         "datasource": DATASOURCE,
         "definition": query,
         "hide": hide,
-        "includeAll": False,
+        "includeAll": all_value is not None,
         "label": label,
-        "multi": False,
+        "multi": all_value is not None,
         "name": name,
         "options": [],
         "query": {
-            "qryType": 1,
+            "qryType": query_type,
             "query": query,
             "refId": "PrometheusVariableQueryEditor-VariableQuery",
         },
         "refresh": 2,
-        "regex": "",
+        "regex": regex,
         "skipUrlSync": False,
         "sort": 1,
         "type": "query",
+    }
+    if all_value is not None:
+        v["allValue"] = all_value
+        v["current"] = {"selected": True, "text": ["All"], "value": ["$__all"]}
+    return v
+
+
+def datasource_variable() -> dict:
+    """The ``datasource`` variable: any Prometheus datasource, none preselected
+    by uid. Its value ``default`` is Grafana's *default* option (offered when the
+    default datasource is a Prometheus one): Grafana starts on its default
+    datasource, else on the first Prometheus datasource by name."""
+    return {
+        "current": {"selected": True, "text": "default", "value": "default"},
+        "hide": 0,
+        "includeAll": False,
+        "label": "Data source",
+        "multi": False,
+        "name": "datasource",
+        "options": [],
+        "query": "prometheus",
+        "refresh": 1,
+        "regex": "",
+        "skipUrlSync": False,
+        "type": "datasource",
+    }
+
+
+def textbox_variable(name: str, label: str, default: str, description: str) -> dict:
+    return {
+        "current": {"selected": False, "text": default, "value": default},
+        "description": description,
+        "hide": 0,
+        "label": label,
+        "name": name,
+        "options": [{"selected": True, "text": default, "value": default}],
+        "query": default,
+        "skipUrlSync": False,
+        "type": "textbox",
+    }
+
+
+#: Hides a series whose values are all zero (legend, tooltip and graph): for
+#: panels of many rarely non-zero series (refusals, failures by method and code).
+HIDE_WHEN_ZERO = {
+    "matcher": {"id": "byValue", "options": {"reducer": "allIsZero", "op": "gte", "value": 0}},
+    "properties": [
+        {"id": "custom.hideFrom", "value": {"legend": True, "tooltip": True, "viz": True}}
+    ],
+}
+
+
+def text(lay: Layout, title: str, description: str, content: str, w: int, h: int) -> dict:
+    """A markdown panel (Grafana interpolates variables in its content)."""
+    return {
+        "description": description,
+        "gridPos": lay.place(w, h),
+        "id": lay.id(),
+        "options": {"mode": "markdown", "content": content},
+        "title": title,
+        "type": "text",
     }

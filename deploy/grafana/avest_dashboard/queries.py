@@ -1,10 +1,10 @@
 """PromQL pieces of the dashboard: selectors, vLLM 0.33 metric names, thresholds,
-and the running-product (survival) expressions PromQL has no function for."""
+and the pair picker's query."""
 
 from __future__ import annotations
 
-#: Positions written out in the running-product (survival) expressions.
-MAX_POSITIONS = 16
+from avest.http import metrics as m
+
 #: Thresholds drawn on the panels; the same numbers as deploy/prometheus/alerts.yml.
 ECE_THRESHOLD = 0.05
 DIVERGENCE_THRESHOLD = 0.1
@@ -15,22 +15,48 @@ VLLM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 VLLM_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 
-PAIR = 'pair="$pair"'
+#: The sidecar picked by the ``job`` and ``instance`` variables: every avest
+#: series is selected through it (``instance`` may be All: every target of the job).
+SIDECAR = 'job="$job",instance=~"$instance"'
+#: One pair of that sidecar (``pair`` variable).
+PAIR = f'{SIDECAR},pair="$pair"'
 VLLM_SEL = 'model_name="$target"'
 RI = "$__rate_interval"
 
 
-def survival(metric: str, max_positions: int = MAX_POSITIONS) -> str:
-    """Per position i: the product of ``metric`` over positions 0..i of the pair
-    (labels ``pair`` and ``position``), as one PromQL expression."""
-    parts = []
-    for i in range(max_positions):
-        upto = "|".join(str(j) for j in range(i + 1))
-        parts.append(
-            f'label_replace(exp(sum by (pair) (ln({metric}{{{PAIR},position=~"{upto}"}})))'
-            f' and on (pair) {metric}{{{PAIR},position="{i}"}}, "position", "{i}", "", "")'
-        )
-    return "\n or ".join(parts)
+def sidecar(name: str, matchers: str = "") -> str:
+    """``name`` selected on the sidecar, plus ``matchers`` (``a="b",...``)."""
+    return f"{name}{{{SIDECAR}{',' + matchers if matchers else ''}}}"
+
+
+def pair(name: str, matchers: str = "") -> str:
+    """``name`` selected on the sidecar's pair, plus ``matchers``."""
+    return f"{name}{{{PAIR}{',' + matchers if matchers else ''}}}"
+
+
+#: The label the pair picker's query adds to ``avest_pair_info``: the name the
+#: picker shows, ``target ← draft [labels]`` (without `` [...]`` when the pair
+#: has no labels), as /v1/pairs/{id}/reliability.svg titles it.
+PAIR_NAME_LABEL = "name"
+
+
+def pair_names() -> str:
+    """``avest_pair_info`` of the sidecar with a label ``name`` = ``target ← draft
+    [labels]``, for the pair variable (``query_result``)."""
+    info = sidecar(m.PAIR_INFO)
+    n = PAIR_NAME_LABEL
+    joined = (
+        f'label_join(label_join({info}, "{n}", " \u2190 ", "target", "draft"),'
+        f' "{n}", " [", "{n}", "labels")'
+    )
+    # "t ← d [labels" -> "t ← d [labels]"; "t ← d [" (no labels) -> "t ← d".
+    closed = f'label_replace({joined}, "{n}", "$1]", "{n}", `(.* \\[.+)`)'
+    return f'label_replace({closed}, "{n}", "$1", "{n}", `(.*) \\[`)'
+
+
+#: The pair variable's regex over Grafana's ``query_result`` lines
+#: (``name{label="value",...} value timestamp``): text = the name, value = the id.
+PAIR_REGEX = f'/^(?=.*[{{,]{PAIR_NAME_LABEL}="(?<text>[^"]*)")(?=.*[{{,]pair="(?<value>[^"]*)")/'
 
 
 def vllm_per_position() -> str:

@@ -1,4 +1,4 @@
-"""Rows about the pair's model: Overview, Coefficients, Acceptance, Calibration."""
+"""Rows about the pair's model: Overview, Coefficients, Acceptance."""
 
 from __future__ import annotations
 
@@ -7,14 +7,13 @@ from avest.http import metrics as m
 
 from .panels import DATASOURCE, Layout, dashed, refs, row, stat, target, timeseries
 from .queries import (
-    DIVERGENCE_THRESHOLD,
-    ECE_THRESHOLD,
     PAIR,
     RI,
     VLLM_ACCEPTED,
     VLLM_ACCEPTED_PER_POS,
     VLLM_DRAFTS,
-    survival,
+    pair,
+    sidecar,
     vllm_acceptance_length,
     vllm_per_position,
 )
@@ -29,9 +28,9 @@ def overview(lay: Layout) -> list[dict]:
         stat(
             lay,
             "Sidecar",
-            "Prometheus's scrape of the avest admin HTTP port (job avest): UP or DOWN. "
-            "Alert AvestSidecarDown fires after a minute down.",
-            'up{job="avest"}',
+            "Prometheus's scrape of the avest admin HTTP port (the job and instance "
+            "picked above): UP or DOWN. Alert AvestSidecarDown fires after a minute down.",
+            sidecar("up"),
             mappings=[
                 {
                     "type": "value",
@@ -45,7 +44,12 @@ def overview(lay: Layout) -> list[dict]:
         )
     )
     p.append(
-        stat(lay, "Pairs", "Model pairs registered with (or restored by) the sidecar.", m.PAIRS)
+        stat(
+            lay,
+            "Pairs",
+            "Model pairs registered with (or restored by) the sidecar.",
+            sidecar(m.PAIRS),
+        )
     )
     p.append(
         stat(
@@ -80,7 +84,7 @@ def overview(lay: Layout) -> list[dict]:
             "Open streams",
             "Open Observe and WatchCoefficients streams: roughly one per connected vLLM "
             "worker (rank 0 of each tensor-parallel group).",
-            m.OPEN_STREAMS,
+            sidecar(m.OPEN_STREAMS),
         )
     )
     pair_table = {
@@ -195,14 +199,15 @@ def acceptance(lay: Layout) -> list[dict]:
             lay,
             "Acceptance through position i: avest vs vLLM",
             "Probability that drafts 0..i are all accepted. avest predicted / observed: "
-            "running product of its per-position rates (cumulative). vLLM: "
+            f"{m.PREDICTED_SURVIVAL} / {m.OBSERVED_SURVIVAL}, the running products of its "
+            "per-position rates, exported by the sidecar (cumulative). vLLM: "
             f"rate({VLLM_ACCEPTED_PER_POS}) / rate({VLLM_DRAFTS}) for model_name = the "
             "pair's target (vLLM's own counters, over the rate window). With adaptive "
             "verification vLLM counts positions the budget did not verify as not "
             "accepted, so its curve can sit below avest's at late positions.",
             refs(
-                (survival(m.PREDICTED_ACCEPTANCE), "avest predicted {{position}}"),
-                (survival(m.OBSERVED_ACCEPTANCE), "avest observed {{position}}"),
+                (pair(m.PREDICTED_SURVIVAL), "avest predicted {{position}}"),
+                (pair(m.OBSERVED_SURVIVAL), "avest observed {{position}}"),
                 (vllm_per_position(), "vLLM {{position}}"),
             ),
             unit="percentunit",
@@ -221,100 +226,16 @@ def acceptance(lay: Layout) -> list[dict]:
         timeseries(
             lay,
             "Mean acceptance length (tokens per verification, incl. bonus)",
-            "1 + expected accepted drafts per verification. avest: 1 + the sum of the "
-            "'through position i' curves (predicted and observed). vLLM: 1 + "
+            "1 + expected accepted drafts per verification. avest: 1 + the sum over "
+            f"positions of {m.PREDICTED_SURVIVAL} and {m.OBSERVED_SURVIVAL} (the "
+            "'through position i' curves). vLLM: 1 + "
             f"rate({VLLM_ACCEPTED}) / rate({VLLM_DRAFTS}), vLLM's own definition.",
             refs(
-                (f"1 + sum by (pair) ({survival(m.PREDICTED_ACCEPTANCE)})", "avest predicted"),
-                (f"1 + sum by (pair) ({survival(m.OBSERVED_ACCEPTANCE)})", "avest observed"),
+                (f"1 + sum by (pair) ({pair(m.PREDICTED_SURVIVAL)})", "avest predicted"),
+                (f"1 + sum by (pair) ({pair(m.OBSERVED_SURVIVAL)})", "avest observed"),
                 (vllm_acceptance_length(), "vLLM"),
             ),
             overrides=[dashed("avest observed")],
-        )
-    )
-    return p
-
-
-def calibration(lay: Layout) -> list[dict]:
-    """The "Calibration" row and its panels."""
-    p: list[dict] = []
-
-    p.append(row(lay, "Calibration"))
-    p.append(
-        timeseries(
-            lay,
-            "AUC",
-            "Area under the ROC curve of avest's predictions against accept/reject: how "
-            "well confidences rank drafts (0.5 = no better than chance), over recent drafts "
-            "(solid; about the last 20 refit rounds) and all drafts since registration or "
-            "reset (dashed). Empty until both outcomes are seen.",
-            refs((f"{m.RECENT_AUC}{{{PAIR}}}", "recent"), (f"{m.AUC}{{{PAIR}}}", "all drafts")),
-            unit="none",
-            w=8,
-            decimals=3,
-            overrides=[dashed("all drafts")],
-        )
-    )
-    p.append(
-        timeseries(
-            lay,
-            "ECE",
-            "Expected calibration error over 15 probability bins: mean |predicted - "
-            "observed| weighted by drafts, over recent drafts (solid; about the last 20 "
-            "refit rounds) and all drafts (dashed). Dashed red line: the threshold of "
-            "AvestCalibrationDrift, which watches the recent ECE.",
-            refs((f"{m.RECENT_ECE}{{{PAIR}}}", "recent"), (f"{m.ECE}{{{PAIR}}}", "all drafts")),
-            unit="none",
-            w=8,
-            minimum=0,
-            threshold=ECE_THRESHOLD,
-            decimals=3,
-            overrides=[dashed("all drafts")],
-        )
-    )
-    p.append(
-        timeseries(
-            lay,
-            "Log loss",
-            "Mean log loss of the predictions, nats per draft (lower is better), over "
-            "recent drafts (solid; about the last 20 refit rounds) and all drafts (dashed).",
-            refs(
-                (f"{m.RECENT_LOG_LOSS}{{{PAIR}}}", "recent"),
-                (f"{m.LOG_LOSS}{{{PAIR}}}", "all drafts"),
-            ),
-            unit="none",
-            w=8,
-            decimals=3,
-            overrides=[dashed("all drafts")],
-        )
-    )
-    p.append(
-        timeseries(
-            lay,
-            "Predicted minus observed, by position (recent)",
-            "Absolute gap between avest's mean predicted and the observed acceptance per "
-            "position, over recent drafts (about the last 20 refit rounds). Dashed line: "
-            "the AvestAcceptanceDivergence threshold (the alert watches exactly this).",
-            [
-                target(
-                    f"abs({m.RECENT_PREDICTED_ACCEPTANCE}{{{PAIR}}}"
-                    f" - {m.RECENT_OBSERVED_ACCEPTANCE}{{{PAIR}}})",
-                    "position {{position}}",
-                )
-            ],
-            unit="none",
-            minimum=0,
-            threshold=DIVERGENCE_THRESHOLD,
-            decimals=3,
-        )
-    )
-    p.append(
-        timeseries(
-            lay,
-            "Labelled drafts behind the calibration",
-            "Drafts the cumulative calibration gauges are computed over (since registration "
-            "or reset). The calibration alerts wait for 10,000 before judging a pair.",
-            [target(f"{m.CALIBRATION_DRAFTS}{{{PAIR}}}", "drafts")],
         )
     )
     return p

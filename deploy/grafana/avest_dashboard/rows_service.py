@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from avest.http import metrics as m
 
-from .panels import Layout, dashed, refs, row, target, timeseries
-from .queries import PAIR, RI
+from .panels import HIDE_WHEN_ZERO, Layout, dashed, refs, row, target, timeseries
+from .queries import PAIR, RI, SIDECAR, sidecar
+
+NOT_OK = 'code!="OK"'
 
 
 def ingestion(lay: Layout) -> list[dict]:
@@ -33,7 +35,7 @@ def ingestion(lay: Layout) -> list[dict]:
             "Refits by outcome",
             "Refits per rate window by outcome: applied; slope_held (the slope step was "
             "dropped: negative or NaN); rejected (non-finite solve, nothing changed). "
-            "Alerts: AvestRefitsFailing, AvestRefitsRejected.",
+            "Alerts: AvestRefitsFailing, AvestRefitsRejected. Series at zero all along are hidden.",
             [
                 target(
                     f"sum by (outcome) (increase({m.REFITS}{{{PAIR}}}[{RI}]))",
@@ -41,21 +43,24 @@ def ingestion(lay: Layout) -> list[dict]:
                 )
             ],
             overrides=[
-                {
-                    "matcher": {"id": "byName", "options": name},
-                    "properties": [
-                        {"id": "color", "value": {"mode": "fixed", "fixedColor": color}}
-                    ],
-                }
-                for name, color in (
-                    ("applied", "green"),
-                    ("slope_held", "orange"),
-                    ("rejected", "red"),
-                )
+                HIDE_WHEN_ZERO,
+                *(
+                    {
+                        "matcher": {"id": "byName", "options": name},
+                        "properties": [
+                            {"id": "color", "value": {"mode": "fixed", "fixedColor": color}}
+                        ],
+                    }
+                    for name, color in (
+                        ("applied", "green"),
+                        ("slope_held", "orange"),
+                        ("rejected", "red"),
+                    )
+                ),
             ],
         )
     )
-    refit_bucket = f"sum by (le) (rate({m.REFIT_DURATION}_bucket[{RI}]))"
+    refit_bucket = f"sum by (le) (rate({sidecar(m.REFIT_DURATION + '_bucket')}[{RI}]))"
     p.append(
         timeseries(
             lay,
@@ -77,7 +82,10 @@ def ingestion(lay: Layout) -> list[dict]:
             "Observe steps applied but not yet durable (hence not yet acknowledged), and "
             "open streams. A growing backlog means group commits lag: workers hold more "
             "unacknowledged steps and may drop the oldest (alert AvestObserveBacklog).",
-            refs((m.QUEUE_DEPTH, "steps not yet durable"), (m.OPEN_STREAMS, "open streams")),
+            refs(
+                (sidecar(m.QUEUE_DEPTH), "steps not yet durable"),
+                (sidecar(m.OPEN_STREAMS), "open streams"),
+            ),
         )
     )
     return p
@@ -88,7 +96,7 @@ def rpc(lay: Layout) -> list[dict]:
     p: list[dict] = []
 
     p.append(row(lay, "RPC"))
-    unary = 'method!~"Observe|WatchCoefficients"'
+    unary = f'{SIDECAR},method!~"Observe|WatchCoefficients"'
     rpc_bucket = f"sum by (le, method) (rate({m.RPC_DURATION}_bucket{{{unary}}}[{RI}]))"
     p.append(
         timeseries(
@@ -108,14 +116,15 @@ def rpc(lay: Layout) -> list[dict]:
         timeseries(
             lay,
             "Calls completed by method and code",
-            "Calls (streams: when they end) completed per second, by method and gRPC status.",
+            "Calls (streams: when they end) completed per second, by method and gRPC status. Series at zero all along are hidden.",
             [
                 target(
-                    f"sum by (method, code) (rate({m.RPC_DURATION}_count[{RI}]))",
+                    f"sum by (method, code) (rate({sidecar(m.RPC_DURATION + '_count')}[{RI}]))",
                     "{{method}} {{code}}",
                 )
             ],
             unit="reqps",
+            overrides=[HIDE_WHEN_ZERO],
         )
     )
     p.append(
@@ -124,14 +133,15 @@ def rpc(lay: Layout) -> list[dict]:
             "Refused batches by method and reason",
             "Requests refused with the state untouched (invalid features or counts, wrong K, "
             "unknown pair, limits), per second. Steps a worker's shim dropped before "
-            "sending are not seen here (alert AvestBatchesRefused).",
+            "sending are not seen here (alert AvestBatchesRefused). Series at zero all along are hidden.",
             [
                 target(
-                    f"sum by (method, reason) (rate({m.REFUSED_BATCHES}[{RI}]))",
+                    f"sum by (method, reason) (rate({sidecar(m.REFUSED_BATCHES)}[{RI}]))",
                     "{{method}} {{reason}}",
                 )
             ],
             unit="reqps",
+            overrides=[HIDE_WHEN_ZERO],
         )
     )
     p.append(
@@ -139,14 +149,15 @@ def rpc(lay: Layout) -> list[dict]:
             lay,
             "Failed calls by method and code",
             "Calls that ended with a status other than OK, per second. CANCELLED on "
-            "Observe is normal when a worker stops.",
+            "Observe is normal when a worker stops. Series at zero all along are hidden.",
             [
                 target(
-                    f'sum by (method, code) (rate({m.RPC_DURATION}_count{{code!="OK"}}[{RI}]))',
+                    f"sum by (method, code) (rate({sidecar(m.RPC_DURATION + '_count', NOT_OK)}[{RI}]))",
                     "{{method}} {{code}}",
                 )
             ],
             unit="reqps",
+            overrides=[HIDE_WHEN_ZERO],
         )
     )
     return p

@@ -33,6 +33,7 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import JSONResponse, RedirectResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.concurrency import run_in_threadpool
 
 from avest import __version__
 from avest.http.models import (
@@ -223,7 +224,12 @@ def build_http(app: Any, metrics: Any, settings: Any) -> FastAPI:
         ece = s.ece if position is None else s.by_position[position].ece
         from avest.offline.reliability import render
 
-        svg = render(rel, s.by_position, title=title, subtitle=subtitle, ece=ece)
+        # The pair is read here, on the loop; drawing (and the first import of
+        # matplotlib) runs on a worker thread, so it never holds the event loop
+        # that also serves gRPC.
+        svg = await run_in_threadpool(
+            render, rel, s.by_position, title=title, subtitle=subtitle, ece=ece
+        )
         return Response(svg, media_type="image/svg+xml", headers={"Cache-Control": "no-store"})
 
     @api.post(

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from avest import __version__
-from avest.core.metrics import CalibrationSummary
+from avest.core.metrics import CalibrationSummary, Reliability
 from avest.core.rules import OUTCOMES
 from avest.http.names import (
     AUC,
@@ -26,10 +26,12 @@ from avest.http.names import (
     LAST_OBSERVED,
     LOG_LOSS,
     OBSERVED_ACCEPTANCE,
+    OBSERVED_SURVIVAL,
     OPEN_STREAMS,
     PAIR_INFO,
     PAIRS,
     PREDICTED_ACCEPTANCE,
+    PREDICTED_SURVIVAL,
     QUEUE_DEPTH,
     RECENT_AUC,
     RECENT_ECE,
@@ -37,6 +39,9 @@ from avest.http.names import (
     RECENT_OBSERVED_ACCEPTANCE,
     RECENT_PREDICTED_ACCEPTANCE,
     REFITS,
+    RELIABILITY_DRAFTS,
+    RELIABILITY_OBSERVED,
+    RELIABILITY_PREDICTED,
     ROUND,
     SLOPE,
     SPECS,
@@ -56,6 +61,8 @@ class PairSource(Protocol):
     def recent_summary(self, pair: Any) -> CalibrationSummary: ...
 
     def refit_counts(self, pair_id: str) -> dict[str, int]: ...
+
+    def reliability(self, pair: Any) -> Reliability: ...
 
 
 #: The families this collector exposes, in exposition order.
@@ -84,6 +91,11 @@ COLLECTED = (
     REFITS,
     OPEN_STREAMS,
     QUEUE_DEPTH,
+    PREDICTED_SURVIVAL,
+    OBSERVED_SURVIVAL,
+    RELIABILITY_DRAFTS,
+    RELIABILITY_PREDICTED,
+    RELIABILITY_OBSERVED,
 )
 
 Families = dict[str, GaugeMetricFamily | CounterMetricFamily]
@@ -160,6 +172,7 @@ class PairCollector:
             for outcome in OUTCOMES:
                 f[REFITS].add_metric([pid, outcome], float(counts.get(outcome, 0)))
             depth += queue_depth(pair.applied, pair.durable)
+            _curves(f, pid, s, m.reliability(pair))
         f[QUEUE_DEPTH].add_metric([], float(depth))
         return list(f.values())
 
@@ -181,6 +194,21 @@ def _calibration(
     for i, p in enumerate(s.by_position):
         f[predicted].add_metric([pid, str(i)], p.mean_predicted)
         f[observed].add_metric([pid, str(i)], p.observed)
+
+
+def _curves(f: Families, pid: str, s: CalibrationSummary, rel: Reliability) -> None:
+    """Survival through each position (running products of the cumulative
+    per-position rates) and the cumulative reliability bins, all positions pooled."""
+    predicted = observed = 1.0
+    for i, p in enumerate(s.by_position):
+        predicted *= p.mean_predicted
+        observed *= p.observed
+        f[PREDICTED_SURVIVAL].add_metric([pid, str(i)], predicted)
+        f[OBSERVED_SURVIVAL].add_metric([pid, str(i)], observed)
+    for b in range(len(rel.count)):
+        f[RELIABILITY_DRAFTS].add_metric([pid, str(b)], float(rel.count[b]))
+        f[RELIABILITY_PREDICTED].add_metric([pid, str(b)], float(rel.mean_predicted[b]))
+        f[RELIABILITY_OBSERVED].add_metric([pid, str(b)], float(rel.observed[b]))
 
 
 def queue_depth(applied: dict[str, int], durable: dict[str, int]) -> int:

@@ -28,13 +28,14 @@ from prometheus_client import (
     generate_latest,
 )
 
-from avest.core.metrics import CalibrationState, CalibrationSummary
+from avest.core.metrics import CalibrationState, CalibrationSummary, Reliability
 from avest.core.rules import Refit
 from avest.http.collector import PairCollector, queue_depth
 from avest.http.names import (
     AUC,
     CALIBRATION_DRAFTS,
     COEFFICIENTS_VERSION,
+    CURVE_METRICS,
     DRAFTS_OBSERVED,
     ECE,
     INFO,
@@ -43,10 +44,12 @@ from avest.http.names import (
     LOG_LOSS,
     METRICS,
     OBSERVED_ACCEPTANCE,
+    OBSERVED_SURVIVAL,
     OPEN_STREAMS,
     PAIR_INFO,
     PAIRS,
     PREDICTED_ACCEPTANCE,
+    PREDICTED_SURVIVAL,
     PREFIX,
     QUEUE_DEPTH,
     RECENT_AUC,
@@ -59,6 +62,9 @@ from avest.http.names import (
     REFITS,
     REFUSAL_REASONS,
     REFUSED_BATCHES,
+    RELIABILITY_DRAFTS,
+    RELIABILITY_OBSERVED,
+    RELIABILITY_PREDICTED,
     ROUND,
     RPC_BUCKETS,
     RPC_DURATION,
@@ -74,6 +80,7 @@ __all__ = [
     "AUC",
     "CALIBRATION_DRAFTS",
     "COEFFICIENTS_VERSION",
+    "CURVE_METRICS",
     "DRAFTS_OBSERVED",
     "ECE",
     "INFO",
@@ -82,10 +89,12 @@ __all__ = [
     "LOG_LOSS",
     "METRICS",
     "OBSERVED_ACCEPTANCE",
+    "OBSERVED_SURVIVAL",
     "OPEN_STREAMS",
     "PAIRS",
     "PAIR_INFO",
     "PREDICTED_ACCEPTANCE",
+    "PREDICTED_SURVIVAL",
     "PREFIX",
     "QUEUE_DEPTH",
     "RECENT_AUC",
@@ -98,6 +107,9 @@ __all__ = [
     "REFIT_DURATION",
     "REFUSAL_REASONS",
     "REFUSED_BATCHES",
+    "RELIABILITY_DRAFTS",
+    "RELIABILITY_OBSERVED",
+    "RELIABILITY_PREDICTED",
     "ROUND",
     "RPC_BUCKETS",
     "RPC_DURATION",
@@ -131,6 +143,7 @@ class Metrics:
         self._refits: dict[str, dict[str, int]] = {}
         #: (pair id, "all" | "recent") -> (stamp, summary)
         self._summaries: dict[tuple[str, str], tuple[_Stamp, CalibrationSummary]] = {}
+        self._reliabilities: dict[str, Reliability] = {}
         self.refit_duration = Histogram(
             family_name(REFIT_DURATION),
             SPECS[REFIT_DURATION].help,
@@ -197,9 +210,18 @@ class Metrics:
         cached = self._summaries.get((pair.id, kind))
         if cached is not None and cached[0] == stamp:
             return cached[1]
-        s = state(est).summary()
+        calibration = state(est)
+        s = calibration.summary()
         self._summaries[(pair.id, kind)] = (stamp, s)
+        if kind == "all":  # the reliability bins, from the same read
+            self._reliabilities[pair.id] = calibration.reliability()
         return s
+
+    def reliability(self, pair: Any) -> Reliability:
+        """The pair's cumulative reliability bins (all positions pooled), cached
+        with its summary."""
+        self.summary(pair)
+        return self._reliabilities[pair.id]
 
     def refit_counts(self, pair_id: str) -> dict[str, int]:
         return self._refits.get(pair_id, {})

@@ -13,6 +13,7 @@ rather than spelling names). All names start with ``avest_``, use base units
 ``code``      gRPC status code name (``OK``, ``INVALID_ARGUMENT``, ...)
 ``outcome``   refit outcome, one of :data:`avest.core.rules.OUTCOMES`
 ``reason``    refusal reason, one of :data:`REFUSAL_REASONS`
+``bin``       reliability bin, ``"0"`` .. ``"14"`` (see :data:`CURVE_METRICS`)
 
 Per-pair series exist from the pair's registration (or restoration from the
 store) on, before any observation. ``avest_drafts_observed_total`` and
@@ -35,7 +36,8 @@ position ``i`` *given that position was verified* (the earlier drafts of the
 row were accepted): a conditional rate. vLLM's
 ``rate(vllm:spec_decode_num_accepted_tokens_per_pos_total[5m]) /
 rate(vllm:spec_decode_num_drafts_total[5m])`` is the unconditional rate,
-comparable to the running product of avest's per-position rates.
+comparable to the running product of avest's per-position rates, which
+``avest_observed_survival`` exports (see :data:`CURVE_METRICS`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from avest.core.estimator import DEFAULT_RECENT_DECAY
+from avest.core.metrics import ECE_BINS
 
 PREFIX = "avest_"
 
@@ -153,6 +156,65 @@ _RECENT = (
     f"recent drafts (each refit round down-weights older ones by {DEFAULT_RECENT_DECAY:g}: "
     "a window of about 20 rounds)"
 )
+
+# -- the dashboard's curves: survival through position i, reliability bins -------
+#
+# Survival through position ``i`` is the running product over positions
+# ``0..i`` of the cumulative per-position gauges above: with
+# ``avest_predicted_acceptance`` the probability the estimator gave a run of
+# ``i + 1`` accepted drafts, with ``avest_observed_acceptance`` (conditional
+# rates, so the product telescopes) the fraction of drafts whose positions
+# ``0..i`` were all accepted: what vLLM's
+# ``rate(..._accepted_tokens_per_pos_total) / rate(..._num_drafts_total)``
+# counts, and ``1 + sum over i`` is the mean acceptance length. NaN from the
+# first position without drafts on. The reliability bins are the cumulative
+# reliability diagram, every position pooled (what ``/v1/pairs/{id}/reliability``
+# and its SVG draw without ``position``): bin ``b`` (``"0"`` .. ``"14"``) holds
+# the drafts predicted in ``[b/15, (b+1)/15)`` (:data:`~avest.core.metrics.ECE_BINS`
+# bins). Per pair: ``2 K + 3 * 15`` series.
+
+PREDICTED_SURVIVAL = "avest_predicted_survival"
+OBSERVED_SURVIVAL = "avest_observed_survival"
+RELIABILITY_DRAFTS = "avest_reliability_drafts"
+RELIABILITY_PREDICTED = "avest_reliability_predicted"
+RELIABILITY_OBSERVED = "avest_reliability_observed"
+
+CURVE_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        PREDICTED_SURVIVAL,
+        "gauge",
+        ("pair", "position"),
+        "Predicted probability that drafts 0..position are all accepted: running product of "
+        f"{PREDICTED_ACCEPTANCE} (all drafts since registration or reset).",
+    ),
+    MetricSpec(
+        OBSERVED_SURVIVAL,
+        "gauge",
+        ("pair", "position"),
+        "Observed fraction of drafts whose positions 0..position were all accepted: running "
+        f"product of {OBSERVED_ACCEPTANCE} (all drafts since registration or reset).",
+    ),
+    MetricSpec(
+        RELIABILITY_DRAFTS,
+        "gauge",
+        ("pair", "bin"),
+        f"Labelled drafts whose predicted acceptance fell in the bin [bin/{ECE_BINS}, "
+        f"(bin+1)/{ECE_BINS}), all positions pooled (all drafts since registration or reset).",
+    ),
+    MetricSpec(
+        RELIABILITY_PREDICTED,
+        "gauge",
+        ("pair", "bin"),
+        "Mean predicted acceptance of the bin's drafts (NaN while the bin is empty).",
+    ),
+    MetricSpec(
+        RELIABILITY_OBSERVED,
+        "gauge",
+        ("pair", "bin"),
+        "Observed acceptance rate of the bin's drafts (NaN while the bin is empty).",
+    ),
+)
+
 
 #: Every avest metric, in exposition order.
 METRICS: tuple[MetricSpec, ...] = (
@@ -276,6 +338,7 @@ METRICS: tuple[MetricSpec, ...] = (
         ("method", "reason"),
         "Requests refused (state untouched) by method and reason.",
     ),
+    *CURVE_METRICS,
 )
 SPECS: dict[str, MetricSpec] = {m.name: m for m in METRICS}
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import math
 import re
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +30,8 @@ from avest.core.metrics import PositionSummary, Reliability
 
 _PRED = "#1f77b4"
 _OBS = "#ff7f0e"
+#: pyplot and rcParams are process-wide: one diagram is drawn at a time.
+_DRAWING = threading.Lock()
 #: Characters XML 1.0 cannot hold (model names are free text).
 _XML_BAD = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
 
@@ -56,7 +59,7 @@ def render(
     import matplotlib.pyplot as plt
 
     attrs: dict[str, str] = {}
-    with plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": "avest"}):
+    with _DRAWING, plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": "avest"}):
         fig, (left, right) = plt.subplots(1, 2, figsize=(9.8, 4.7))
         fig.suptitle(_clean(title), x=0.02, ha="left", fontweight="bold")
         if subtitle:
