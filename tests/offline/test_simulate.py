@@ -309,6 +309,8 @@ def test_cli_end_to_end_json(tmp_path: Path, trace_slice, capsys) -> None:
             f"a100-llama8b,{profile}",
             "--concurrency",
             "4,8",
+            "--min-steps",
+            "0",
             "--json",
             "--plot",
             str(tmp_path / "plots"),
@@ -333,7 +335,8 @@ def test_cli_end_to_end_json(tmp_path: Path, trace_slice, capsys) -> None:
 
 def test_cli_table_and_errors(tmp_path: Path, trace_slice, capsys) -> None:
     path = write_trace(tmp_path / "slice.npz", trace_slice("sample", 0, 20))
-    rc = main(["simulate", str(path), "--costs", "l40s-llama8b", "--concurrency", "8"])
+    argv = ["simulate", str(path), "--costs", "l40s-llama8b", "--concurrency", "8"]
+    rc = main([*argv, "--min-steps", "0"])
     text = capsys.readouterr().out
     assert rc == 0 and "best fixed length" in text and "avest/argmax *" in text
     assert main(["simulate", str(path), "--costs", "nope"]) == 2
