@@ -101,12 +101,22 @@ def parallel_profile(ar_name: str) -> dict[str, Any]:
     }
 
 
+def dumps(data: dict[str, Any]) -> str:
+    """JSON as the shipped profiles write it: one line per curve."""
+    head = {k: v for k, v in data.items() if not k.endswith("_curve")}
+    text = json.dumps(head, indent=2)[: -len("\n}")]
+    for key in ("draft_curve", "verify_curve"):
+        points = ", ".join(json.dumps(p) for p in data[key])
+        text += f',\n  "{key}": [\n    {points}\n  ]'
+    return text + "\n}\n"
+
+
 def write_parallel_profiles(directory: Path) -> list[Path]:
     out = []
     for name in GPUS:
         data = parallel_profile(name)
         path = directory / f"costs-{data['name']}.json"
-        path.write_text(json.dumps(data, indent=2) + "\n")
+        path.write_text(dumps(data))
         out.append(path)
     return out
 
