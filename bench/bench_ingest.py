@@ -40,7 +40,7 @@ import grpc
 import numpy as np
 
 from avest.core.estimator import OnlineEstimator
-from avest.core.rules import make_rule
+from avest.core.rule_factory import make_rule
 from avest.settings import Settings
 from avest_client import EstimatorClient, Forwarder
 from avest_wire import matrix as wire

@@ -121,6 +121,8 @@ class Session:
         self.backoff = backoff
         #: ``(version, slope, intercepts)`` last received, or None.
         self.latest: tuple[int, float, tuple[float, ...]] | None = None
+        #: ``(knots, logits, served)`` of the calibration layer pushed with them, or None.
+        self.calibration: tuple[tuple[float, ...], tuple[float, ...], bool] | None = None
         #: How the last stream (or connection attempt) failed, for diagnostics.
         self.last_error = ""
         self.connected = False
@@ -163,6 +165,11 @@ class Session:
         latest = self.latest
         if current or latest is None or c.version > latest[0]:
             self.latest = (int(c.version), float(c.slope), tuple(float(v) for v in c.intercepts))
+            self.calibration = (
+                (tuple(c.calibration_knots), tuple(c.calibration_logits), c.calibration_served)
+                if c.calibration_knots
+                else None
+            )
 
     def message(self, step: Step) -> pb.ObserveRequest:
         """The wire message of a step (built once, kept for resends)."""

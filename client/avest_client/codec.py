@@ -24,6 +24,7 @@ UPDATE_RULES = {
     "": pb.UPDATE_RULE_UNSPECIFIED,
     "vllm": pb.UPDATE_RULE_VLLM,
     "recursive": pb.UPDATE_RULE_RECURSIVE,
+    "tracking": pb.UPDATE_RULE_TRACKING,
 }
 UPDATE_RULE_NAMES = {v: k for k, v in UPDATE_RULES.items()}
 BUDGET_RULES = {
@@ -41,7 +42,9 @@ def update_rule(name: str | None) -> int:
     try:
         return int(UPDATE_RULES[key])
     except KeyError:
-        raise ValueError(f"unknown update rule {name!r}; expected vllm or recursive") from None
+        raise ValueError(
+            f"unknown update rule {name!r}; expected tracking, vllm or recursive"
+        ) from None
 
 
 def budget_rule(name: str | None) -> int:

@@ -184,6 +184,11 @@ class _Base:
             return None
         return latest[0], latest[1], list(latest[2])
 
+    def latest_calibration(self) -> tuple[tuple[float, ...], tuple[float, ...], bool] | None:
+        """``(knots, logits, served)`` of the calibration layer pushed with the latest
+        coefficients, or None (none received, or the pair has no layer)."""
+        return self._session.calibration
+
     @property
     def connected(self) -> bool:
         """Whether an Observe stream is open right now."""

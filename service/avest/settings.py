@@ -16,6 +16,8 @@ from typing import Any
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from avest.core.rule_factory import RULE_NAMES
+
 ENV_PREFIX = "AVEST_"
 
 
@@ -32,7 +34,8 @@ class Settings(BaseSettings):
     data_dir: str = Field("./avest-data", description="directory holding the SQLite database")
     #: Update rule for pairs that do not ask for one (see README: measured).
     default_rule: str = Field(
-        "recursive", description="update rule for pairs that do not name one: vllm or recursive"
+        "tracking",
+        description="update rule for pairs that do not name one: tracking, vllm or recursive",
     )
     refit_interval: int = Field(
         100, ge=1, description="refit every N observed steps (pooled across workers)"
@@ -58,8 +61,8 @@ class Settings(BaseSettings):
     @field_validator("default_rule")
     @classmethod
     def _known_rule(cls, v: str) -> str:
-        if v not in ("vllm", "recursive"):
-            raise ValueError(f"default_rule must be vllm or recursive, got {v!r}")
+        if v not in RULE_NAMES:
+            raise ValueError(f"default_rule must be one of {', '.join(RULE_NAMES)}, got {v!r}")
         return v
 
     @field_validator("grpc_address", "http_address")

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from avest.core.estimator import OnlineEstimator
-from avest.core.rules import make_rule
+from avest.core.rule_factory import make_rule, rule_options
 from avest.settings import Settings
 
 Step = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -31,8 +31,9 @@ def core_replay(
     """The in-process estimator the service builds for a pair, fed the same steps."""
     est = OnlineEstimator(
         k,
-        make_rule(rule, forgetting=settings.forgetting, prior=settings.prior),
+        make_rule(rule, **rule_options(rule, settings.forgetting, settings.prior)),
         refit_interval=refit_interval,
+        calibrate=True,
     )
     for x, d, a in steps:
         est.observe(x, d, a)

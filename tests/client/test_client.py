@@ -221,7 +221,7 @@ def test_watch_callback_runs_on_a_thread_and_stops(server, chat_steps):
             seen.set()
 
     with EstimatorClient(server.grpc_address) as client:
-        reg = client.register("t", "d", "m", k, refit_interval=10)
+        reg = client.register("t", "d", "m", k, rule="recursive", refit_interval=10)
         watcher = client.watch(reg.pair_id, on_update)
         with client.forwarder(reg.pair_id) as fwd:
             for s in steps:

@@ -52,7 +52,7 @@ def submit_all(fwd, steps) -> None:
         fwd.submit(x, d, a, None)
 
 
-@pytest.mark.parametrize("rule", ["vllm", "recursive"])
+@pytest.mark.parametrize("rule", ["vllm", "recursive", "tracking"])
 def test_a_forwarded_trace_gives_the_in_process_replay_exactly(server, chat_steps, rule):
     k, steps = chat_steps(0, 200)
     with EstimatorClient(server.grpc_address) as client:

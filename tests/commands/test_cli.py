@@ -9,6 +9,7 @@ import pytest
 
 from avest.commands.cli import main
 from avest.core.estimator import OnlineEstimator
+from avest.core.rule_factory import make_rule
 from avest.core.rules import RecursiveRule, VllmRule
 from avest.offline.evaluate import METHODS
 from avest.offline.trace import write_trace
@@ -21,8 +22,8 @@ def chat_slice(trace_slice, tmp_path):
     return path, trace_slice("chat", 0, 250)
 
 
-def replay_core(trace, rule, n):
-    est = OnlineEstimator(trace.k, rule, n)
+def replay_core(trace, rule, n, calibrate=False):
+    est = OnlineEstimator(trace.k, rule, n, calibrate=calibrate)
     starts = np.concatenate(([0], np.flatnonzero(np.diff(trace.step)) + 1, [trace.rows]))
     for lo, hi in zip(starts[:-1], starts[1:], strict=True):
         est.observe(trace.features[lo:hi], trace.num_verified[lo:hi], trace.num_accepted[lo:hi])
@@ -42,6 +43,18 @@ def test_evaluate_json_on_a_slice_of_a_shared_trace(chat_slice, capsys):
     assert out["methods"]["vllm"]["auc"] == pytest.approx(vllm.calibration.summary().auc, abs=1e-12)
     rec = replay_core(trace, RecursiveRule(), 50)
     assert out["methods"]["recursive"]["intercepts"] == list(rec.coefficients.intercepts)
+    # The default rule, and the same rule with the calibration layer: same
+    # coefficients (the layer never touches the IRLS sums), served predictions scored.
+    default = replay_core(trace, make_rule("tracking"), 50)
+    assert out["methods"]["tracking"]["slope"] == default.coefficients.slope
+    assert out["methods"]["tracking"]["logloss"] == pytest.approx(
+        default.calibration.summary().logloss, abs=1e-12
+    )
+    assert out["methods"]["calibrated"]["intercepts"] == list(default.coefficients.intercepts)
+    layered = replay_core(trace, make_rule("tracking"), 50, calibrate=True)
+    assert out["methods"]["calibrated"]["ece"] == pytest.approx(
+        layered.calibration.summary().ece, abs=1e-12
+    )
     for m in out["methods"].values():
         assert len(m["auc_by_position"]) == trace.k
         assert 0.0 < m["ece"] < 1.0

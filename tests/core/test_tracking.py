@@ -10,7 +10,9 @@ from avest.core.labels import labels
 from avest.core.metrics import CalibrationState
 from avest.core.mle import fit_mle
 from avest.core.model import Coefficients, linear_predictor
-from avest.core.rules import DEFAULT_RULE, SLOPE_HELD, VllmRule, arrowhead_dense, make_rule
+from avest.core.rule_factory import DEFAULT_RULE, make_rule
+from avest.core.rules import SLOPE_HELD, VllmRule, arrowhead_dense
+from avest.core.shadow import ShadowedTracking
 from avest.core.stats import RoundStats, fold
 from avest.core.tracking import TrackingRule, round_steps, solve_arrowhead
 
@@ -39,7 +41,7 @@ def replay(estimator, steps, first_scored):
 
 def test_default_rule_is_tracking():
     assert DEFAULT_RULE == "tracking"
-    assert isinstance(make_rule(DEFAULT_RULE), TrackingRule)
+    assert isinstance(make_rule(DEFAULT_RULE), ShadowedTracking)
 
 
 @pytest.mark.parametrize("rule", [DEFAULT_RULE, "tracking"])

@@ -11,8 +11,8 @@ import pytest
 from avest.commands.cli import main
 from avest.core.budget import RULES
 from avest.core.model import survival
-from avest.core.rules import DEFAULT_RULE as DEFAULT_UPDATE_RULE
-from avest.core.rules import make_rule
+from avest.core.rule_factory import DEFAULT_RULE as DEFAULT_UPDATE_RULE
+from avest.core.rule_factory import make_rule
 from avest.core.tracking import round_steps
 from avest.offline.simulate.engine import make_policies, planned_steps, simulate, truncate
 from avest.offline.simulate.profiles import (

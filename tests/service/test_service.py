@@ -21,14 +21,19 @@ from avest.core.budget import decide
 from avest.core.costs import CostTable
 from avest.core.estimator import OnlineEstimator
 from avest.core.model import Coefficients, linear_predictor, predict, survival
-from avest.core.rules import RecursiveRule, VllmRule
+from avest.core.rule_factory import make_rule
+from avest.core.rules import VllmRule
 from avest.core.stats import fold
 from avest.offline.replay import messages_for, pair_key, replay, step_bounds
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 
-RULE = {"vllm": pb.UPDATE_RULE_VLLM, "recursive": pb.UPDATE_RULE_RECURSIVE}
+RULE = {
+    "vllm": pb.UPDATE_RULE_VLLM,
+    "recursive": pb.UPDATE_RULE_RECURSIVE,
+    "tracking": pb.UPDATE_RULE_TRACKING,
+}
 
 
 def stub_for(address: str) -> tuple[grpc.Channel, pb_grpc.EstimatorServiceStub]:
@@ -58,15 +63,13 @@ def observe_all(stub, msgs):
 
 
 def core_replay(trace, rule, refit_interval, steps=None):
-    est = OnlineEstimator(
-        trace.k, VllmRule() if rule == "vllm" else RecursiveRule(), refit_interval
-    )
+    est = OnlineEstimator(trace.k, make_rule(rule), refit_interval, calibrate=True)
     for lo, hi in step_bounds(trace)[:steps]:
         est.observe(trace.features[lo:hi], trace.num_verified[lo:hi], trace.num_accepted[lo:hi])
     return est
 
 
-@pytest.mark.parametrize("rule", ["vllm", "recursive"])
+@pytest.mark.parametrize("rule", ["vllm", "recursive", "tracking"])
 def test_a_trace_through_the_service_gives_the_core_replay_exactly(server, trace_slice, rule):
     trace = trace_slice("chat", 0, 120)
     channel, stub = stub_for(server.grpc_address)
@@ -77,11 +80,13 @@ def test_a_trace_through_the_service_gives_the_core_replay_exactly(server, trace
         est = core_replay(trace, rule, 10)
         got = stub.GetCoefficients(pb.GetCoefficientsRequest(pair_id=reg.pair_id)).coefficients
         pair = stub.GetPair(pb.GetPairRequest(pair_id=reg.pair_id)).pair
+    rounds = est.round
+    assert rounds == (12 if rule != "tracking" else 15)  # tracking: 4 short rounds first
     assert acked == 120
-    assert updates == list(range(1, 13))
+    assert updates == list(range(1, rounds + 1))
     assert got.slope == est.coefficients.slope
     assert tuple(got.intercepts) == est.coefficients.intercepts
-    assert (got.version, got.round) == (est.version, est.round) == (12, 12)
+    assert (got.version, got.round) == (est.version, est.round) == (rounds, rounds)
     assert pair.drafts_observed == est.drafts == int(trace.labels()[0].sum())
     assert pair.calibration.auc == pytest.approx(est.calibration.summary().auc, abs=1e-12)
 

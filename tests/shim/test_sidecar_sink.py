@@ -27,7 +27,7 @@ import torch
 from avest.core.budget import decide
 from avest.core.costs import CostTable
 from avest.core.estimator import OnlineEstimator
-from avest.core.rules import make_rule
+from avest.core.rule_factory import make_rule, rule_options
 from avest_client import Backoff, EstimatorClient
 from avest_client.vllm import contract, costs, exclusion, plugin
 from avest_client.vllm.config import ShimConfig
@@ -142,8 +142,9 @@ def core_replay(
     """The core estimator the service builds for the pair, fed the trace's own rows."""
     est = OnlineEstimator(
         k,
-        make_rule(rule, forgetting=settings.forgetting, prior=settings.prior),
+        make_rule(rule, **rule_options(rule, settings.forgetting, settings.prior)),
         refit_interval=refit_interval,
+        calibrate=True,
     )
     for s in trace:
         est.observe(s.features.numpy(), s.num_verified, s.num_accepted)
@@ -236,21 +237,27 @@ def test_a_new_worker_starts_from_the_trained_pair(start_sidecar, tmp_path, trac
     first.avest_close()
     with EstimatorClient(srv.grpc_address) as client:
         trained = client.coefficients(sink_of(first).pair_id)
-    assert trained.version == 10
+    # The default rule refits four short warm-up rounds, then every 10 steps.
+    trained_version = 13
+    assert trained.version == trained_version
     assert trained.slope != 0.5 and trained.intercepts != (-0.2,) * 5
 
     second = make_shim(srv.grpc_address)
     sink = sink_of(second)
     assert sink.wait_connected(10)
     # registration handed over the pair's coefficients before any step ...
-    assert sink.latest_coefficients() == (10, trained.slope, list(trained.intercepts))
+    assert sink.latest_coefficients() == (
+        trained_version,
+        trained.slope,
+        list(trained.intercepts),
+    )
     assert second.slope.item() == 0.5  # (tensors change only at a step boundary)
     run(second, trace[100:101])
     # ... so the very first step boundary puts them in force, not 0.5 / -0.2
     assert second.slope.item() == f32(trained.slope)
     assert second.intercepts.tolist() == [f32(b) for b in trained.intercepts]
     st = second.avest_stats()
-    assert st["governed"] and st["version"] == 10 and st["updates"] == 1
+    assert st["governed"] and st["version"] == trained_version and st["updates"] == 1
     assert st["sink"]["registrations"] == 1
     second.avest_close()
 

@@ -141,6 +141,7 @@ def test_enums():
         "UPDATE_RULE_UNSPECIFIED",
         "UPDATE_RULE_VLLM",
         "UPDATE_RULE_RECURSIVE",
+        "UPDATE_RULE_TRACKING",
     ]
     assert pb.BudgetRule.Name(0) == "BUDGET_RULE_UNSPECIFIED"
     assert list(pb.BudgetRule.keys()) == [

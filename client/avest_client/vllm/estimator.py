@@ -12,7 +12,9 @@ base ``step`` the subclass:
 * while pooled coefficients govern, skips the refit the base would run this
   step by resetting its counter, and clears the round statistics exactly as
   the refit would (so a later local refit starts from a clean round);
-* after the base step, snapshots the step for the sink (rank 0 only).
+* after the base step, snapshots the step for the sink (rank 0 only);
+* after the base ``predict``, maps its confidences through the pair's
+  calibration table while it is served (:mod:`avest_client.vllm.calibration`).
 
 Any failure to set the sidecar up leaves a plain base estimator: vLLM keeps
 serving with its own refits.
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 
 from avest_client.vllm import contract
+from avest_client.vllm.calibration import TableSync
 from avest_client.vllm.coefficients import Governor, Update
 from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.exclusion import ExclusionRegistry
@@ -80,6 +83,7 @@ class _Runtime:
                 except Exception:  # noqa: BLE001
                     logger.exception("avest: forwarder setup failed; not forwarding")
         self.governor = Governor(self.group, self.sink, k, opts.config.sync_steps)
+        self.tables = TableSync(self.group, self.sink, opts.config.sync_steps, est.slope.device)
         self.skipped_refits = 0
         self._forward_failed = False
 
@@ -184,6 +188,7 @@ def make_sidecar_estimator(
             update = rt.governor.boundary()
             if update is not None:
                 rt.apply(self, update)
+            rt.tables.boundary(rt.governor.governed)
             if rt.governor.governed and self._steps_since_refit + 1 >= self.REFIT_INTERVAL:
                 # The base would refit in this step: let it accumulate, then
                 # end the round without moving the pooled coefficients.
@@ -196,6 +201,21 @@ def make_sidecar_estimator(
             else:
                 super().step(idx_mapping, num_sampled, num_rejected)
             rt.forward(self, idx_mapping, num_sampled, num_rejected)
+
+        def predict(
+            self,
+            logits: Any,
+            idx_mapping: Any,
+            draft_step: Any,
+            confidence_probs: Any,
+            temperature: Any,
+        ) -> None:
+            super().predict(logits, idx_mapping, draft_step, confidence_probs, temperature)
+            rt = self._avest
+            if rt is not None:  # the pair's calibration layer, on the device
+                rt.tables.map.apply(
+                    self, logits.shape[0], idx_mapping, draft_step, confidence_probs
+                )
 
         def avest_stats(self) -> dict[str, Any]:
             return {} if self._avest is None else self._avest.stats()

@@ -20,7 +20,7 @@ DEFAULT_CONCURRENCY = 32
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from avest.core.rules import DEFAULT_RULE, RULE_NAMES
+    from avest.core.rule_factory import DEFAULT_RULE, RULE_NAMES
 
     p = subparsers.add_parser(
         "fleet",

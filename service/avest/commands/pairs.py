@@ -18,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 def pair_json(pair: Any) -> dict[str, Any]:
     """A ``avest.v1.Pair`` as the JSON the CLI prints."""
     c, cal = pair.coefficients, pair.calibration
-    rules = {1: "vllm", 2: "recursive"}
+    rules = {1: "vllm", 2: "recursive", 3: "tracking"}
     return {
         "pair_id": pair.pair_id,
         "key": {

@@ -24,7 +24,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--workers", type=int, default=1, metavar="W", help="concurrent simulated workers"
     )
     p.add_argument(
-        "--rule", choices=["vllm", "recursive"], default="", help="update rule for the pair"
+        "--rule",
+        choices=["tracking", "vllm", "recursive"],
+        default="",
+        help="update rule for the pair",
     )
     p.add_argument(
         "--refit-interval",

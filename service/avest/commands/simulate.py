@@ -36,7 +36,7 @@ MIN_STEPS = 2000
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from avest.core.rules import DEFAULT_RULE, RULE_NAMES
+    from avest.core.rule_factory import DEFAULT_RULE, RULE_NAMES
     from avest.settings import Settings
 
     defaults = Settings()

@@ -37,6 +37,8 @@ DEFAULT_DECAY = 0.8
 #: The map must beat the logistic's decayed loss by this fraction, and nats.
 SERVE_MARGIN = 0.005
 SERVE_MARGIN_NATS = 2.0
+#: ... and by this many standard errors of the summed per-draft differences.
+SERVE_Z = 2.5
 #: Log-odds of served confidences are kept within this range.
 MAX_LOGIT = 12.0
 
@@ -65,6 +67,9 @@ def pool_adjacent_violators(values: FloatArray, weights: FloatArray) -> FloatArr
     return np.concatenate([np.full(int(n), m) for m, _, n in blocks])
 
 
+_ARRAYS = ("accepted", "total", "round_accepted", "round_total", "table", "loss", "spread")
+
+
 class Recalibrator:
     """Monotone recalibration of one pair's linear predictor."""
 
@@ -79,16 +84,36 @@ class Recalibrator:
         self.table = KNOTS.copy()  # identity map until learned
         # Decayed predictive log loss of the map and of the plain logistic.
         self.loss = np.zeros(2)
+        # Decayed sum of squared per-draft loss differences (logistic - map),
+        # and decayed number of drafts scored.
+        self.spread = np.zeros(2)
+
+    @property
+    def gain(self) -> float:
+        """Recent predictive log loss saved by the map, nats (negative: it loses)."""
+        return float(self.loss[1] - self.loss[0])
+
+    @property
+    def recent_logloss(self) -> tuple[float, float]:
+        """Recent mean predictive log loss ``(map, logistic)`` per draft (NaN: none yet)."""
+        n = float(self.spread[1])
+        if n <= 0.0:
+            return float("nan"), float("nan")
+        return float(self.loss[0] / n), float(self.loss[1] / n)
 
     @property
     def active(self) -> bool:
         """Serve the map only while its recent predictive log loss is lower by a margin.
 
-        The margin (0.5 % of the logistic's loss, at least 2 nats) keeps a
-        map that has only just caught up from being served on noise.
+        The margin (0.5 % of the logistic's loss, at least 2 nats, and
+        :data:`SERVE_Z` standard errors of the summed per-draft differences:
+        a one-sided sequential test on the decayed sums) keeps a map that has
+        only just caught up, or wins on noise, from being served.
         """
+        gain = self.gain
         return bool(
-            self.loss[0] < self.loss[1] - max(SERVE_MARGIN_NATS, SERVE_MARGIN * self.loss[1])
+            gain > max(SERVE_MARGIN_NATS, SERVE_MARGIN * self.loss[1])
+            and gain > SERVE_Z * float(np.sqrt(self.spread[0]))
         )
 
     def mapped(self, eta: npt.ArrayLike) -> FloatArray:
@@ -108,8 +133,12 @@ class Recalibrator:
         y = np.asarray(accepted, dtype=bool) & obs
         if not obs.any():
             return
-        self.loss[0] += float(np.sum(bernoulli_nll(self.mapped(e[obs]), y[obs])))
-        self.loss[1] += float(np.sum(bernoulli_nll(e[obs], y[obs])))
+        mapped_loss = bernoulli_nll(self.mapped(e[obs]), y[obs])
+        plain_loss = bernoulli_nll(e[obs], y[obs])
+        self.loss[0] += float(np.sum(mapped_loss))
+        self.loss[1] += float(np.sum(plain_loss))
+        self.spread[0] += float(np.sum((plain_loss - mapped_loss) ** 2))
+        self.spread[1] += float(plain_loss.size)
         s = slot(e[obs])
         self.round_total += np.bincount(s, minlength=SLOTS)
         self.round_accepted += np.bincount(s, weights=y[obs].astype(np.float64), minlength=SLOTS)
@@ -119,6 +148,7 @@ class Recalibrator:
         self.accepted = self.decay * self.accepted + self.round_accepted
         self.total = self.decay * self.total + self.round_total
         self.loss *= self.decay
+        self.spread *= self.decay
         self.round_accepted = np.zeros(SLOTS)
         self.round_total = np.zeros(SLOTS)
         prior = sigmoid(KNOTS)
@@ -139,9 +169,10 @@ class Recalibrator:
             "round_total": self.round_total.copy(),
             "table": self.table.copy(),
             "loss": self.loss.copy(),
+            "spread": self.spread.copy(),
         }
 
     def load_arrays(self, arrays: dict[str, FloatArray]) -> None:
         for name, value in arrays.items():
-            if name in ("accepted", "total", "round_accepted", "round_total", "table", "loss"):
+            if name in _ARRAYS:
                 setattr(self, name, np.asarray(value, dtype=np.float64).copy())

@@ -132,8 +132,11 @@ class OnlineEstimator:
     def apply(self, batch: Batch) -> Refit | None:
         """Fold a validated batch scored at the coefficients in force."""
         eta = linear_predictor(self.coefficients, batch.features)
+        # The IRLS sums stay on the logistic prediction; the calibration
+        # measures score what was served (the layer's map while it is served).
         self.round_stats.add_(fold(batch.features, eta, batch.observed, batch.accepted))
-        self._calibration_round.update(eta, batch.observed, batch.accepted)
+        served = eta if self.recalibrator is None else self.recalibrator.apply(eta)
+        self._calibration_round.update(served, batch.observed, batch.accepted)
         if self.recalibrator is not None:
             self.recalibrator.observe(eta, batch.observed, batch.accepted)
         self.drafts += batch.labelled
@@ -168,7 +171,11 @@ class OnlineEstimator:
 
     @property
     def calibration(self) -> CalibrationState:
-        """Calibration of every draft observed since the start (or last reset)."""
+        """Calibration of every draft observed since the start (or last reset).
+
+        Each draft is scored by the served prediction: the calibration
+        layer's while it was served, the logistic's otherwise.
+        """
         return self._calibration_total + self._calibration_round
 
     @property

@@ -12,8 +12,9 @@ Both take a :class:`RoundStats` computed at the current coefficients and
 return the new coefficients with an outcome label. Neither raises on bad
 numbers: a step that would make the slope negative or non-finite is dropped,
 and the intercepts are those solved with the slope held (never the ones
-solved together with the dropped slope). ``tracking`` (the default, in
-:mod:`avest.core.tracking`) is a third rule.
+solved together with the dropped slope). ``tracking`` (the default: the
+step of :mod:`avest.core.tracking` with vLLM's rule run as a shadow, in
+:mod:`avest.core.shadow`) is a third rule.
 """
 
 from __future__ import annotations
@@ -239,34 +240,3 @@ def _solve_spd(m: FloatArray, rhs: FloatArray) -> FloatArray | None:
             return np.asarray(sol, dtype=np.float64)
         except np.linalg.LinAlgError:
             return None
-
-
-RULE_NAMES = ("vllm", "recursive", "tracking")
-#: The rule a pair gets when it names none (README: measured on traces).
-DEFAULT_RULE = "tracking"
-
-
-def make_rule(
-    name: str,
-    *,
-    l2: float = 1e-3,
-    damping: float = 50.0,
-    forgetting: float | None = None,
-    prior: float = 1.0,
-) -> UpdateRule:
-    """Build an update rule by name; each rule reads only its own parameters.
-
-    ``forgetting`` defaults per rule: 0.95 for ``recursive``, 0.9 for
-    ``tracking``.
-    """
-    if name == "vllm":
-        return VllmRule(l2=l2, damping=damping)
-    if name == "recursive":
-        return RecursiveRule(forgetting=0.95 if forgetting is None else forgetting, prior=prior)
-    if name == "tracking":
-        from avest.core.tracking import TrackingRule
-
-        return TrackingRule(
-            forgetting=0.9 if forgetting is None else forgetting, damping=damping, l2=l2
-        )
-    raise ValueError(f"unknown update rule {name!r}; choose one of {', '.join(RULE_NAMES)}")

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from avest.core import budget as budget_rules
 from avest.state.pairs import Pair
 from avest_wire.v1 import estimator_pb2 as pb
 
-RULE_TO_PB = {"vllm": pb.UPDATE_RULE_VLLM, "recursive": pb.UPDATE_RULE_RECURSIVE}
+RULE_TO_PB = {
+    "vllm": pb.UPDATE_RULE_VLLM,
+    "recursive": pb.UPDATE_RULE_RECURSIVE,
+    "tracking": pb.UPDATE_RULE_TRACKING,
+}
 RULE_FROM_PB = {pb.UPDATE_RULE_UNSPECIFIED: "", **{v: k for k, v in RULE_TO_PB.items()}}
 BUDGET_FROM_PB = {
     pb.BUDGET_RULE_UNSPECIFIED: budget_rules.DEFAULT_RULE,
@@ -31,7 +37,21 @@ def coefficients_pb(pair: Pair) -> pb.Coefficients:
         slope=c.slope,
         intercepts=list(c.intercepts),
         update_time=ts,
+        **calibration_layer(pair),
     )
+
+
+def calibration_layer(pair: Pair) -> dict[str, Any]:
+    """The layer's fixed-size table for ``Coefficients`` (none when the pair has no layer)."""
+    layer = pair.estimator.recalibrator
+    if layer is None:
+        return {}
+    knots, logits = layer.export()
+    return {
+        "calibration_knots": knots.tolist(),
+        "calibration_logits": logits.tolist(),
+        "calibration_served": layer.active,
+    }
 
 
 def pair_pb(pair: Pair) -> pb.Pair:

@@ -20,7 +20,7 @@ from avest.core import budget as budget_rules
 from avest.core.errors import InvalidInput
 from avest.core.estimator import make_batch
 from avest.core.features import check_features
-from avest.core.model import predict, survival
+from avest.core.model import survival
 from avest.grpc.convert import (
     BUDGET_FROM_PB,
     BUDGET_TO_PB,
@@ -139,7 +139,7 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
             pair = self._pair(request.pair_id)
             self._check_shape(pair, request.rows, request.k)
             x = check_features(wire.decode(request.features, request.rows, request.k), pair.k)
-            p = predict(pair.coefficients, x)
+            p = pair.estimator.predict_served(x)  # the calibration layer while served
             return pb.ScoreResponse(
                 confidences=wire.encode(p)[0],
                 survival=wire.encode(survival(p))[0],

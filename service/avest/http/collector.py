@@ -18,6 +18,8 @@ from avest.core.rules import OUTCOMES
 from avest.http.names import (
     AUC,
     CALIBRATION_DRAFTS,
+    CALIBRATION_LAYER_GAIN,
+    CALIBRATION_LAYER_SERVED,
     COEFFICIENTS_VERSION,
     DRAFTS_OBSERVED,
     ECE,
@@ -96,6 +98,8 @@ COLLECTED = (
     RELIABILITY_DRAFTS,
     RELIABILITY_PREDICTED,
     RELIABILITY_OBSERVED,
+    CALIBRATION_LAYER_SERVED,
+    CALIBRATION_LAYER_GAIN,
 )
 
 Families = dict[str, GaugeMetricFamily | CounterMetricFamily]
@@ -173,6 +177,7 @@ class PairCollector:
                 f[REFITS].add_metric([pid, outcome], float(counts.get(outcome, 0)))
             depth += queue_depth(pair.applied, pair.durable)
             _curves(f, pid, s, m.reliability(pair))
+            _calibration_layer(f, pid, est.recalibrator)
         f[QUEUE_DEPTH].add_metric([], float(depth))
         return list(f.values())
 
@@ -209,6 +214,15 @@ def _curves(f: Families, pid: str, s: CalibrationSummary, rel: Reliability) -> N
         f[RELIABILITY_DRAFTS].add_metric([pid, str(b)], float(rel.count[b]))
         f[RELIABILITY_PREDICTED].add_metric([pid, str(b)], float(rel.mean_predicted[b]))
         f[RELIABILITY_OBSERVED].add_metric([pid, str(b)], float(rel.observed[b]))
+
+
+def _calibration_layer(f: Families, pid: str, layer: Any) -> None:
+    """Whether the pair's calibration layer is served, and its recent log-loss gain."""
+    if layer is None:
+        return
+    mapped, plain = layer.recent_logloss
+    f[CALIBRATION_LAYER_SERVED].add_metric([pid], 1.0 if layer.active else 0.0)
+    f[CALIBRATION_LAYER_GAIN].add_metric([pid], plain - mapped)
 
 
 def queue_depth(applied: dict[str, int], durable: dict[str, int]) -> int:

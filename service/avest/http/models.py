@@ -61,11 +61,27 @@ class CalibrationOut(BaseModel):
     by_position: list[PositionCalibrationOut]
 
 
+class CalibrationLayerOut(BaseModel):
+    served: bool = Field(
+        description="Whether Score (and the pushed coefficients) apply the map: only while "
+        "its recent predictive log loss beats the plain logistic's by a margin"
+    )
+    recent_logloss: float | None = Field(
+        description="Recent mean predictive log loss of the map, nats per draft"
+    )
+    recent_logloss_logistic: float | None = Field(
+        description="Recent mean predictive log loss of the plain logistic, nats per draft"
+    )
+    recent_drafts: float = Field(description="Decayed number of drafts both were scored on")
+    knots: list[float] = Field(description="The map's knots on the linear predictor")
+    logits: list[float] = Field(description="The mapped log-odds at each knot (as served)")
+
+
 class PairOut(BaseModel):
     id: str = Field(description="Stable pair id (hash of the key)")
     key: PairKeyOut
     K: int = Field(description="Draft positions")
-    rule: str = Field(description="Update rule: vllm or recursive")
+    rule: str = Field(description="Update rule: tracking, vllm or recursive")
     refit_interval: int = Field(description="Refit every this many observed steps")
     coefficients: CoefficientsOut
     version: int = Field(
@@ -84,6 +100,9 @@ class PairOut(BaseModel):
     recent_calibration: CalibrationOut = Field(
         description="Recent drafts: each refit round down-weights older ones by "
         f"{DEFAULT_RECENT_DECAY:g} (a window of about 20 rounds); what the drift alerts watch"
+    )
+    calibration_layer: CalibrationLayerOut | None = Field(
+        None, description="The pair's calibration layer over the linear predictor"
     )
 
 
@@ -182,4 +201,21 @@ def pair_out(pair: Pair, metrics: Any) -> PairOut:
         cost_curve_hardware=sorted(pair.costs),
         calibration=calibration_out(metrics.summary(pair)),
         recent_calibration=calibration_out(metrics.recent_summary(pair)),
+        calibration_layer=calibration_layer_out(pair),
+    )
+
+
+def calibration_layer_out(pair: Pair) -> CalibrationLayerOut | None:
+    layer = pair.estimator.recalibrator
+    if layer is None:
+        return None
+    mapped, plain = layer.recent_logloss
+    knots, logits = layer.export()
+    return CalibrationLayerOut(
+        served=layer.active,
+        recent_logloss=finite(mapped),
+        recent_logloss_logistic=finite(plain),
+        recent_drafts=float(layer.spread[1]),
+        knots=knots.tolist(),
+        logits=logits.tolist(),
     )

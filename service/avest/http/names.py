@@ -78,6 +78,9 @@ RPC_DURATION = "avest_rpc_duration_seconds"
 OPEN_STREAMS = "avest_open_streams"
 QUEUE_DEPTH = "avest_queue_depth"
 REFUSED_BATCHES = "avest_refused_batches_total"
+# The calibration layer (avest.core.calibration), per pair.
+CALIBRATION_LAYER_SERVED = "avest_calibration_layer_served"
+CALIBRATION_LAYER_GAIN = "avest_calibration_layer_logloss_gain"
 
 #: Values of the ``reason`` label of :data:`REFUSED_BATCHES` (the gRPC adapter's
 #: refusal reasons); anything else is counted as ``other``.
@@ -339,6 +342,21 @@ METRICS: tuple[MetricSpec, ...] = (
         "Requests refused (state untouched) by method and reason.",
     ),
     *CURVE_METRICS,
+    # -- the calibration layer ---------------------------------------------------
+    MetricSpec(
+        CALIBRATION_LAYER_SERVED,
+        "gauge",
+        ("pair",),
+        "1 while the pair's calibration layer (a monotone map over the linear predictor) is "
+        "served by Score and in the pushed coefficients, else 0.",
+    ),
+    MetricSpec(
+        CALIBRATION_LAYER_GAIN,
+        "gauge",
+        ("pair",),
+        "Recent predictive log loss of the plain logistic minus the calibration layer's, nats "
+        "per draft (positive: the layer is better); NaN before any draft.",
+    ),
 )
 SPECS: dict[str, MetricSpec] = {m.name: m for m in METRICS}
 

@@ -19,6 +19,7 @@ from avest.core.estimator import OnlineEstimator
 from avest.core.metrics import CalibrationState, CalibrationSummary
 from avest.core.mle import fit_mle
 from avest.core.model import Coefficients, linear_predictor
+from avest.core.rule_factory import make_rule
 from avest.core.rules import RecursiveRule, VllmRule
 from avest.offline.trace import Trace
 
@@ -29,6 +30,16 @@ FloatArray = npt.NDArray[np.float64]
 METHODS: dict[str, tuple[bool, str]] = {
     "vllm": (True, "online, vLLM 0.33's update rule (one damped Newton step per round)"),
     "recursive": (True, "online, recursive Newton filter (information carried across rounds)"),
+    "tracking": (
+        True,
+        "online, the default rule: tracking Newton steps with vLLM's rule as a shadow, "
+        "the better by recent predictive loss served",
+    ),
+    "calibrated": (
+        True,
+        "online, the default rule with the calibration layer (a monotone map over the "
+        "linear predictor, served while its recent loss beats the logistic's)",
+    ),
     "mle": (True, "maximum-likelihood fit on the whole trace, scored in-sample"),
     "qmax-nofit": (True, "q_max itself as the probability, no fit"),
     "position-rate": (True, "per-position running acceptance rate, no feature"),
@@ -123,7 +134,10 @@ def replay_online(
         lo, hi = steps.bounds[i]
         batch = Batch(steps.features[lo:hi], steps.observed[lo:hi], steps.accepted[lo:hi])
         if i >= first_scored:
+            # What the service serves: the calibration layer's map while it is served.
             eta = linear_predictor(estimator.coefficients, batch.features)
+            if estimator.recalibrator is not None:
+                eta = estimator.recalibrator.apply(eta)
             scored.update(eta, batch.observed, batch.accepted)
         estimator.apply(batch)
     return scored
@@ -196,6 +210,14 @@ def evaluate(
                 else RecursiveRule(forgetting=forgetting, prior=prior)
             )
             est = OnlineEstimator(k, rule, refit_interval)
+            add(method, replay_online(steps, est, first, progress), est.coefficients)
+        elif method in ("tracking", "calibrated"):
+            est = OnlineEstimator(
+                k,
+                make_rule("tracking"),
+                refit_interval,
+                calibrate=method == "calibrated",
+            )
             add(method, replay_online(steps, est, first, progress), est.coefficients)
         elif method == "mle":
             coef, _ = fit_mle(steps.features, steps.observed, steps.accepted)

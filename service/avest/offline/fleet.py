@@ -36,7 +36,8 @@ import numpy.typing as npt
 from avest.core.estimator import DEFAULT_REFIT_INTERVAL, Batch, OnlineEstimator
 from avest.core.metrics import CalibrationState, CalibrationSummary
 from avest.core.model import linear_predictor
-from avest.core.rules import DEFAULT_RULE, VllmRule, make_rule
+from avest.core.rule_factory import DEFAULT_RULE, make_rule
+from avest.core.rules import VllmRule
 from avest.offline.evaluate import Steps
 from avest.offline.trace import Trace
 

@@ -19,7 +19,8 @@ from avest.core.costs import CostTable
 from avest.core.errors import InvalidInput
 from avest.core.estimator import Batch, OnlineEstimator
 from avest.core.model import Coefficients, check_k
-from avest.core.rules import Refit, make_rule
+from avest.core.rule_factory import DEFAULT_RULE, RULE_NAMES, make_rule, rule_options
+from avest.core.rules import Refit
 
 
 class NotFound(LookupError):
@@ -190,10 +191,12 @@ class Pair:
 
 @dataclass(frozen=True)
 class RuleConfig:
-    default_rule: str = "recursive"
+    default_rule: str = DEFAULT_RULE
     refit_interval: int = 100
     forgetting: float = 0.95
     prior: float = 1.0
+    #: Give every pair the calibration layer (served only while it wins).
+    calibrate: bool = True
 
 
 class Registry:
@@ -225,8 +228,8 @@ class Registry:
                     f"pair {existing.id} refits every {existing.estimator.refit_interval} steps, not {refit_interval}",
                 )
             return existing, False
-        if rule and rule not in ("vllm", "recursive"):
-            raise InvalidInput("rule", f"must be vllm or recursive, got {rule!r}")
+        if rule and rule not in RULE_NAMES:
+            raise InvalidInput("rule", f"must be one of {', '.join(RULE_NAMES)}, got {rule!r}")
         if refit_interval < 0 or refit_interval > 1_000_000:
             raise InvalidInput("refit_interval", "must lie in [0, 1000000] (0 = server default)")
         if len(self.pairs) >= self.max_pairs:
@@ -243,8 +246,9 @@ class Registry:
     def build(self, key: PairKey, rule: str, refit_interval: int) -> Pair:
         estimator = OnlineEstimator(
             key.k,
-            make_rule(rule, forgetting=self.rules.forgetting, prior=self.rules.prior),
+            make_rule(rule, **rule_options(rule, self.rules.forgetting, self.rules.prior)),
             refit_interval=refit_interval,
+            calibrate=self.rules.calibrate,
         )
         return Pair(key=key, rule_name=rule, estimator=estimator)
 

@@ -15,6 +15,7 @@ class UpdateRule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UPDATE_RULE_UNSPECIFIED: _ClassVar[UpdateRule]
     UPDATE_RULE_VLLM: _ClassVar[UpdateRule]
     UPDATE_RULE_RECURSIVE: _ClassVar[UpdateRule]
+    UPDATE_RULE_TRACKING: _ClassVar[UpdateRule]
 
 class BudgetRule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -26,6 +27,7 @@ class BudgetRule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 UPDATE_RULE_UNSPECIFIED: UpdateRule
 UPDATE_RULE_VLLM: UpdateRule
 UPDATE_RULE_RECURSIVE: UpdateRule
+UPDATE_RULE_TRACKING: UpdateRule
 BUDGET_RULE_UNSPECIFIED: BudgetRule
 BUDGET_RULE_STALE: BudgetRule
 BUDGET_RULE_LOSSLESS_WALK: BudgetRule
@@ -54,20 +56,26 @@ class PairKey(_message.Message):
     def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Coefficients(_message.Message):
-    __slots__ = ("pair_id", "version", "round", "slope", "intercepts", "update_time")
+    __slots__ = ("pair_id", "version", "round", "slope", "intercepts", "update_time", "calibration_knots", "calibration_logits", "calibration_served")
     PAIR_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SLOPE_FIELD_NUMBER: _ClassVar[int]
     INTERCEPTS_FIELD_NUMBER: _ClassVar[int]
     UPDATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_KNOTS_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_SERVED_FIELD_NUMBER: _ClassVar[int]
     pair_id: str
     version: int
     round: int
     slope: float
     intercepts: _containers.RepeatedScalarFieldContainer[float]
     update_time: _timestamp_pb2.Timestamp
-    def __init__(self, pair_id: _Optional[str] = ..., version: _Optional[int] = ..., round: _Optional[int] = ..., slope: _Optional[float] = ..., intercepts: _Optional[_Iterable[float]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    calibration_knots: _containers.RepeatedScalarFieldContainer[float]
+    calibration_logits: _containers.RepeatedScalarFieldContainer[float]
+    calibration_served: bool
+    def __init__(self, pair_id: _Optional[str] = ..., version: _Optional[int] = ..., round: _Optional[int] = ..., slope: _Optional[float] = ..., intercepts: _Optional[_Iterable[float]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., calibration_knots: _Optional[_Iterable[float]] = ..., calibration_logits: _Optional[_Iterable[float]] = ..., calibration_served: _Optional[bool] = ...) -> None: ...
 
 class RegisterPairRequest(_message.Message):
     __slots__ = ("key", "update_rule", "refit_interval")

@@ -138,8 +138,9 @@ class EstimatorServiceServicer:
 
     def Score(self, request, context):
         """Scores features with the pair's current coefficients: confidence
-        p = sigmoid(slope * x + intercepts[i]) per slot, and survival (the running
-        product of confidences along each row).
+        p = sigmoid(slope * x + intercepts[i]) per slot, mapped through the pair's
+        calibration layer while it is served (Coefficients.calibration_served),
+        and survival (the running product of confidences along each row).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -179,6 +179,11 @@ class SidecarSink(Supervisor, PairSync):
     def latest_coefficients(self) -> Coefficients | None:
         return self._coef
 
+    def latest_calibration(self) -> tuple[tuple[float, ...], tuple[float, ...], bool] | None:
+        """The calibration table pushed with the stream's coefficients (None before any)."""
+        fwd = self._fwd
+        return None if fwd is None else fwd.latest_calibration()
+
     def submit(
         self,
         features: np.ndarray,

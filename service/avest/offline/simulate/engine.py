@@ -70,8 +70,8 @@ from avest.core.estimator import DEFAULT_REFIT_INTERVAL, Batch, OnlineEstimator
 from avest.core.mle import fit_mle
 from avest.core.model import Coefficients, linear_predictor, predict
 from avest.core.numeric import sigmoid
-from avest.core.rules import DEFAULT_RULE as DEFAULT_UPDATE_RULE
-from avest.core.rules import make_rule
+from avest.core.rule_factory import DEFAULT_RULE as DEFAULT_UPDATE_RULE
+from avest.core.rule_factory import make_rule
 from avest.offline.simulate.profiles import CostProfile, StepCosts
 from avest.offline.simulate.results import (
     BASELINES,
