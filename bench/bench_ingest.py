@@ -50,6 +50,7 @@ from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 B, K = 64, 8
 LAT_B, LAT_K = 256, 16
 REFIT_INTERVAL = 100
+ADMIN_TOKEN = "bench-admin-token"
 
 
 def start_server(data_dir: str) -> tuple[subprocess.Popen[str], str]:
@@ -69,6 +70,14 @@ def start_server(data_dir: str) -> tuple[subprocess.Popen[str], str]:
             "warning",
             "--max-pairs",
             "4096",
+            # Admin token for SetCostCurves; no call-rate or step-rate limits
+            # (the benchmark measures the server, from one client address).
+            "--admin-token",
+            ADMIN_TOKEN,
+            "--rpc-rate",
+            "0",
+            "--stream-step-rate",
+            "0",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -271,7 +280,7 @@ def main() -> None:
     proc, address = start_server(tmp)
     rows: list[dict] = []
     try:
-        with EstimatorClient(address, timeout=30) as client:
+        with EstimatorClient(address, timeout=30, token=ADMIN_TOKEN) as client:
             reg = client.register("bench/target", "bench/draft", "bench", K)
             rule = reg.rule
             # In-process core on the same kind of steps (same rule, same interval).

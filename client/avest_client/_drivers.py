@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 
 from avest_client._stream import ChannelOptions, Session, reconnect_options
+from avest_client.credentials import Credentials, aio_channel, sync_channel
 from avest_client.ledger import Ledger
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
@@ -62,8 +63,10 @@ class _Driver:
         connect_timeout: float = 5.0,
         rpc_timeout: float = 5.0,
         fetch_coefficients: bool = True,
+        credentials: Credentials | None = None,
     ) -> None:
         self.address = address
+        self.credentials = credentials
         self.session = session
         self.ledger = session.ledger
         self.channel_options = reconnect_options(session.backoff, channel_options)
@@ -113,7 +116,7 @@ class ThreadDriver(_Driver):
     # -- the thread --------------------------------------------------------------
 
     def run(self) -> None:
-        channel = grpc.insecure_channel(self.address, options=self.channel_options)
+        channel = sync_channel(self.address, self.channel_options, self.credentials)
         stub = pb_grpc.EstimatorServiceStub(channel)
         try:
             while not self.control.finished(self.ledger):
@@ -243,7 +246,7 @@ class AsyncDriver(_Driver):
         self._wakeup = asyncio.Event()
         self._task = asyncio.current_task()
         control = self.control
-        channel = grpc.aio.insecure_channel(self.address, options=self.channel_options)
+        channel = aio_channel(self.address, self.channel_options, self.credentials)
         stub = pb_grpc.EstimatorServiceStub(channel)
         try:
             while not control.finished(self.ledger):

@@ -126,6 +126,8 @@ class Session:
         #: How the last stream (or connection attempt) failed, for diagnostics.
         self.last_error = ""
         self.connected = False
+        #: Streams refused because another stream sends as this worker id.
+        self.collisions = 0
         self._attempt = 0
         self._streams = 0
 
@@ -201,6 +203,15 @@ class Session:
             self.last_error = "stream closed by the server"
             return self.next_delay()
         self.last_error = f"{code.name}: {details}"
+        if code == grpc.StatusCode.ALREADY_EXISTS:
+            # Another open stream sends as this worker id: nothing of ours was
+            # applied. Say so loudly, keep the steps, try again later.
+            self.collisions += 1
+            log.error("avest: worker id collision for %r: %s", self.worker_id, details)
+            return self.next_delay()
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            log.error("avest refused the stream of %s: %s", self.worker_id, details)
+            return self.next_delay()
         if code in REFUSAL_CODES:
             # A refused step: drop it, never resend it. Without a sequence in
             # the message the oldest held step goes, so progress is certain.

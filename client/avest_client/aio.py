@@ -17,6 +17,7 @@ import numpy.typing as npt
 from avest_client import codec
 from avest_client._stream import Backoff, ChannelOptions, channel_options
 from avest_client.client import _DEFAULT, DEFAULT_TIMEOUT, _local
+from avest_client.credentials import Credentials, aio_channel
 from avest_client.errors import AvestError, UnavailableError, from_rpc_error
 from avest_client.forwarder import AsyncForwarder
 from avest_client.types import BudgetResult, Coefficients, PairInfo, Registration
@@ -127,8 +128,14 @@ class AsyncEstimatorClient:
         address: str,
         timeout: float | None = DEFAULT_TIMEOUT,
         channel_options: ChannelOptions = (),
+        *,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
         self.address = address
+        #: Token and TLS: the arguments, else ``AVEST_TOKEN`` / ``AVEST_TLS_CA``.
+        self.credentials = credentials or Credentials.resolve(token, tls_ca)
         self.timeout = timeout
         self.channel_options = tuple(channel_options)
         self._pid = os.getpid()
@@ -148,8 +155,8 @@ class AsyncEstimatorClient:
         # First use, or a new process or loop: the old channel cannot serve here.
         self._pid = os.getpid()
         self._loop = loop
-        self._channel = grpc.aio.insecure_channel(
-            self.address, options=channel_options(self.channel_options)
+        self._channel = aio_channel(
+            self.address, channel_options(self.channel_options), self.credentials
         )
         self._stub_ = pb_grpc.EstimatorServiceStub(self._channel)
         return self._stub_
@@ -320,6 +327,7 @@ class AsyncEstimatorClient:
         """An :class:`~avest_client.forwarder.AsyncForwarder` (a task on the running loop)."""
         kwargs.setdefault("channel_options", self.channel_options)
         kwargs.setdefault("rpc_timeout", self.timeout or DEFAULT_TIMEOUT)
+        kwargs.setdefault("credentials", self.credentials)
         fwd = AsyncForwarder(self.address, pair_id, worker_id, queue_size, max_unacked, **kwargs)
         self._forwarders.append(fwd)
         return fwd

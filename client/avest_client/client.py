@@ -14,6 +14,7 @@ import numpy.typing as npt
 
 from avest_client import codec
 from avest_client._stream import ChannelOptions, channel_options
+from avest_client.credentials import Credentials, sync_channel
 from avest_client.errors import AvestError, InvalidArgumentError, from_rpc_error
 from avest_client.forwarder import Forwarder
 from avest_client.types import BudgetResult, Coefficients, PairInfo, Registration
@@ -52,8 +53,14 @@ class EstimatorClient:
         address: str,
         timeout: float | None = DEFAULT_TIMEOUT,
         channel_options: ChannelOptions = (),
+        *,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
         self.address = address
+        #: Token and TLS: the arguments, else ``AVEST_TOKEN`` / ``AVEST_TLS_CA``.
+        self.credentials = credentials or Credentials.resolve(token, tls_ca)
         self.timeout = timeout
         self.channel_options = tuple(channel_options)
         self._lazy = _Lazy()
@@ -79,8 +86,8 @@ class EstimatorClient:
             return lazy.stub
 
     def _open(self, lazy: _Lazy) -> pb_grpc.EstimatorServiceStub:
-        lazy.channel = grpc.insecure_channel(
-            self.address, options=channel_options(self.channel_options)
+        lazy.channel = sync_channel(
+            self.address, channel_options(self.channel_options), self.credentials
         )
         lazy.stub = pb_grpc.EstimatorServiceStub(lazy.channel)
         return lazy.stub
@@ -267,6 +274,7 @@ class EstimatorClient:
         """
         kwargs.setdefault("channel_options", self.channel_options)
         kwargs.setdefault("rpc_timeout", self.timeout or DEFAULT_TIMEOUT)
+        kwargs.setdefault("credentials", self.credentials)
         fwd = Forwarder(self.address, pair_id, worker_id, queue_size, max_unacked, **kwargs)
         self._forwarders.append(fwd)
         return fwd

@@ -74,6 +74,25 @@ class CancelledError(AvestError):
     code = grpc.StatusCode.CANCELLED
 
 
+class UnauthenticatedError(AvestError, PermissionError):
+    """UNAUTHENTICATED: no token, or one the service does not know (``AVEST_TOKEN``)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDeniedError(AvestError, PermissionError):
+    """PERMISSION_DENIED: the token's role does not allow this call (admin actions)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class WorkerIdCollisionError(AvestError):
+    """ALREADY_EXISTS: another open stream sends as this worker id; give each
+    sender its own ``worker_id``."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
 _BY_CODE: dict[grpc.StatusCode, type[AvestError]] = {
     cls.code: cls
     for cls in (
@@ -84,6 +103,9 @@ _BY_CODE: dict[grpc.StatusCode, type[AvestError]] = {
         UnavailableError,
         DeadlineExceededError,
         CancelledError,
+        UnauthenticatedError,
+        PermissionDeniedError,
+        WorkerIdCollisionError,
     )
 }
 

@@ -34,6 +34,7 @@ import numpy.typing as npt
 
 from avest_client._drivers import AsyncDriver, ThreadDriver
 from avest_client._stream import Backoff, ChannelOptions, Session, StepData
+from avest_client.credentials import Credentials
 from avest_client.ledger import Ledger, Stats
 
 log = logging.getLogger("avest_client.forwarder")
@@ -122,6 +123,9 @@ class _Base:
         rpc_timeout: float = 5.0,
         backoff: Backoff | None = None,
         fetch_coefficients: bool = True,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
         if not pair_id:
             raise ValueError("pair_id must not be empty")
@@ -139,6 +143,7 @@ class _Base:
             connect_timeout=connect_timeout,
             rpc_timeout=rpc_timeout,
             fetch_coefficients=fetch_coefficients,
+            credentials=credentials or Credentials.resolve(token, tls_ca),
         )
         self._closed = False
         self._invalid_logged = 0

@@ -1,3 +1,3 @@
 """avest: the acceptance-estimator sidecar for speculative decoding."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"

@@ -12,25 +12,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import resource
 import signal
 import socket
+import ssl
+import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from avest.grpc.gate import Gate
 from avest.grpc.interceptor import RpcInterceptor
 from avest.grpc.service import EstimatorService
 from avest.http.api import build_http
 from avest.http.metrics import Metrics
+from avest.http.protocol import guarded_protocol, quiet_loop_errors
 from avest.settings import Settings, split_address
+from avest.state.access import Access, is_loopback
 from avest.state.app import Avest
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 
 log = logging.getLogger("avest")
+#: Share of the grace period the final snapshot may use; the rest closes streams and sockets.
+FLUSH_SHARE = 0.6
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EstimatorService"].full_name
 
 
@@ -47,11 +58,13 @@ class Server:
         self.settings = settings
         self.app = Avest(settings)
         self.metrics = Metrics(self.app)
+        self.access = Access(settings.worker_token, settings.admin_token)
         self.service = EstimatorService(self.app, on_refused=self.metrics.refused)
         self.metrics.set_open_streams(lambda: self.service.open_streams)
         self.health = health.aio.HealthServicer()
         self.grpc_port = 0
         self.http_port = 0
+        self.max_connections = settings.max_connections
         self._grpc: grpc.aio.Server | None = None
         self._http: _EmbeddedUvicorn | None = None
         self._http_task: asyncio.Task[None] | None = None
@@ -65,16 +78,56 @@ class Server:
     def http_address(self) -> str:
         return f"{split_address(self.settings.http_address)[0]}:{self.http_port}"
 
+    def check_exposure(self) -> None:
+        """Refuse to listen beyond loopback with nobody's token required."""
+        s = self.settings
+        if s.insecure or s.worker_token:
+            return
+        for name, address in (("grpc_address", s.grpc_address), ("http_address", s.http_address)):
+            host = split_address(address)[0]
+            if not is_loopback(host):
+                raise PermissionError(
+                    f"{name} {address} is reachable beyond this machine but no worker token "
+                    "is set: anyone could write to every pair. Set AVEST_WORKER_TOKEN "
+                    "(--worker-token) and AVEST_ADMIN_TOKEN, or pass --insecure"
+                )
+
     async def start(self) -> None:
+        self.check_exposure()
+        # Each listener may hold half the descriptors, less a reserve for the
+        # store, logs and the process itself.
+        self.max_connections = min(
+            self.settings.max_connections, max(16, (raise_fd_limit() - 128) // 2)
+        )
+        quiet_loop_errors(asyncio.get_running_loop())
         await self.app.start()
-        limit = self.settings.max_message_bytes
+        s = self.settings
+        limit = s.max_message_bytes
         self._grpc = grpc.aio.server(
-            interceptors=[RpcInterceptor(self.metrics.rpc_duration)],
+            interceptors=[
+                RpcInterceptor(self.metrics.rpc_duration),
+                Gate(self.access, self.metrics.refused, rpc_rate=s.rpc_rate),
+            ],
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
                 ("grpc.so_reuseport", 0),
+                ("grpc.max_allowed_incoming_connections", self.max_connections),
+                ("grpc.max_concurrent_streams", 1024),
+                # A connection that does not finish its handshake, or never
+                # acknowledges the server's HTTP/2 settings (a socket that sends
+                # nothing), is closed after handshake_timeout_s.
+                ("grpc.server_handshake_timeout_ms", int(s.handshake_timeout_s * 1000)),
+                ("grpc.http2.settings_timeout", int(s.handshake_timeout_s * 1000)),
+                ("grpc.max_connection_idle_ms", int(s.idle_timeout_s * 1000)),
+                # Ping idle transports so dead peers are found; allow the client's
+                # keepalive pings (avest_client pings every 30 s).
+                ("grpc.keepalive_time_ms", 60_000),
+                ("grpc.keepalive_timeout_ms", 20_000),
+                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+                ("grpc.http2.max_ping_strikes", 3),
             ],
+            maximum_concurrent_rpcs=s.max_streams,
         )
         pb_grpc.add_EstimatorServiceServicer_to_server(self.service, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
@@ -87,7 +140,11 @@ class Server:
             self._grpc,
         )
         host, port = split_address(self.settings.grpc_address)
-        self.grpc_port = self._grpc.add_insecure_port(f"{host}:{port}")
+        credentials = grpc_credentials(s)
+        if credentials is None:
+            self.grpc_port = self._grpc.add_insecure_port(f"{host}:{port}")
+        else:
+            self.grpc_port = self._grpc.add_secure_port(f"{host}:{port}", credentials)
         if self.grpc_port == 0:
             raise OSError(f"cannot bind gRPC to {self.settings.grpc_address}")
         await self._grpc.start()
@@ -100,10 +157,15 @@ class Server:
         sock.bind((http_host, http_port))
         self.http_port = sock.getsockname()[1]
         config = uvicorn.Config(
-            build_http(self.app, self.metrics, self.settings),
+            build_http(self.app, self.metrics, self.settings, self.access),
             log_level=self.settings.log_level if self.settings.log_level != "info" else "warning",
+            log_config=None,
             lifespan="off",
             access_log=False,
+            http=guarded_protocol(self.max_connections),
+            limit_concurrency=self.max_connections + 1,  # our cap closes idle ones first
+            timeout_keep_alive=max(1, int(s.handshake_timeout_s)),
+            **http_tls(s),
         )
         self._http = _EmbeddedUvicorn(config)
         self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]), name="avest-http")
@@ -119,41 +181,97 @@ class Server:
         )
 
     async def stop(self) -> None:
-        """Drain within the grace period; idempotent."""
+        """Drain within the grace period (``grace_s`` for all of it); idempotent.
+
+        The final snapshot gets most of the grace period and writes only the
+        pairs that changed, in chunks; what it cannot write in time was never
+        acknowledged, so workers resend it to the next process.
+        """
         if self._stopped.is_set():
             return
         self._stopped.set()
-        self.app.draining = True
+        started = time.monotonic()
         grace = self.settings.grace_s
+        deadline = started + grace
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
+        self.app.draining = True
         await self.health.enter_graceful_shutdown()
         self.service.stop_applying()
         try:
             # Make every applied step durable so its acknowledgement goes out
             # on the streams before they close.
-            await asyncio.wait_for(self.app.flush(), timeout=grace)
+            await asyncio.wait_for(
+                self.app.flush(deadline=started + FLUSH_SHARE * grace), timeout=left()
+            )
         except asyncio.TimeoutError:
             log.warning("final flush before draining timed out")
+        except Exception:
+            log.exception("final flush before draining failed")
         await self.service.drain()
         if self._grpc is not None:
-            await self._grpc.stop(grace)
-        await self.app.close()
+            await self._grpc.stop(min(left(), 1.0))
+        # A chunk under way when the deadline passes still finishes: leave it room.
+        await self.app.close(deadline=deadline - min(1.0, 0.2 * grace))
         if self._http is not None and self._http_task is not None:
             self._http.should_exit = True
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(self._http_task, timeout=grace)
-        log.info("avest stopped")
+                await asyncio.wait_for(self._http_task, timeout=max(left(), 0.1))
+        log.info("avest stopped in %.2fs", time.monotonic() - started)
 
     async def wait(self) -> None:
         await self._stopped.wait()
 
 
-async def serve(settings: Settings, announce: bool = True) -> None:
-    """Run until SIGTERM or SIGINT, then drain."""
+def grpc_credentials(s: Settings) -> grpc.ServerCredentials | None:
+    if not s.tls_cert:
+        return None
+    ca = Path(s.tls_client_ca).read_bytes() if s.tls_client_ca else None
+    return grpc.ssl_server_credentials(
+        [(Path(s.tls_key).read_bytes(), Path(s.tls_cert).read_bytes())],
+        root_certificates=ca,
+        require_client_auth=ca is not None,
+    )
+
+
+def http_tls(s: Settings) -> dict[str, object]:
+    if not s.tls_cert:
+        return {}
+    tls: dict[str, object] = {"ssl_certfile": s.tls_cert, "ssl_keyfile": s.tls_key}
+    if s.tls_client_ca:
+        tls.update(ssl_ca_certs=s.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return tls
+
+
+def raise_fd_limit() -> int:
+    """Use the hard limit on open files; returns the limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        target = max(soft, 1 << 20) if hard == resource.RLIM_INFINITY else hard
+        if soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    except (ValueError, OSError):  # pragma: no cover - not allowed here
+        log.debug("cannot raise the open-file limit", exc_info=True)
+    return int(soft)
+
+
+async def serve(settings: Settings, announce: bool = True, exit_when_stopped: bool = False) -> None:
+    """Run until SIGTERM or SIGINT, then drain.
+
+    ``exit_when_stopped``: end the process as soon as the drain is over (the store
+    is closed), rather than spend the grace period tearing down the interpreter
+    (freeing every pair's arrays and the loop's leftovers takes a second or more).
+    """
     server = Server(settings)
+    server.check_exposure()
     await server.start()
     if announce:
         print(
-            f"avest serving grpc={server.grpc_address} http=http://{server.http_address}",
+            f"avest serving grpc={server.grpc_address} "
+            f"http={'https' if settings.tls_cert else 'http'}://{server.http_address}",
             flush=True,
         )
     loop = asyncio.get_running_loop()
@@ -162,3 +280,8 @@ async def serve(settings: Settings, announce: bool = True) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop()
+    if exit_when_stopped:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

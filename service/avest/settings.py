@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from avest.core.rule_factory import RULE_NAMES
@@ -53,9 +53,65 @@ class Settings(BaseSettings):
     max_message_bytes: int = Field(4 * 1024 * 1024, description="largest gRPC message accepted")
     max_rows: int = Field(8192, description="largest number of requests (rows) in one message")
     admin_token: str = Field(
-        "", description="bearer token required by POST /v1/pairs/{id}/reset (empty: none)"
+        "",
+        description="bearer token of admin actions: reset, delete, cost curves "
+        "(empty: admin actions refused)",
     )
-    grace_s: float = Field(5.0, description="seconds SIGTERM waits for streams to drain")
+    worker_token: str = Field(
+        "",
+        description="bearer token of workers: register, observe, read (empty: open, "
+        "loopback only unless --insecure)",
+    )
+    tls_cert: str = Field("", description="PEM certificate chain: serve gRPC and HTTP over TLS")
+    tls_key: str = Field("", description="PEM private key of --tls-cert")
+    tls_client_ca: str = Field(
+        "", description="PEM CA bundle: require client certificates signed by it (mutual TLS)"
+    )
+    insecure: bool = Field(
+        False, description="allow listening beyond loopback without a worker token"
+    )
+    max_connections: int = Field(
+        4096,
+        ge=1,
+        description="open connections per listener (gRPC and HTTP) before refusing; "
+        "at most half the open-file limit",
+    )
+    max_streams: int = Field(
+        4096, ge=1, description="concurrent gRPC calls before RESOURCE_EXHAUSTED"
+    )
+    idle_timeout_s: float = Field(
+        300.0, gt=0, description="close a connection with no call for this long"
+    )
+    handshake_timeout_s: float = Field(
+        5.0, gt=0, description="close a connection that has not finished its handshake"
+    )
+    rpc_rate: float = Field(
+        1000.0, ge=0, description="unary calls per second per client address (0: no limit)"
+    )
+    stream_step_rate: float = Field(
+        5000.0,
+        ge=0,
+        description="Observe steps per second per stream; faster senders are slowed (0: no limit)",
+    )
+    grace_s: float = Field(
+        5.0, gt=0.0, description="seconds SIGTERM may take in all (drain, final snapshot, exit)"
+    )
+    allow_empty_store: bool = Field(
+        False,
+        description="start even though the state file says the store held pairs and it is "
+        "now missing or empty (begin afresh)",
+    )
+    worker_ttl_s: float = Field(
+        86400.0,
+        ge=0.0,
+        description="forget a worker's sequence record after this many idle seconds (0: never)",
+    )
+    pair_ttl_s: float = Field(
+        0.0,
+        ge=0.0,
+        description="delete pairs that received no step for this many seconds and have no "
+        "open stream (0: never)",
+    )
     log_level: str = Field("info", description="debug, info, warning or error")
 
     @field_validator("default_rule")
@@ -71,6 +127,14 @@ class Settings(BaseSettings):
         split_address(v)
         return v
 
+    @model_validator(mode="after")
+    def _tls_pair(self) -> Settings:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("tls_client_ca needs tls_cert and tls_key")
+        return self
+
     @property
     def database(self) -> Path:
         return Path(self.data_dir) / "avest.sqlite3"
@@ -83,6 +147,16 @@ def env_name(field_name: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One ``--flag`` per setting; defaults come from the environment."""
     for name, f in Settings.model_fields.items():
+        if isinstance(f.default, bool):
+            parser.add_argument(
+                "--" + name.replace("_", "-"),
+                dest=name,
+                action="store_const",
+                const=True,
+                default=None,
+                help=f"{f.description} [env {env_name(name)}=1, default off]",
+            )
+            continue
         parser.add_argument(
             "--" + name.replace("_", "-"),
             dest=name,

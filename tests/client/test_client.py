@@ -26,6 +26,9 @@ from avest_client import (
 )
 
 from .client_support import free_port
+from .conftest import service_conftest
+
+ADMIN_TOKEN = service_conftest.ADMIN_TOKEN
 
 K = 5
 DRAFT = [(1, 1.0), (8, 1.2), (16, 1.5), (64, 2.5), (256, 6.0)]
@@ -97,7 +100,7 @@ def test_budget_equals_the_core(server, rule):
     conf = rng.uniform(0, 1, size=(rows, K)).astype(np.float32)
     stale = rng.uniform(0, 1, size=(rows, K)).astype(np.float32)
     scheduled = rng.integers(0, K + 1, size=rows)
-    with EstimatorClient(server.grpc_address) as client:
+    with EstimatorClient(server.grpc_address, token=ADMIN_TOKEN) as client:
         reg = register(client)
         client.set_cost_curves(reg.pair_id, DRAFT, VERIFY, cudagraph_limit=512, hardware="h200")
         got = client.budget(
@@ -133,7 +136,7 @@ def test_budget_equals_the_core(server, rule):
 
 def test_budget_default_without_stale_is_the_lossless_walk(server):
     conf = np.full((4, K), 0.9, dtype=np.float32)
-    with EstimatorClient(server.grpc_address) as client:
+    with EstimatorClient(server.grpc_address, token=ADMIN_TOKEN) as client:
         reg = register(client)
         client.set_cost_curves(reg.pair_id, dict(DRAFT), dict(VERIFY))
         got = client.budget(reg.pair_id, conf, [K] * 4, num_non_draft_tokens=4, num_sampling=4)
@@ -142,14 +145,14 @@ def test_budget_default_without_stale_is_the_lossless_walk(server):
 
 
 def test_cost_curves_in_any_order_are_accepted(server):
-    with EstimatorClient(server.grpc_address) as client:
+    with EstimatorClient(server.grpc_address, token=ADMIN_TOKEN) as client:
         reg = register(client)
         client.set_cost_curves(reg.pair_id, DRAFT[::-1], VERIFY[::-1], hardware="x")
         assert client.pair(reg.pair_id).cost_curve_hardware == ("x",)
 
 
 def test_errors_map_to_the_hierarchy_with_the_server_message(server):
-    with EstimatorClient(server.grpc_address) as client:
+    with EstimatorClient(server.grpc_address, token=ADMIN_TOKEN) as client:
         reg = register(client)
         with pytest.raises(NotFoundError) as e:
             client.coefficients("no-such-pair")
@@ -273,7 +276,7 @@ def test_closed_client_refuses_calls(server):
 
 async def test_async_client_matches_the_sync_one(server, chat_steps):
     k, steps = chat_steps(0, 10)
-    async with AsyncEstimatorClient(server.grpc_address, timeout=5) as client:
+    async with AsyncEstimatorClient(server.grpc_address, timeout=5, token=ADMIN_TOKEN) as client:
         reg = await client.register("t", "d", "m", k, refit_interval=10, rule="recursive")
         again = await client.register("t", "d", "m", k)
         assert reg.created and not again.created and again.pair_id == reg.pair_id

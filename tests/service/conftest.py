@@ -129,6 +129,12 @@ async def _cancel_leftovers() -> None:
         await asyncio.wait(tasks, timeout=5)
 
 
+#: The admin token of test servers (admin actions are refused without one).
+ADMIN_TOKEN = "test-admin-token"
+#: gRPC metadata carrying it.
+ADMIN = (("authorization", f"Bearer {ADMIN_TOKEN}"),)
+
+
 def settings_for(data_dir: str | Path, **overrides: Any) -> Settings:
     values: dict[str, Any] = dict(
         grpc_address="127.0.0.1:0",
@@ -136,6 +142,7 @@ def settings_for(data_dir: str | Path, **overrides: Any) -> Settings:
         data_dir=str(data_dir),
         flush_interval_ms=20,
         grace_s=5.0,
+        admin_token=ADMIN_TOKEN,
     )
     values.update(overrides)
     return Settings(**values)

@@ -24,3 +24,66 @@ def test_replay_and_pairs_against_a_real_service(server, trace_slice, tmp_path, 
     assert main(["pairs", "--address", server.grpc_address, "--json"]) == 0
     pairs = json.loads(capsys.readouterr().out)
     assert [p["pair_id"] for p in pairs] == [out["pair_id"]]
+
+
+def test_replay_resumes_after_a_crash_and_a_rerun_counts_nothing_twice(tmp_path, trace_slice):
+    import asyncio
+    import signal
+    import socket
+    import threading
+    import time
+
+    from avest.offline.replay import replay
+
+    from .test_shutdown import spawn
+
+    trace = trace_slice("chat", 0, 400)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    args = ("--grpc-address", address, "--refit-interval", "25", "--flush-interval-ms", "50")
+    proc, _ = spawn(tmp_path, *args)
+    sent = 0
+    crashed = threading.Event()
+
+    def count() -> None:
+        nonlocal sent
+        sent += 1
+        if sent == 300 and not crashed.is_set():
+            proc.send_signal(signal.SIGKILL)  # mid-replay, acks in flight lost
+            crashed.set()
+
+    results = []
+    errors = []
+
+    def run() -> None:
+        try:
+            results.append(
+                asyncio.run(replay(address, trace, workers=2, on_message=count, rate=400))
+            )
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    try:
+        assert crashed.wait(60)
+        proc.wait(10)
+        time.sleep(0.5)
+        proc, _ = spawn(tmp_path, *args)  # the service comes back on the same address
+        runner.join(120)
+        assert not errors, errors
+        first = results[0]
+        core = replay_core(trace, VllmRule(), 25)
+        # Everything counted exactly once despite the crash.
+        assert first.acked == first.messages == 800
+        assert first.pair.steps_observed == 800
+        assert first.pair.drafts_observed == core.drafts
+        # Run again (after a crash of the replay itself, say): nothing counted twice.
+        again = asyncio.run(replay(address, trace, workers=2))
+        assert again.acked == 800 and again.pair.drafts_observed == core.drafts
+        assert again.pair.steps_observed == 800
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)

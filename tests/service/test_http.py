@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+import avest
 from avest.core.estimator import DEFAULT_RECENT_DECAY
 from avest.core.model import INIT_INTERCEPT, INIT_SLOPE
 from avest.http.api import build_http
@@ -74,7 +75,7 @@ def _null_as_zero(v: float | None) -> float:
 
 def test_health_and_metrics_endpoints(live: _Live) -> None:
     r = live.http.get("/healthz")
-    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    assert r.status_code == 200 and r.json() == {"status": "ok", "version": avest.__version__}
     r = live.http.get("/readyz")
     assert r.status_code == 200 and r.json() == {"status": "ready"}
     r = live.http.get("/metrics")
@@ -140,7 +141,7 @@ def test_readyz_is_503_draining_while_a_real_server_stops(
         assert r.status_code == 503 and r.json() == {"status": "draining"}
         # Liveness is unaffected: the process still answers.
         r = live.http.get("/healthz")
-        assert r.status_code == 200 and r.json() == {"status": "ok"}
+        assert r.status_code == 200 and r.json() == {"status": "ok", "version": avest.__version__}
     finally:
         release.set()
         stopping.result(30)
@@ -342,7 +343,7 @@ def test_reset_needs_the_admin_token(fed: tuple[_Live, str]) -> None:
     r = live.http.post(f"/v1/pairs/{pid}/reset", headers={"Authorization": "Basic eDp5"})
     assert r.status_code == 401
     r = live.http.post(f"/v1/pairs/{pid}/reset", headers={"Authorization": "Bearer nope"})
-    assert r.status_code == 403 and r.json() == {"detail": "wrong admin token"}
+    assert r.status_code == 401 and r.json() == {"detail": "unknown token"}
     # Refused: nothing changed.
     same = live.stub.GetCoefficients(pb.GetCoefficientsRequest(pair_id=pid)).coefficients
     assert (same.version, same.round, same.slope) == (before.version, before.round, before.slope)
@@ -366,11 +367,14 @@ def test_reset_needs_the_admin_token(fed: tuple[_Live, str]) -> None:
     assert f'avest_coefficients_version{{pair="{pid}"}} {float(after.version)}' in metrics
 
 
-def test_reset_without_a_configured_token(open_server: Callable[..., _Live]) -> None:
+def test_reset_without_a_configured_token_is_refused(open_server: Callable[..., _Live]) -> None:
+    # Found: with no admin token configured, anyone could reset any pair.
     live = open_server(admin_token="")
     pid = register(live, k=2)
     r = live.http.post(f"/v1/pairs/{pid}/reset")
-    assert r.status_code == 200 and r.json()["id"] == pid
+    assert r.status_code == 403 and "no admin token" in r.json()["detail"]
+    r = live.http.post(f"/v1/pairs/{pid}/reset", headers={"Authorization": "Bearer anything"})
+    assert r.status_code == 403
 
 
 # -- 4xx bodies ----------------------------------------------------------------------------

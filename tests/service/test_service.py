@@ -29,6 +29,8 @@ from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 
+from .conftest import ADMIN
+
 RULE = {
     "vllm": pb.UPDATE_RULE_VLLM,
     "recursive": pb.UPDATE_RULE_RECURSIVE,
@@ -150,7 +152,8 @@ def test_score_and_budget_equal_the_core(server, trace_slice):
                 draft_curve=[pb.CostPoint(size=s, ms=m) for s, m in draft],
                 verify_curve=[pb.CostPoint(size=s, ms=m) for s, m in verify],
                 cudagraph_capture_limit=256,
-            )
+            ),
+            metadata=ADMIN,
         )
         conf = wire.decode(score.confidences, rows, k)
         scheduled = rng.integers(0, k + 1, size=rows)
@@ -407,7 +410,7 @@ def test_every_refusal_names_the_field_and_changes_nothing(start_server, tmp_pat
         # Unary refusals.
         def code_of(call, request):
             with pytest.raises(grpc.RpcError) as e:
-                call(request, timeout=5)
+                call(request, timeout=5, metadata=ADMIN)
             return e.value.code(), e.value.details()
 
         bad_key = pb.PairKey(
@@ -424,7 +427,9 @@ def test_every_refusal_names_the_field_and_changes_nothing(start_server, tmp_pat
         code, details = code_of(
             stub.RegisterPair,
             pb.RegisterPairRequest(
-                key=pb.PairKey(target_model="t", draft_model="d", num_speculative_tokens=4)
+                key=pb.PairKey(
+                    target_model="t", draft_model="d", method="m", num_speculative_tokens=4
+                )
             ),
         )
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "pairs" in details

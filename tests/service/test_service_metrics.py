@@ -412,6 +412,7 @@ class _App:
     class _Hooks:
         def __init__(self) -> None:
             self.refit: list[Any] = []
+            self.removed: list[Any] = []
 
     class _Registry:
         pairs: dict[str, Any] = {}

@@ -119,6 +119,7 @@ EXPECTED_RPCS = {
     "SetCostCurves": (False, False),
     "ListPairs": (False, False),
     "GetPair": (False, False),
+    "DeletePair": (False, False),
 }
 
 
@@ -278,6 +279,8 @@ def test_every_message_and_field_is_covered():
         "Pair",
         "Calibration",
         "PositionCalibration",
+        "DeletePairRequest",
+        "DeletePairResponse",
     }
     assert set(pb.DESCRIPTOR.enum_types_by_name) == {"UpdateRule", "BudgetRule"}
 
@@ -572,4 +575,11 @@ def test_generated_code_is_up_to_date():
 @pytest.mark.skipif(shutil.which("npm") is None, reason="npm (Node.js) is not installed")
 def test_buf_lint_clean():
     r = _run_gen_protos("--lint")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.skipif(shutil.which("npm") is None, reason="npm (Node.js) is not installed")
+def test_the_contract_only_grew_since_0_1_0():
+    """buf breaking against the first release's protos (commit 1cba659)."""
+    r = _run_gen_protos("--breaking")
     assert r.returncode == 0, r.stdout + r.stderr

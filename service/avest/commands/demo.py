@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import sys
 import tempfile
+import uuid
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -72,7 +73,11 @@ async def _demo(args: argparse.Namespace) -> int:
 
             watcher = asyncio.create_task(watch())
             result = await replay(
-                server.grpc_address, trace, workers=args.workers, refit_interval=args.refit_interval
+                server.grpc_address,
+                trace,
+                workers=args.workers,
+                refit_interval=args.refit_interval,
+                run_id=uuid.uuid4().hex[:12],  # new workers each demo, also on a kept data dir
             )
             await asyncio.sleep(0.2)
             watcher.cancel()

@@ -66,11 +66,12 @@ def print_pair(pair: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import grpc
 
+    from avest_client.credentials import Credentials, sync_channel
     from avest_wire.v1 import estimator_pb2 as pb
     from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 
     try:
-        with grpc.insecure_channel(args.address) as channel:
+        with sync_channel(args.address, (), Credentials.resolve()) as channel:
             pairs = (
                 pb_grpc.EstimatorServiceStub(channel)
                 .ListPairs(pb.ListPairsRequest(), timeout=10)

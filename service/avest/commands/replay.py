@@ -43,6 +43,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default=0.0,
         help="messages per second per worker (0: as fast as possible)",
     )
+    p.add_argument(
+        "--run-id",
+        default="",
+        help="worker ids are replay:RUN_ID:W; default: derived from the trace, so a rerun "
+        "(after a crash, say) resumes and counts nothing twice; give a new one to replay "
+        "the same trace again as new workers",
+    )
+    p.add_argument(
+        "--retry-s",
+        type=float,
+        default=60.0,
+        help="keep reconnecting (and resending what is unacknowledged) this long when the "
+        "service goes away",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -73,10 +87,15 @@ def run(args: argparse.Namespace) -> int:
                 args.repeat,
                 lambda: bar.update(),
                 rate=args.rate,
+                run_id=args.run_id,
+                retry_s=args.retry_s,
             )
         )
     except grpc.aio.AioRpcError as exc:
         print(f"avest replay: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except TimeoutError as exc:
+        print(f"avest replay: {exc}; rerun the same command to resume", file=sys.stderr)
         return 1
     finally:
         bar.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -23,6 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 def run(args: argparse.Namespace) -> int:
     from avest import settings
     from avest.server import serve
+    from avest.state.throttle import install_storm_filter
 
     try:
         s = settings.from_sources(args)
@@ -32,5 +34,13 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=s.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    asyncio.run(serve(s))
+    install_storm_filter()
+    from avest.state.guard import StoreEmptied
+    from avest.state.store import StoreTooNew, StoreUnreadable
+
+    try:
+        asyncio.run(serve(s, exit_when_stopped=True))
+    except (StoreTooNew, StoreEmptied, StoreUnreadable, PermissionError) as exc:
+        print(f"avest serve: {exc}", file=sys.stderr)
+        return 2
     return 0

@@ -10,9 +10,12 @@ from typing import Any, Protocol
 
 import grpc
 
+from avest.grpc.gate import MALFORMED, malformed_reply
 from avest.grpc.refusals import Refused
 from avest.state.app import Avest
 from avest.state.pairs import Pair
+from avest.state.throttle import TokenBucket
+from avest_wire import limits
 from avest_wire.v1 import estimator_pb2 as pb
 
 log = logging.getLogger("avest.grpc")
@@ -26,6 +29,12 @@ class StreamHost(Protocol):
     open_streams: int
     draining: bool
     on_refused: Callable[[str, str], None]
+    #: (pair_id, worker_id) -> the open stream sending as that worker.
+    owners: dict[tuple[str, str], ObserveStream]
+
+    def step_rate(self) -> TokenBucket | None: ...
+
+    def malformed(self, method: str) -> None: ...
 
     def validate_observe(self, req: pb.ObserveRequest) -> tuple[Pair, Any]: ...
 
@@ -46,6 +55,8 @@ class ObserveStream:
         #: (pair_id, worker_id) -> highest sequence acknowledged on this stream.
         self.acked: dict[tuple[str, str], int] = {}
         self.pairs: set[str] = set()
+        #: Worker ids this stream holds (no other stream may send as them meanwhile).
+        self.claimed: set[tuple[str, str]] = set()
         self.error: Refused | None = None
 
     def coefficients(self, pair_id: str, msg: pb.Coefficients) -> None:
@@ -71,18 +82,46 @@ class ObserveStream:
     def close(self) -> None:
         self.out.put_nowait(None)
 
+    def _claim(self, pair_id: str, worker_id: str) -> None:
+        key = (pair_id, worker_id)
+        if key in self.claimed:
+            return
+        owner = self.service.owners.get(key)
+        if owner is not None and owner is not self:
+            raise Refused(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"worker id collision: worker {limits.echo(worker_id)} of pair {pair_id} is "
+                "sending on another open stream; give each sender its own worker_id",
+            )
+        self.service.owners[key] = self
+        self.claimed.add(key)
+
+    def release(self) -> None:
+        for key in self.claimed:
+            if self.service.owners.get(key) is self:
+                del self.service.owners[key]
+        self.claimed.clear()
+
     async def _consume(self) -> None:
         service = self.service
+        rate = service.step_rate()
         try:
             async for req in self.requests:
                 if service.draining:
                     break
+                if req is MALFORMED:
+                    service.malformed("Observe")
+                    self.error = Refused(*malformed_reply())
+                    break
                 try:
                     pair, batch = service.validate_observe(req)
+                    self._claim(pair.id, req.worker_id)
                 except Refused as r:
                     service.on_refused("Observe", r.reason)
                     self.error = Refused(
-                        r.code, f"sequence {req.sequence} of worker {req.worker_id!r}: {r.message}"
+                        r.code,
+                        f"sequence {req.sequence} of worker {limits.echo(req.worker_id)}: "
+                        f"{r.message}",
                     )
                     break
                 key = (pair.id, req.worker_id)
@@ -100,12 +139,19 @@ class ObserveStream:
                                 )
                             )
                         )
+                # Fair turns: let other streams, health and pushes run between
+                # messages; a stream over its step rate waits (backpressure
+                # through gRPC flow control, nothing refused or lost).
+                await asyncio.sleep(min(rate.wait_s(), 1.0) if rate is not None else 0)
         finally:
             # Let the last applied steps become durable and be acknowledged
             # before the stream ends.
-            if self.error is None:
-                await service.app.flush()
-            self.out.put_nowait(None)
+            # While draining, the server's final snapshot acknowledges what was
+            # applied, then its drain closes this stream (within the grace period).
+            if self.error is not None or not service.draining:
+                if self.error is None:
+                    await service.app.flush()
+                self.out.put_nowait(None)
 
     async def run(self) -> AsyncIterator[pb.ObserveResponse]:
         service = self.service
@@ -123,6 +169,7 @@ class ObserveStream:
                 await self.context.abort(self.error.code, self.error.message)
         finally:
             consumer.cancel()
+            self.release()
             service.streams.discard(self)
             service.open_streams -= 1
             log.debug("observe stream closed after %.1fs", time.monotonic() - started)

@@ -24,6 +24,7 @@ class Refused(Exception):
             grpc.StatusCode.NOT_FOUND: "not_found",
             grpc.StatusCode.RESOURCE_EXHAUSTED: "resource_exhausted",
             grpc.StatusCode.FAILED_PRECONDITION: "failed_precondition",
+            grpc.StatusCode.ALREADY_EXISTS: "already_exists",
         }.get(code, "other")
 
 

@@ -32,7 +32,9 @@ from avest.grpc.convert import (
 from avest.grpc.observe import ObserveStream
 from avest.grpc.refusals import Refused, refusals
 from avest.state.app import Avest
-from avest.state.pairs import CostCurves, Exhausted, NotFound, Pair, PairKey
+from avest.state.pairs import CostCurves, Exhausted, NotFound, Pair, PairKey, check_sequence
+from avest.state.throttle import LogLimiter, TokenBucket
+from avest_wire import limits
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
@@ -48,17 +50,32 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         self.streams: set[ObserveStream] = set()
         self.watchers: dict[str, set[asyncio.Queue[pb.Coefficients | None]]] = {}
         self.open_streams = 0
+        self.owners: dict[tuple[str, str], ObserveStream] = {}
+        self._logs = LogLimiter("avest.grpc")
         #: Set when the server drains: streams stop applying steps, so the
         #: final snapshot covers (and acknowledges) everything applied.
         self.draining = False
         app.hooks.coefficients.append(self._coefficients_changed)
         app.hooks.durable.append(self._durable)
+        app.hooks.removed.append(self._removed)
+        app.usage.append(lambda pair: any(pair.id in s.pairs for s in self.streams))
 
     # -- helpers --------------------------------------------------------------
+
+    def step_rate(self) -> TokenBucket | None:
+        """A new stream's step-rate bucket (``None``: no limit)."""
+        rate = self.app.settings.stream_step_rate
+        return TokenBucket(rate, rate) if rate > 0 else None
+
+    def malformed(self, method: str) -> None:
+        self.on_refused(method, "malformed")
+        self._logs.warning("malformed", "malformed %s message(s) refused", method)
 
     def _pair(self, pair_id: str) -> Pair:
         if not pair_id:
             raise InvalidInput("pair_id", "must not be empty")
+        if len(pair_id) > limits.MAX_PAIR_ID_BYTES:
+            raise NotFound(f"unknown pair_id {limits.echo(pair_id)}")
         return self.app.registry.get(pair_id)
 
     async def _unary(
@@ -77,6 +94,12 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
             stream.coefficients(pair.id, msg)
         for q in self.watchers.get(pair.id, ()):
             q.put_nowait(msg)
+
+    def _removed(self, pair: Pair, why: str) -> None:
+        for stream in list(self.streams):
+            stream.pairs.discard(pair.id)
+        for q in self.watchers.pop(pair.id, set()):
+            q.put_nowait(None)
 
     def _durable(self, pair_ids: set[str]) -> None:
         for stream in list(self.streams):
@@ -199,8 +222,14 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
     ) -> pb.SetCostCurvesResponse:
         def run() -> pb.SetCostCurvesResponse:
             pair = self._pair(request.pair_id)
-            if len(request.hardware) > 128:
-                raise InvalidInput("hardware", "at most 128 bytes")
+            for name, curve in (
+                ("draft_curve", request.draft_curve),
+                ("verify_curve", request.verify_curve),
+            ):
+                if len(curve) > limits.MAX_COST_POINTS:
+                    raise InvalidInput(
+                        name, f"has {len(curve)} points, at most {limits.MAX_COST_POINTS}"
+                    )
             curves = CostCurves(
                 request.hardware,
                 tuple(sorted((int(p.size), float(p.ms)) for p in request.draft_curve)),
@@ -211,6 +240,17 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
             return pb.SetCostCurvesResponse()
 
         return await self._unary("SetCostCurves", context, run)
+
+    async def DeletePair(
+        self, request: pb.DeletePairRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeletePairResponse:
+        pair = await self._unary("DeletePair", context, lambda: self._pair(request.pair_id))
+        last = pair_pb(pair)
+        try:
+            await self.app.remove(pair)
+        except Exception as exc:  # the store refused: the pair is gone from memory only
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"pair {pair.id}: {exc}")
+        return pb.DeletePairResponse(pair=last)
 
     async def WatchCoefficients(
         self, request: pb.WatchCoefficientsRequest, context: grpc.aio.ServicerContext
@@ -253,10 +293,14 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         """The pair and validated batch of one Observe message, or a refusal."""
         with refusals():
             pair = self._pair(req.pair_id)
-            if not req.worker_id or len(req.worker_id) > 128:
-                raise InvalidInput("worker_id", "must be 1 to 128 bytes")
+            problem = limits.worker_id_problem(req.worker_id)
+            if problem is not None:
+                raise InvalidInput("worker_id", problem)
             if req.sequence < 1:
                 raise InvalidInput("sequence", "must be >= 1")
+            last = pair.applied.get(req.worker_id, -1)
+            if req.sequence > last:
+                check_sequence(req.sequence, last)
             self._check_shape(pair, req.rows, req.k)
             x = wire.decode(req.features, req.rows, req.k)
             if len(req.num_verified) != req.rows:

@@ -6,8 +6,11 @@ and read the state while the loop mutates it); each one is cheap and does no
 blocking I/O.
 
 ==========================================  ==========================================
-``GET /healthz``                            liveness: 200 while the loop answers
-``GET /readyz``                             200 once started; 503 before and while draining
+``GET /healthz``                            liveness: 200 while the loop answers (and the
+                                            version)
+``GET /readyz``                             200 once started (listing quarantined pairs);
+                                            503 before, while draining, while store
+                                            writes fail (with the reason)
 ``GET /metrics``                            Prometheus text exposition
 ``GET /v1/pairs``                           every pair (see ``PairOut``)
 ``GET /v1/pairs/{id}``                      one pair: key, rule, coefficients, calibration
@@ -15,9 +18,17 @@ blocking I/O.
 ``GET /v1/pairs/{id}/history``              coefficient history (newest last, at most 256)
 ``GET /v1/pairs/{id}/reliability``          reliability-diagram data (JSON)
 ``GET /v1/pairs/{id}/reliability.svg``      the reliability diagram and per-position plot
-``POST /v1/pairs/{id}/reset``               forget what the pair learned (bearer token)
+``POST /v1/pairs/{id}/reset``               forget what the pair learned (admin token)
+``DELETE /v1/pairs/{id}``                   delete the pair, its stored rows and metric
+                                            series (admin token)
 ``GET /docs``, ``GET /openapi.json``        OpenAPI
 ==========================================  ==========================================
+
+Access (:mod:`avest.state.access`): ``/healthz``, ``/readyz`` and ``/metrics``
+are open (probes and Prometheus; a token sent there is ignored); every other
+``GET`` needs the worker or admin token when a worker token is configured;
+everything else needs the admin token (401 without a token or with an unknown
+one, 403 with the worker token or when no admin token is configured).
 
 Floats that are undefined (NaN: AUC with one class, anything with no drafts)
 are ``null`` in JSON. An unknown pair is a 404 whose ``detail`` names the id.
@@ -26,7 +37,6 @@ The response models are in :mod:`avest.http.models`.
 
 from __future__ import annotations
 
-import hmac
 import math
 from typing import Annotated, Any
 
@@ -48,10 +58,14 @@ from avest.http.models import (
     finite,
     pair_out,
 )
+from avest.state.access import Access, http_role
 from avest.state.pairs import NotFound, Pair
 
 #: Module level: the handlers' annotations are strings resolved in this module.
-_BEARER = HTTPBearer(auto_error=False, description="settings.admin_token (AVEST_ADMIN_TOKEN)")
+_BEARER = HTTPBearer(
+    auto_error=False,
+    description="AVEST_ADMIN_TOKEN for changes; AVEST_WORKER_TOKEN (or the admin token) to read",
+)
 
 _NOT_FOUND: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorOut, "description": "No pair with that id"}
@@ -61,14 +75,32 @@ _NOT_FOUND: dict[int | str, dict[str, Any]] = {
 # -- the app ---------------------------------------------------------------------
 
 
-def build_http(app: Any, metrics: Any, settings: Any) -> FastAPI:
+def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = None) -> FastAPI:
     """The admin API over ``app`` (an :class:`avest.state.app.Avest`)."""
+    if access is None:
+        access = Access(getattr(settings, "worker_token", ""), getattr(settings, "admin_token", ""))
     api = FastAPI(
         title="avest admin",
         version=__version__,
         description="Admin API of the avest acceptance-estimator sidecar: pairs, "
         "coefficients, calibration, reliability diagrams, Prometheus metrics.",
     )
+
+    @api.middleware("http")
+    async def check_access(request: Request, call_next: Any) -> Response:
+        denied = access.check(
+            http_role(request.method, request.url.path), request.headers.get("authorization")
+        )
+        if denied is None:
+            response: Response = await call_next(request)
+            return response
+        if denied.unauthenticated:
+            return JSONResponse(
+                {"detail": denied.message},
+                status_code=401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        return JSONResponse({"detail": denied.message}, status_code=403)
 
     @api.exception_handler(NotFound)
     async def not_found(request: Request, exc: NotFound) -> JSONResponse:
@@ -82,26 +114,36 @@ def build_http(app: Any, metrics: Any, settings: Any) -> FastAPI:
     async def index() -> RedirectResponse:
         return RedirectResponse("/docs")
 
-    @api.get("/healthz", response_model=Status, tags=["health"])
+    @api.get("/healthz", response_model=Status, response_model_exclude_none=True, tags=["health"])
     async def healthz() -> Status:
-        """Liveness: the process and its event loop answer."""
-        return Status(status="ok")
+        """Liveness: the process and its event loop answer; the release serving."""
+        return Status(status="ok", version=__version__)
 
     @api.get(
         "/readyz",
         response_model=Status,
+        response_model_exclude_none=True,
         tags=["health"],
-        responses={503: {"model": Status, "description": "Starting or draining"}},
+        responses={
+            503: {"model": Status, "description": "Starting, draining, or store writes failing"}
+        },
     )
     async def readyz(response: Response) -> Status:
-        """Readiness: 200 once the state is restored; 503 before that and while draining."""
+        """Readiness: 200 once the state is restored; 503 before that, while draining and
+        while store writes fail (no step is acknowledged then), with the reason. Pairs
+        quarantined at start are listed (the others serve)."""
+        quarantined = dict(getattr(app, "quarantined", {})) or None
         if getattr(app, "draining", False):
             response.status_code = 503
             return Status(status="draining")
         if not app.ready:
             response.status_code = 503
             return Status(status="starting" if not getattr(app, "_closed", False) else "stopped")
-        return Status(status="ready")
+        store_error = getattr(app, "store_error", "")
+        if store_error:
+            response.status_code = 503
+            return Status(status="store-error", reason=store_error, quarantined=quarantined)
+        return Status(status="ready", quarantined=quarantined)
 
     @api.get(
         "/metrics",
@@ -237,8 +279,8 @@ def build_http(app: Any, metrics: Any, settings: Any) -> FastAPI:
         response_model=PairOut,
         tags=["pairs"],
         responses={
-            401: {"model": ErrorOut, "description": "Token required"},
-            403: {"model": ErrorOut, "description": "Wrong token"},
+            401: {"model": ErrorOut, "description": "No token, or an unknown one"},
+            403: {"model": ErrorOut, "description": "Not the admin token, or none configured"},
             **_NOT_FOUND,
         },
     )
@@ -247,21 +289,38 @@ def build_http(app: Any, metrics: Any, settings: Any) -> FastAPI:
         credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)],
     ) -> PairOut:
         """Forget what the pair learned: cold-start coefficients, round 0, empty
-        counters, calibration and history; the version moves forward by one. Needs ``Authorization: Bearer <token>`` when the
-        service has an admin token."""
-        token = getattr(settings, "admin_token", "")
-        if token:
-            if credentials is None:
-                raise HTTPException(
-                    401,
-                    detail="admin token required: Authorization: Bearer <token>",
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-            if not hmac.compare_digest(credentials.credentials.encode(), token.encode()):
-                raise HTTPException(403, detail="wrong admin token")
+        counters, calibration and history; the version moves forward by one. Needs
+        ``Authorization: Bearer <admin token>`` (refused when the service has none)."""
         pair = get_pair(pair_id)
         app.reset(pair)
         return pair_out(pair, metrics)
+
+    @api.delete(
+        "/v1/pairs/{pair_id}",
+        response_model=PairOut,
+        tags=["pairs"],
+        responses={
+            401: {"model": ErrorOut, "description": "No token, or an unknown one"},
+            403: {"model": ErrorOut, "description": "Not the admin token, or none configured"},
+            503: {"model": ErrorOut, "description": "The store refused; nothing changed"},
+            **_NOT_FOUND,
+        },
+    )
+    async def delete_pair(
+        pair_id: str,
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)],
+    ) -> PairOut:
+        """Delete the pair: its state, stored rows, cost curves and metric series; its
+        watchers' streams end. Returns the pair as it was. Registering the same key
+        again starts a new pair from the cold start. Needs ``Authorization: Bearer
+        <admin token>`` (refused when the service has none)."""
+        pair = get_pair(pair_id)
+        last = pair_out(pair, metrics)
+        try:
+            await app.remove(pair)
+        except Exception as exc:
+            raise HTTPException(503, detail=f"pair {pair.id} not deleted: {exc}") from None
+        return last
 
     from avest.http.draft_lengths import draft_length_router
 

@@ -34,6 +34,7 @@ from avest.http.names import (
     PAIRS,
     PREDICTED_ACCEPTANCE,
     PREDICTED_SURVIVAL,
+    QUARANTINED_PAIRS,
     QUEUE_DEPTH,
     RECENT_AUC,
     RECENT_ECE,
@@ -48,6 +49,8 @@ from avest.http.names import (
     SLOPE,
     SPECS,
     STEPS_OBSERVED,
+    STORE_ERRORS,
+    STORE_WRITABLE,
     family_name,
 )
 
@@ -93,6 +96,9 @@ COLLECTED = (
     REFITS,
     OPEN_STREAMS,
     QUEUE_DEPTH,
+    STORE_ERRORS,
+    STORE_WRITABLE,
+    QUARANTINED_PAIRS,
     PREDICTED_SURVIVAL,
     OBSERVED_SURVIVAL,
     RELIABILITY_DRAFTS,
@@ -131,6 +137,11 @@ class PairCollector:
         f = self._families()
         f[INFO].add_metric([__version__], 1.0)
         f[OPEN_STREAMS].add_metric([], float(m.open_streams()))
+        app = m.app
+        for operation, count in getattr(app, "store_errors", {}).items():
+            f[STORE_ERRORS].add_metric([operation], float(count))
+        f[STORE_WRITABLE].add_metric([], 0.0 if getattr(app, "store_error", "") else 1.0)
+        f[QUARANTINED_PAIRS].add_metric([], float(len(getattr(app, "quarantined", {}))))
         pairs = list(m.app.registry.pairs.values())
         f[PAIRS].add_metric([], float(len(pairs)))
         depth = 0

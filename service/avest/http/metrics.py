@@ -174,6 +174,7 @@ class Metrics:
         except Exception:  # pragma: no cover - platforms without /proc
             log.debug("process metrics unavailable", exc_info=True)
         app.hooks.refit.append(self._on_refit)
+        app.hooks.removed.append(self._on_removed)
 
     # -- wiring used by the server ----------------------------------------
 
@@ -232,6 +233,12 @@ class Metrics:
         counts = self._refits.setdefault(pair.id, {})
         counts[refit.outcome] = counts.get(refit.outcome, 0) + 1
         self.refit_duration.observe(seconds)
+
+    def _on_removed(self, pair: Any, why: str) -> None:
+        """A deleted pair's series go with it (the collector reads the registry)."""
+        self._refits.pop(pair.id, None)
+        for kind in ("all", "recent"):
+            self._summaries.pop((pair.id, kind), None)
 
     def _refused_child(self, method: str, reason: str) -> Any:
         child = self._refused_children.get((method, reason))

@@ -17,7 +17,16 @@ from avest.state.pairs import Pair
 
 
 class Status(BaseModel):
-    status: str = Field(description="ok / ready, or why not: starting, draining")
+    status: str = Field(
+        description="ok / ready, or why not: starting, draining, stopped, store-error"
+    )
+    version: str | None = Field(None, description="The avest release serving (/healthz)")
+    reason: str | None = Field(None, description="Why not ready: the store error, verbatim")
+    quarantined: dict[str, str] | None = Field(
+        None,
+        description="Pairs whose stored state failed to load (id -> reason), kept aside in "
+        "the store's quarantine table; the other pairs serve",
+    )
 
 
 class ErrorOut(BaseModel):

@@ -78,6 +78,9 @@ RPC_DURATION = "avest_rpc_duration_seconds"
 OPEN_STREAMS = "avest_open_streams"
 QUEUE_DEPTH = "avest_queue_depth"
 REFUSED_BATCHES = "avest_refused_batches_total"
+STORE_ERRORS = "avest_store_errors_total"
+STORE_WRITABLE = "avest_store_writable"
+QUARANTINED_PAIRS = "avest_quarantined_pairs"
 # The calibration layer (avest.core.calibration), per pair.
 CALIBRATION_LAYER_SERVED = "avest_calibration_layer_served"
 CALIBRATION_LAYER_GAIN = "avest_calibration_layer_logloss_gain"
@@ -89,6 +92,10 @@ REFUSAL_REASONS = (
     "not_found",
     "resource_exhausted",
     "failed_precondition",
+    "already_exists",
+    "malformed",
+    "unauthenticated",
+    "permission_denied",
     "other",
 )
 
@@ -340,6 +347,27 @@ METRICS: tuple[MetricSpec, ...] = (
         "counter",
         ("method", "reason"),
         "Requests refused (state untouched) by method and reason.",
+    ),
+    MetricSpec(
+        STORE_ERRORS,
+        "counter",
+        ("operation",),
+        "Failed store operations (write, delete) since the process started; "
+        "while writes fail no step is acknowledged.",
+    ),
+    MetricSpec(
+        STORE_WRITABLE,
+        "gauge",
+        (),
+        "1 while the last store write succeeded, 0 while writes fail (disk full, read-only); "
+        "/readyz then answers 503 with the reason.",
+    ),
+    MetricSpec(
+        QUARANTINED_PAIRS,
+        "gauge",
+        (),
+        "Pairs whose stored state failed its checksum or did not load at start: kept aside "
+        "in the store's quarantine table and listed by /readyz; the other pairs serve.",
     ),
     *CURVE_METRICS,
     # -- the calibration layer ---------------------------------------------------

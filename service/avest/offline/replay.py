@@ -4,21 +4,24 @@ Each trace step's rows are split among ``workers`` concurrent Observe
 streams (one message per worker per step; with one worker, one message per
 trace step, so the service ends with exactly the coefficients of the core's
 replay). Nothing is dropped: a replay is a load generator and a test
-harness, not a decode loop, so it waits for flow control instead.
+harness, not a decode loop, so it waits for flow control instead. Worker ids
+and sequence numbers are stable across reruns and a replay resumes after the
+service restarts, so a rerun after a crash counts nothing twice.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import uuid
+import hashlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
 
 from avest.offline.trace import Trace
+from avest_client.credentials import Credentials, aio_channel
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
@@ -85,6 +88,27 @@ def messages_for(
     return out
 
 
+def default_run_id(trace: Trace, workers: int, repeat: int) -> str:
+    """A run id fixed by the trace's content and the split: a rerun of the same
+    replay reuses its worker ids and sequence numbers, so the service counts
+    nothing twice."""
+    h = hashlib.sha256()
+    for a in (trace.features, trace.num_verified, trace.num_accepted, trace.step):
+        h.update(np.ascontiguousarray(a).tobytes())
+    h.update(f"{workers}:{repeat}".encode())
+    return h.hexdigest()[:12]
+
+
+#: Stream failures a replay waits out and resumes after (the service restarting).
+RETRYABLE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+)
+
+
 async def replay(
     address: str,
     trace: Trace,
@@ -95,38 +119,77 @@ async def replay(
     on_message: Callable[[], None] = lambda: None,
     timeout: float = 600.0,
     rate: float = 0.0,
+    run_id: str = "",
+    retry_s: float = 60.0,
 ) -> ReplayResult:
-    """Replay ``trace``; ``rate`` caps messages per second per worker (0: no cap)."""
+    """Replay ``trace``; ``rate`` caps messages per second per worker (0: no cap).
+
+    Worker ids are ``replay:<run_id>:<w>`` with ``run_id`` derived from the trace
+    (:func:`default_run_id`) unless given: rerunning the same replay resends the
+    same steps under the same ids and sequence numbers, which the service
+    recognises. When a stream fails (the service restarts), the worker
+    reconnects for up to ``retry_s`` seconds, registers the pair again and
+    resends every step above the last acknowledged one.
+    """
     if workers < 1:
         raise ValueError("workers must be >= 1")
-    async with grpc.aio.insecure_channel(address) as channel:
+    run = run_id or default_run_id(trace, workers, repeat)
+    request = pb.RegisterPairRequest(
+        key=pair_key(trace), update_rule=RULES[rule], refit_interval=refit_interval
+    )
+    # AVEST_TOKEN / AVEST_TLS_CA from the environment, as every client reads them.
+    async with aio_channel(address, (), Credentials.resolve()) as channel:
         stub = pb_grpc.EstimatorServiceStub(channel)
-        reg = await stub.RegisterPair(
-            pb.RegisterPairRequest(
-                key=pair_key(trace), update_rule=RULES[rule], refit_interval=refit_interval
-            ),
-            timeout=30,
-        )
-        run = uuid.uuid4().hex[:8]
+        reg = await _retry(lambda: stub.RegisterPair(request, timeout=30), retry_s)
         plans = [
-            messages_for(trace, reg.pair_id, w, workers, f"replay:{os.getpid()}:{run}:{w}", repeat)
+            messages_for(trace, reg.pair_id, w, workers, f"replay:{run}:{w}", repeat)
             for w in range(workers)
         ]
+        counted: set[int] = set()
 
         async def worker(msgs: list[pb.ObserveRequest]) -> int:
-            async def requests() -> AsyncIterator[pb.ObserveRequest]:
-                for m in msgs:
+            acked = 0
+            give_up = asyncio.get_running_loop().time() + retry_s
+
+            async def requests(start: int) -> AsyncIterator[pb.ObserveRequest]:
+                for m in msgs[start:]:
                     yield m
-                    on_message()
+                    if id(m) not in counted:
+                        counted.add(id(m))
+                        on_message()
                     if rate > 0:
                         await asyncio.sleep(1.0 / rate)
 
-            acked = 0
-            async for resp in stub.Observe(requests(), timeout=timeout):
-                if resp.HasField("ack"):
-                    acked = resp.ack.acked_sequence
-            return acked
+            while True:
+                try:
+                    async for resp in stub.Observe(requests(acked), timeout=timeout):
+                        if resp.HasField("ack"):
+                            acked = max(acked, int(resp.ack.acked_sequence))
+                    if acked >= len(msgs):
+                        return acked
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() not in RETRYABLE:
+                        raise
+                if asyncio.get_running_loop().time() > give_up:
+                    raise TimeoutError(
+                        f"replay: {len(msgs) - acked} step(s) of a worker unacknowledged "
+                        f"after {retry_s:g}s of retries"
+                    )
+                await asyncio.sleep(0.2)
+                await _retry(lambda: stub.RegisterPair(request, timeout=30), retry_s)
 
         acks = await asyncio.gather(*(worker(m) for m in plans))
         pair = (await stub.GetPair(pb.GetPairRequest(pair_id=reg.pair_id), timeout=30)).pair
     return ReplayResult(reg.pair_id, sum(len(p) for p in plans), sum(acks), pair)
+
+
+async def _retry(call: Callable[[], Any], retry_s: float) -> Any:
+    """``await call()``, retried while the service is unreachable (up to ``retry_s``)."""
+    give_up = asyncio.get_running_loop().time() + retry_s
+    while True:
+        try:
+            return await call()
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in RETRYABLE or asyncio.get_running_loop().time() > give_up:
+                raise
+        await asyncio.sleep(0.2)

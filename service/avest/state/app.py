@@ -24,10 +24,19 @@ from typing import Any
 from avest.core.estimator import Batch
 from avest.core.rules import Refit
 from avest.settings import Settings
+from avest.state.guard import StateFile
 from avest.state.pairs import Pair, PairKey, Registry, RuleConfig
 from avest.state.store import Store
 
 log = logging.getLogger("avest")
+
+#: Draft positions (sum of K) per write transaction: two K = 64 pairs (each takes
+#: tens of milliseconds to snapshot and compress) or about twenty-five K = 5 pairs.
+CHUNK_POSITIONS = 128
+#: How often idle workers and pairs are looked for.
+MAINTAIN_EVERY_S = 10.0
+#: Wait at least this long between retries of a failed write.
+RETRY_S = 0.5
 
 
 @dataclass
@@ -44,6 +53,8 @@ class Hooks:
     durable: list[Callable[[set[str]], None]] = field(default_factory=list)
     #: ``(pair, rows, labelled)`` after each applied batch.
     observed: list[Callable[[Pair, int, int], None]] = field(default_factory=list)
+    #: ``(pair, why)`` after a pair is removed ("deleted", "retired").
+    removed: list[Callable[[Pair, str], None]] = field(default_factory=list)
 
 
 class Avest:
@@ -55,8 +66,18 @@ class Avest:
             ),
             max_pairs=settings.max_pairs,
         )
-        self.store = store if store is not None else Store(settings.database)
+        self.state_file = StateFile(settings.data_dir, settings.database)
+        if store is None:
+            self.state_file.check_present(settings.allow_empty_store)
+            store = Store(settings.database)
+        self.store = store
         self.hooks = Hooks()
+        #: Pairs whose stored state failed to load: ``id -> reason`` (kept aside).
+        self.quarantined: dict[str, str] = {}
+        #: The last store error while it lasts ("" once a write succeeds again).
+        self.store_error = ""
+        #: Store errors by operation (write, delete), for the metrics.
+        self.store_errors: dict[str, int] = {"write": 0, "delete": 0}
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="avest-store")
         self._flush_now = asyncio.Event()
         #: One write at a time: a caller waiting on flush() also waits for the
@@ -64,6 +85,9 @@ class Avest:
         self._flush_lock = asyncio.Lock()
         self._flusher: asyncio.Task[None] | None = None
         self._closed = False
+        self._maintained = time.time()
+        #: Callbacks telling whether a pair is in use (open streams), for retirement.
+        self.usage: list[Callable[[Pair], bool]] = []
         self.ready = False
         #: Set by the server when it starts draining: /readyz answers 503 from then on.
         self.draining = False
@@ -71,17 +95,58 @@ class Avest:
     # -- lifecycle ----------------------------------------------------------
 
     async def start(self) -> None:
-        """Restore every pair from the store, then start the group-commit loop."""
-        records = await asyncio.get_running_loop().run_in_executor(self._writer, self.store.load)
-        for record in records:
-            pair = self.registry.restore(record)
+        """Restore every pair from the store, then start the group-commit loop.
+
+        A pair whose stored state fails its checksum or does not decode is
+        quarantined (kept aside in the store, reported) and the others serve.
+        """
+        loop = asyncio.get_running_loop()
+        if self.store.backup is not None:
+            log.warning(
+                "store migrated from format %d; the previous file is kept as %s",
+                self.store.found_format,
+                self.store.backup,
+            )
+        loaded = await loop.run_in_executor(self._writer, self.store.load)
+        problems = dict(loaded.quarantined)
+        for record in loaded.records:
+            try:
+                pair = self.registry.restore(record)
+            except Exception as exc:  # a snapshot that decodes but does not restore
+                problems[record["id"]] = f"{type(exc).__name__}: {exc}"
+                continue
             self._attach(pair)
             log.info("restored pair %s at version %d", pair.id, pair.estimator.version)
+        unreadable = False
+        for pid, reason in problems.items():
+            kept = await loop.run_in_executor(self._writer, self.store.quarantine, pid, reason)
+            self.quarantined[pid] = reason
+            unreadable |= not kept
+            log.error("pair %s quarantined (%s); the other pairs serve", pid, reason)
+        if unreadable:
+            # Damaged pages that cannot even be deleted: rebuild the file from what
+            # loaded, keeping the damaged one aside, so that writes work again.
+            good = [r for r in loaded.records if r["id"] not in problems]
+            aside = await loop.run_in_executor(
+                self._writer, self.store.rebuild, good, dict(self.quarantined)
+            )
+            log.error(
+                "store damaged: rebuilt from the readable pairs; damaged file kept as %s", aside
+            )
+        self.state_file.check_loaded(
+            len(self.registry.pairs) + len(self.quarantined), self.settings.allow_empty_store
+        )
+        self.state_file.record(len(self.registry.pairs))
         self._flusher = asyncio.create_task(self._flush_loop(), name="avest-flush")
         self.ready = True
 
-    async def close(self) -> None:
-        """Final snapshot of everything, then close the store."""
+    async def close(self, deadline: float | None = None) -> None:
+        """Final snapshot of what changed (by ``deadline``, a monotonic time), then close.
+
+        Only dirty pairs are written, in chunks, and no chunk starts after the
+        deadline: steps left unwritten were never acknowledged, so their
+        workers resend them to the next process.
+        """
         if self._closed:
             return
         self._closed = True
@@ -90,7 +155,10 @@ class Avest:
             self._flusher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._flusher
-        await self.flush(force=True)
+        try:
+            await self.flush(deadline=deadline)
+        except Exception:
+            log.exception("final snapshot failed; unacknowledged steps will be resent")
         await asyncio.get_running_loop().run_in_executor(self._writer, self.store.close)
         self._writer.shutdown(wait=True)
 
@@ -123,6 +191,25 @@ class Avest:
         pair.reset()
         self._flush_now.set()
 
+    async def remove(self, pair: Pair, why: str = "deleted") -> None:
+        """Delete a pair: its stored rows, then the registry entry, its streams and
+        watchers and its metric series (hooks). Its id may be registered again, from
+        the cold start. When the store refuses, nothing changes and the error rises."""
+        async with self._flush_lock:
+            try:
+                await asyncio.get_running_loop().run_in_executor(
+                    self._writer, self.store.delete, pair.id
+                )
+            except Exception as exc:
+                self._store_failed("delete", exc)
+                raise
+            self.registry.remove(pair)
+            pair.watchers.clear()
+            for hook in self.hooks.removed:
+                hook(pair, why)
+            self.state_file.record(len(self.registry.pairs))
+        log.info("pair %s %s", pair.id, why)
+
     def _attach(self, pair: Pair) -> None:
         pair.watchers.append(self._coefficients_changed)
         for hook in self.hooks.registered:
@@ -134,27 +221,61 @@ class Avest:
 
     # -- persistence --------------------------------------------------------
 
-    async def flush(self, force: bool = False) -> None:
-        """Write every dirty pair in one transaction, then mark its batches durable."""
-        async with self._flush_lock:
-            await self._flush(force)
+    async def flush(self, force: bool = False, deadline: float | None = None) -> None:
+        """Write every dirty pair, then mark its batches durable.
 
-    async def _flush(self, force: bool) -> None:
-        pairs = [p for p in self.registry.pairs.values() if p.dirty or force]
+        Pairs are written in chunks (one transaction each, about
+        :data:`CHUNK_POSITIONS` draft positions), so that acknowledgements flow
+        chunk by chunk and a drain never waits behind a long write: once the
+        server drains, only its own flush (with a ``deadline``, a monotonic time
+        no chunk starts after) goes on.
+        """
+        async with self._flush_lock:
+            pairs = [p for p in self.registry.pairs.values() if p.dirty or force]
+            for n, chunk in enumerate(_chunks(pairs)):
+                if deadline is None and self.draining:
+                    return  # the final snapshot, bounded by the grace period, takes over
+                if deadline is not None and time.monotonic() >= deadline:
+                    left = sum(len(c) for c in _chunks(pairs)[n:])
+                    log.warning(
+                        "grace period over: %d pair(s) not written; their workers resend "
+                        "the unacknowledged steps",
+                        left,
+                    )
+                    return
+                await self._write(chunk)
+
+    async def _write(self, pairs: list[Pair]) -> None:
         if not pairs:
             return
         records: list[dict[str, Any]] = []
         for pair in pairs:
             records.append(self.registry.snapshot(pair))
             pair.dirty = False
-        await asyncio.get_running_loop().run_in_executor(self._writer, self.store.write, records)
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self._writer, self.store.write, records
+            )
+        except Exception as exc:
+            for pair, record in zip(pairs, records, strict=True):
+                self.registry.unsnapshot(pair, record)
+            self._store_failed("write", exc)
+            raise
+        if self.store_error:
+            log.warning("store writes resumed after: %s", self.store_error)
+        self.store_error = ""
         for pair, record in zip(pairs, records, strict=True):
-            for worker, seq in record["applied"].items():
+            for worker, (seq, _) in record["workers"].items():
                 if seq > pair.durable.get(worker, 0):
                     pair.durable[worker] = seq
+        self.state_file.record(len(self.registry.pairs))
         ids = {p.id for p in pairs}
         for hook in self.hooks.durable:
             hook(ids)
+
+    def _store_failed(self, operation: str, exc: BaseException) -> None:
+        self.store_errors[operation] = self.store_errors.get(operation, 0) + 1
+        self.store_error = f"store {operation} failed: {type(exc).__name__}: {exc}"
 
     async def _flush_loop(self) -> None:
         interval = self.settings.flush_interval_ms / 1000.0
@@ -162,10 +283,48 @@ class Avest:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._flush_now.wait(), timeout=interval)
             self._flush_now.clear()
+            if self.draining:
+                return  # the server's final snapshot, bounded by the grace period, takes over
             try:
                 await self.flush()
-            except Exception:  # keep serving; the pairs stay dirty and retry
-                log.exception("snapshot write failed")
-                for pair in self.registry.pairs.values():
-                    pair.dirty = True
-                await asyncio.sleep(interval)
+                await self._maintain()
+            except Exception as exc:  # keep serving; the pairs stay dirty and retry
+                log.warning(
+                    "%s; retrying (acks wait until a write succeeds)", self.store_error or exc
+                )
+                await asyncio.sleep(max(interval, RETRY_S))
+
+    async def _maintain(self) -> None:
+        """Prune idle workers' records and retire idle pairs (both optional settings)."""
+        now = time.time()
+        if now - self._maintained < MAINTAIN_EVERY_S:
+            return
+        self._maintained = now
+        worker_ttl = self.settings.worker_ttl_s
+        if worker_ttl > 0:
+            pruned = sum(
+                len(p.prune_workers(now - worker_ttl)) for p in self.registry.pairs.values()
+            )
+            if pruned:
+                log.info("pruned %d idle worker record(s)", pruned)
+        pair_ttl = self.settings.pair_ttl_s
+        if pair_ttl > 0:
+            for pair in list(self.registry.pairs.values()):
+                if pair.updated < now - pair_ttl and not self.in_use(pair):
+                    await self.remove(pair, "retired")
+
+    def in_use(self, pair: Pair) -> bool:
+        """Whether an open stream is sending steps for the pair (set by the gRPC adapter)."""
+        return any(check(pair) for check in self.usage)
+
+
+def _chunks(pairs: list[Pair]) -> list[list[Pair]]:
+    out: list[list[Pair]] = []
+    size = CHUNK_POSITIONS
+    for pair in pairs:
+        if size + pair.k > CHUNK_POSITIONS:
+            out.append([])
+            size = 0
+        out[-1].append(pair)
+        size += pair.k
+    return out

@@ -21,6 +21,7 @@ from avest.core.estimator import Batch, OnlineEstimator
 from avest.core.model import Coefficients, check_k
 from avest.core.rule_factory import DEFAULT_RULE, RULE_NAMES, make_rule, rule_options
 from avest.core.rules import Refit
+from avest_wire import limits
 
 
 class NotFound(LookupError):
@@ -93,6 +94,31 @@ class CostCurves:
         )
 
 
+def check_costs(curves: CostCurves) -> None:
+    """Cost curves inside the contract's limits (before the table's own checks)."""
+    if limits.byte_length(curves.hardware) > limits.MAX_HARDWARE_BYTES:
+        raise InvalidInput("hardware", f"at most {limits.MAX_HARDWARE_BYTES} bytes")
+    for name, curve in (("draft_curve", curves.draft), ("verify_curve", curves.verify)):
+        if len(curve) > limits.MAX_COST_POINTS:
+            raise InvalidInput(name, f"has {len(curve)} points, at most {limits.MAX_COST_POINTS}")
+        for size, ms in curve:
+            if not 0 <= size <= limits.MAX_COST_SIZE:
+                raise InvalidInput(name, f"size {size} outside [0, {limits.MAX_COST_SIZE}]")
+            if not 0.0 <= ms <= limits.MAX_COST_MS:  # also refuses NaN
+                raise InvalidInput(name, f"ms {ms} outside [0, {limits.MAX_COST_MS:g}]")
+
+
+def check_sequence(seq: int, last: int) -> None:
+    """A new step's sequence number: at most :data:`limits.MAX_SEQUENCE_GAP` past the last."""
+    if seq > limits.MAX_SEQUENCE:
+        raise InvalidInput("sequence", f"must be at most {limits.MAX_SEQUENCE}")
+    if last > 0 and seq - last > limits.MAX_SEQUENCE_GAP:
+        raise InvalidInput(
+            "sequence",
+            f"{seq} is more than {limits.MAX_SEQUENCE_GAP} past this worker's last step {last}",
+        )
+
+
 @dataclass
 class HistoryEntry:
     version: int
@@ -116,6 +142,13 @@ class Pair:
     applied: dict[str, int] = field(default_factory=dict)
     #: Highest sequence number made durable, per worker (what is acknowledged).
     durable: dict[str, int] = field(default_factory=dict)
+    #: When each worker's last step was applied (for pruning idle workers).
+    seen: dict[str, float] = field(default_factory=dict)
+    #: Workers whose records changed, and workers pruned, since the last snapshot.
+    changed_workers: set[str] = field(default_factory=set)
+    pruned_workers: set[str] = field(default_factory=set)
+    #: Set by a reset: stored history older than this is removed at the next write.
+    history_cleared: float = 0.0
     costs: dict[str, CostCurves] = field(default_factory=dict)
     _tables: dict[str, CostTable] = field(default_factory=dict)
     history: list[HistoryEntry] = field(default_factory=list)
@@ -146,6 +179,13 @@ class Pair:
         return self._tables[hardware]
 
     def set_costs(self, curves: CostCurves) -> None:
+        check_costs(curves)
+        if curves.hardware not in self.costs and len(self.costs) >= limits.MAX_HARDWARE_PER_PAIR:
+            raise Exhausted(
+                "hardware",
+                f"pair {self.id} holds cost curves for {len(self.costs)} hardware labels, "
+                f"the limit is {limits.MAX_HARDWARE_PER_PAIR}",
+            )
         table = curves.table()  # validates before anything changes
         self.costs[curves.hardware] = curves
         self._tables[curves.hardware] = table
@@ -160,7 +200,9 @@ class Pair:
             return False, None
         refit = self.estimator.apply(batch)
         self.applied[worker] = seq
-        self.updated = time.time()
+        self.updated = self.seen[worker] = time.time()
+        self.changed_workers.add(worker)
+        self.pruned_workers.discard(worker)
         self.dirty = True
         if refit is not None:
             self._record(refit.outcome)
@@ -169,7 +211,29 @@ class Pair:
     def reset(self) -> None:
         self.estimator.reset()
         self.history.clear()
+        self.history_cleared = time.time()
         self._record("reset")
+
+    def prune_workers(self, idle_before: float) -> list[str]:
+        """Forget workers idle since before ``idle_before`` whose steps are all durable.
+
+        A pruned worker that comes back is a new worker: its steps are applied
+        from any sequence number (the ones it had were all acknowledged).
+        """
+        gone = [
+            w
+            for w, t in self.seen.items()
+            if t < idle_before and self.durable.get(w, 0) >= self.applied.get(w, 0)
+        ]
+        for w in gone:
+            self.applied.pop(w, None)
+            self.durable.pop(w, None)
+            self.seen.pop(w, None)
+            self.changed_workers.discard(w)
+            self.pruned_workers.add(w)
+        if gone:
+            self.dirty = True
+        return gone
 
     def _record(self, outcome: str) -> None:
         c = self.estimator.coefficients
@@ -212,7 +276,7 @@ class Registry:
         try:
             return self.pairs[pair_id]
         except KeyError:
-            raise NotFound(f"unknown pair_id {pair_id!r}") from None
+            raise NotFound(f"unknown pair_id {limits.echo(pair_id)}") from None
 
     def register(self, key: PairKey, rule: str = "", refit_interval: int = 0) -> tuple[Pair, bool]:
         """Idempotent: an existing key returns its pair unchanged. ``(pair, created)``."""
@@ -232,6 +296,9 @@ class Registry:
             raise InvalidInput("rule", f"must be one of {', '.join(RULE_NAMES)}, got {rule!r}")
         if refit_interval < 0 or refit_interval > 1_000_000:
             raise InvalidInput("refit_interval", "must lie in [0, 1000000] (0 = server default)")
+        problem = limits.key_problem(key.target, key.draft, key.method, dict(key.labels))
+        if problem is not None:
+            raise InvalidInput(*problem)
         if len(self.pairs) >= self.max_pairs:
             raise Exhausted("pairs", f"the service holds its limit of {self.max_pairs} pairs")
         pair = self.build(
@@ -253,14 +320,25 @@ class Registry:
         return Pair(key=key, rule_name=rule, estimator=estimator)
 
     def snapshot(self, pair: Pair) -> dict[str, Any]:
-        """An immutable picture of a pair for the store (arrays copied)."""
+        """An immutable picture of a pair for the store (arrays copied).
+
+        Only the workers that changed since the last snapshot are included;
+        :meth:`unsnapshot` puts them back when the write fails.
+        """
+        workers = {w: (pair.applied[w], pair.seen.get(w, 0.0)) for w in pair.changed_workers}
+        pruned = sorted(pair.pruned_workers)
+        pair.changed_workers = set()
+        pair.pruned_workers = set()
         return {
             "id": pair.id,
             "key": pair.key.as_dict(),
             "rule": pair.rule_name,
             "refit_interval": pair.estimator.refit_interval,
             "arrays": pair.estimator.snapshot(),  # fresh copies already
-            "applied": dict(pair.applied),
+            "last_outcome": pair.estimator.last_outcome,
+            "workers": workers,
+            "pruned": pruned,
+            "history_cleared": pair.history_cleared,
             "costs": [
                 {
                     "hardware": c.hardware,
@@ -274,6 +352,18 @@ class Registry:
             "updated": pair.updated,
         }
 
+    @staticmethod
+    def unsnapshot(pair: Pair, record: dict[str, Any]) -> None:
+        """A snapshot that was not written: mark what it carried as changed again."""
+        pair.changed_workers |= {w for w in record["workers"] if w in pair.applied}
+        pair.pruned_workers |= {w for w in record["pruned"] if w not in pair.applied}
+        pair.dirty = True
+
+    def remove(self, pair: Pair) -> None:
+        """Forget a pair (deletion, retirement, quarantine); its id may be registered again."""
+        if self.pairs.get(pair.id) is pair:
+            del self.pairs[pair.id]
+
     def restore(self, record: dict[str, Any]) -> Pair:
         key_d = record["key"]
         key = PairKey.of(
@@ -281,7 +371,9 @@ class Registry:
         )
         pair = self.build(key, record["rule"], int(record["refit_interval"]))
         pair.estimator.restore(record["arrays"])
-        pair.applied = {w: int(s) for w, s in record["applied"].items()}
+        pair.estimator.last_outcome = str(record.get("last_outcome", ""))
+        pair.applied = {w: int(seq) for w, (seq, _) in record["workers"].items()}
+        pair.seen = {w: float(seen) for w, (_, seen) in record["workers"].items()}
         pair.durable = dict(pair.applied)
         for c in record["costs"]:
             pair.set_costs(

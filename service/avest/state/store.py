@@ -1,11 +1,13 @@
 """Embedded persistence: one SQLite file in the data directory.
 
-Tables: ``pairs`` (key, rule, refit interval), ``snapshots`` (the
-estimator's arrays — coefficients, open round statistics, calibration
-state, the update rule's carried information — as one ``.npz`` blob, with
-the per-worker sequence watermarks), ``coefficient_history`` (every
-coefficient change: version, round, time, outcome) and ``cost_curves`` (per
-pair and hardware label).
+Tables: ``meta`` (format and the release that wrote it), ``pairs`` (key, rule,
+refit interval), ``snapshots`` (the estimator's arrays — coefficients, open
+round statistics, calibration state, the update rule's carried information —
+as one versioned blob with a checksum, and the last refit outcome),
+``workers`` (per-worker sequence watermarks, written only when they change),
+``coefficient_history`` (every coefficient change), ``cost_curves`` (per pair
+and hardware label) and ``quarantine`` (snapshots that failed to load, kept
+aside). Formats and migrations: :mod:`avest.state.store_format`.
 
 A :class:`Store` is used from one thread at a time (the service gives it a
 thread of its own). Each :meth:`write` is one transaction, committed with
@@ -14,78 +16,84 @@ thread of its own). Each :meth:`write` is one transaction, committed with
 
 from __future__ import annotations
 
-import io
 import json
 import sqlite3
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from avest import __version__
+from avest.state.store_format import (
+    BLOB_FORMAT,
+    STORE_FORMAT,
+    CorruptSnapshot,
+    StoreTooNew,
+    blob_format,
+    checksum,
+    migrate,
+    pack_arrays,
+    stored_format,
+    unpack_arrays,
+    written_by,
+)
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS pairs (
-    id TEXT PRIMARY KEY,
-    key_json TEXT NOT NULL,
-    k INTEGER NOT NULL,
-    rule TEXT NOT NULL,
-    refit_interval INTEGER NOT NULL,
-    updated REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS snapshots (
-    pair_id TEXT PRIMARY KEY REFERENCES pairs(id),
-    arrays BLOB NOT NULL,
-    applied_json TEXT NOT NULL,
-    version INTEGER NOT NULL,
-    round INTEGER NOT NULL,
-    updated REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS coefficient_history (
-    pair_id TEXT NOT NULL REFERENCES pairs(id),
-    version INTEGER NOT NULL,
-    round INTEGER NOT NULL,
-    time REAL NOT NULL,
-    slope REAL NOT NULL,
-    intercepts_json TEXT NOT NULL,
-    outcome TEXT NOT NULL,
-    PRIMARY KEY (pair_id, round, version, outcome, time)
-);
-CREATE TABLE IF NOT EXISTS cost_curves (
-    pair_id TEXT NOT NULL REFERENCES pairs(id),
-    hardware TEXT NOT NULL,
-    draft_json TEXT NOT NULL,
-    verify_json TEXT NOT NULL,
-    cudagraph_limit INTEGER NOT NULL,
-    PRIMARY KEY (pair_id, hardware)
-);
-"""
+__all__ = ["HISTORY_KEPT", "Loaded", "Store", "StoreTooNew", "StoreUnreadable"]
 
 #: How many history rows a restored pair keeps in memory.
 HISTORY_KEPT = 256
 
 
-def pack_arrays(arrays: dict[str, np.ndarray]) -> bytes:
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    return buf.getvalue()
+class StoreUnreadable(RuntimeError):
+    """The database file itself cannot be opened or read (not one pair: all of it)."""
 
 
-def unpack_arrays(blob: bytes) -> dict[str, np.ndarray]:
-    with np.load(io.BytesIO(blob), allow_pickle=False) as npz:
-        return {name: npz[name] for name in npz.files}
+@dataclass
+class Loaded:
+    """What :meth:`Store.load` found: restorable records and pairs kept aside."""
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+    #: ``pair_id -> reason`` for every pair whose stored state failed to load.
+    quarantined: dict[str, str] = field(default_factory=dict)
 
 
 class Store:
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=FULL")
-        self.db.execute("PRAGMA foreign_keys=ON")
-        self.db.executescript(SCHEMA)
+        try:
+            self.db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            found = stored_format(self.db)
+        except sqlite3.DatabaseError as exc:
+            raise StoreUnreadable(f"{self.path}: {exc}") from exc
+        if found > STORE_FORMAT:
+            by = written_by(self.db)
+            self.db.close()
+            raise StoreTooNew(
+                f"{self.path} has store format {found}, written by {by}; avest {__version__} "
+                f"reads formats up to {STORE_FORMAT}. Nothing was read or changed: run the "
+                "release that wrote it (or a newer one), or restore a backup from this release."
+            )
+        #: The format found on opening (0: a new file); the file is now at STORE_FORMAT.
+        self.found_format = found
+        self.backup: Path | None = None
+        try:
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=FULL")
+            self.db.execute("PRAGMA foreign_keys=ON")
+            if 0 < found < STORE_FORMAT:
+                self.backup = self.path.with_name(f"{self.path.name}.format{found}.bak")
+                with sqlite3.connect(self.backup) as copy:
+                    self.db.backup(copy)
+            if found != STORE_FORMAT:
+                migrate(self.db, found)
+        except sqlite3.DatabaseError as exc:
+            raise StoreUnreadable(f"{self.path}: {exc}") from exc
 
     def close(self) -> None:
         self.db.close()
+
+    # -- writing -------------------------------------------------------------------
 
     def write(self, records: list[dict[str, Any]]) -> None:
         """Persist pair snapshots (from ``Registry.snapshot``) in one transaction."""
@@ -110,17 +118,30 @@ class Store:
             (r["id"], key_json, r["key"]["k"], r["rule"], r["refit_interval"], r["updated"]),
         )
         counters = r["arrays"]["counters"]
+        blob = pack_arrays(r["arrays"])
+        outcome = r.get("last_outcome", "")
         cur.execute(
-            "INSERT OR REPLACE INTO snapshots (pair_id, arrays, applied_json, version, round, updated) "
-            "VALUES (?,?,?,?,?,?)",
+            "INSERT OR REPLACE INTO snapshots (pair_id, arrays, applied_json, version, round, "
+            "updated, format, checksum, last_outcome) VALUES (?,?,?,?,?,?,?,?,?)",
             (
                 r["id"],
-                pack_arrays(r["arrays"]),
-                json.dumps(r["applied"]),
+                blob,
+                "{}",
                 int(counters[0]),
                 int(counters[1]),
                 r["updated"],
+                BLOB_FORMAT,
+                checksum(r["id"], key_json, r["rule"], r["refit_interval"], blob, outcome),
+                outcome,
             ),
+        )
+        cur.executemany(
+            "INSERT OR REPLACE INTO workers (pair_id, worker_id, sequence, seen) VALUES (?,?,?,?)",
+            [(r["id"], w, int(seq), float(seen)) for w, (seq, seen) in r["workers"].items()],
+        )
+        cur.executemany(
+            "DELETE FROM workers WHERE pair_id = ? AND worker_id = ?",
+            [(r["id"], w) for w in r.get("pruned", ())],
         )
         cur.executemany(
             "INSERT OR IGNORE INTO coefficient_history VALUES (?,?,?,?,?,?,?)",
@@ -137,6 +158,11 @@ class Store:
                 for h in r["history"]
             ],
         )
+        if r.get("history_cleared"):
+            cur.execute(
+                "DELETE FROM coefficient_history WHERE pair_id = ? AND time < ?",
+                (r["id"], r["history_cleared"]),
+            )
         for c in r["costs"]:
             cur.execute(
                 "INSERT OR REPLACE INTO cost_curves VALUES (?,?,?,?,?)",
@@ -149,57 +175,165 @@ class Store:
                 ),
             )
 
-    def load(self) -> list[dict[str, Any]]:
-        """Every pair's last snapshot, in the form ``Registry.restore`` takes."""
-        out = []
-        rows = self.db.execute(
-            "SELECT p.id, p.key_json, p.rule, p.refit_interval, s.arrays, s.applied_json, s.updated "
-            "FROM pairs p JOIN snapshots s ON s.pair_id = p.id ORDER BY p.id"
-        ).fetchall()
-        for pid, key_json, rule, interval, blob, applied_json, updated in rows:
-            costs = [
-                {
-                    "hardware": hw,
-                    "draft": json.loads(d),
-                    "verify": json.loads(v),
-                    "cudagraph_limit": lim,
-                }
-                for hw, d, v, lim in self.db.execute(
-                    "SELECT hardware, draft_json, verify_json, cudagraph_limit FROM cost_curves WHERE pair_id = ?",
-                    (pid,),
-                )
-            ]
-            history = [
-                {
-                    "version": v,
-                    "round": rd,
-                    "time": t,
-                    "slope": s,
-                    "intercepts": json.loads(i),
-                    "outcome": o,
-                }
-                for v, rd, t, s, i, o in reversed(
-                    self.db.execute(
-                        "SELECT version, round, time, slope, intercepts_json, outcome FROM coefficient_history "
-                        "WHERE pair_id = ? ORDER BY time DESC, round DESC LIMIT ?",
-                        (pid, HISTORY_KEPT),
-                    ).fetchall()
-                )
-            ]
-            out.append(
-                {
-                    "id": pid,
-                    "key": json.loads(key_json),
-                    "rule": rule,
-                    "refit_interval": interval,
-                    "arrays": unpack_arrays(blob),
-                    "applied": json.loads(applied_json),
-                    "costs": costs,
-                    "history": history,
-                    "updated": updated,
-                }
+    def delete(self, pair_id: str) -> None:
+        """Remove every row of a pair (one transaction)."""
+        cur = self.db.cursor()
+        cur.execute("BEGIN IMMEDIATE")
+        try:
+            for table in ("workers", "coefficient_history", "cost_curves", "snapshots"):
+                cur.execute(f"DELETE FROM {table} WHERE pair_id = ?", (pair_id,))
+            cur.execute("DELETE FROM pairs WHERE id = ?", (pair_id,))
+            cur.execute("COMMIT")
+        except BaseException:
+            cur.execute("ROLLBACK")
+            raise
+
+    def quarantine(self, pair_id: str, reason: str) -> bool:
+        """Keep a pair's unreadable state aside and free its id; False if that failed.
+
+        What can still be read (its key, its snapshot's bytes) is copied into
+        the ``quarantine`` table before its rows are removed.
+        """
+        key_json = blob = None
+        try:
+            row = self.db.execute("SELECT key_json FROM pairs WHERE id = ?", (pair_id,)).fetchone()
+            key_json = row[0] if row else None
+            row = self.db.execute(
+                "SELECT arrays FROM snapshots WHERE pair_id = ?", (pair_id,)
+            ).fetchone()
+            blob = bytes(row[0]) if row else None
+        except sqlite3.DatabaseError:
+            pass
+        try:
+            self.db.execute(
+                "INSERT OR REPLACE INTO quarantine VALUES (?,?,?,?,?)",
+                (pair_id, time.time(), reason, key_json, blob),
             )
+            self.delete(pair_id)
+        except sqlite3.DatabaseError:
+            return False
+        return True
+
+    def rebuild(self, records: list[dict[str, Any]], quarantined: dict[str, str]) -> Path:
+        """Salvage: a fresh file holding ``records``, the damaged one kept aside.
+
+        For a file whose damaged pages cannot even be deleted: every readable
+        pair (as loaded) is written into a new file at :attr:`path`, with the
+        quarantined ids and reasons in its ``quarantine`` table; the old file
+        (and its WAL) is renamed ``<name>.corrupt-<unix time>``. Returns that name.
+        """
+        self.db.close()
+        aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
+        for suffix in ("", "-wal", "-shm"):
+            src = Path(f"{self.path}{suffix}")
+            if src.exists():
+                src.rename(Path(f"{aside}{suffix}"))
+        fresh = Store(self.path)
+        fresh.write(records)
+        fresh.db.executemany(
+            "INSERT OR REPLACE INTO quarantine (pair_id, time, reason) VALUES (?,?,?)",
+            [
+                (pid, time.time(), f"{why} (file kept as {aside.name})")
+                for pid, why in quarantined.items()
+            ],
+        )
+        self.db, self.backup = fresh.db, None
+        return aside
+
+    # -- reading ---------------------------------------------------------------------
+
+    def load(self) -> Loaded:
+        """Every pair's last snapshot, in the form ``Registry.restore`` takes.
+
+        A pair whose rows cannot be read, fail their checksum or do not decode
+        is reported in :attr:`Loaded.quarantined` instead; the others load.
+        """
+        out = Loaded()
+        try:
+            ids = [r[0] for r in self.db.execute("SELECT id FROM pairs ORDER BY id")]
+        except sqlite3.DatabaseError as exc:
+            raise StoreUnreadable(f"{self.path}: the pairs table is unreadable: {exc}") from exc
+        for pid in ids:
+            try:
+                record = self._load_one(pid)
+            except StoreTooNew:
+                raise
+            except (sqlite3.DatabaseError, CorruptSnapshot, ValueError, KeyError) as exc:
+                out.quarantined[pid] = f"{type(exc).__name__}: {exc}"
+                continue
+            if record is not None:
+                out.records.append(record)
         return out
+
+    def _load_one(self, pid: str) -> dict[str, Any] | None:
+        row = self.db.execute(
+            "SELECT p.key_json, p.rule, p.refit_interval, s.arrays, s.updated, s.format, "
+            "s.checksum, s.last_outcome FROM pairs p JOIN snapshots s ON s.pair_id = p.id "
+            "WHERE p.id = ?",
+            (pid,),
+        ).fetchone()
+        if row is None:
+            return None  # registered, never snapshotted (0.1.0 wrote both at once)
+        key_json, rule, interval, blob, updated, fmt, digest, outcome = row
+        blob = bytes(blob)
+        if max(fmt, blob_format(blob)) > BLOB_FORMAT:
+            raise StoreTooNew(
+                f"{self.path}: pair {pid} has snapshot format {max(fmt, blob_format(blob))}; "
+                f"avest {__version__} reads formats up to {BLOB_FORMAT}. Nothing was changed."
+            )
+        if fmt != blob_format(blob):
+            raise CorruptSnapshot(f"blob format {blob_format(blob)} but row says {fmt}")
+        if digest != checksum(pid, key_json, rule, interval, blob, outcome):
+            raise CorruptSnapshot("checksum mismatch")
+        workers = {
+            str(w): (int(s), float(t))
+            for w, s, t in self.db.execute(
+                "SELECT worker_id, sequence, seen FROM workers WHERE pair_id = ?", (pid,)
+            )
+        }
+        costs = [
+            {
+                "hardware": hw,
+                "draft": json.loads(d),
+                "verify": json.loads(v),
+                "cudagraph_limit": lim,
+            }
+            for hw, d, v, lim in self.db.execute(
+                "SELECT hardware, draft_json, verify_json, cudagraph_limit FROM cost_curves "
+                "WHERE pair_id = ?",
+                (pid,),
+            )
+        ]
+        history = [
+            {
+                "version": v,
+                "round": rd,
+                "time": t,
+                "slope": s,
+                "intercepts": json.loads(i),
+                "outcome": o,
+            }
+            for v, rd, t, s, i, o in reversed(
+                self.db.execute(
+                    "SELECT version, round, time, slope, intercepts_json, outcome "
+                    "FROM coefficient_history WHERE pair_id = ? "
+                    "ORDER BY time DESC, round DESC LIMIT ?",
+                    (pid, HISTORY_KEPT),
+                ).fetchall()
+            )
+        ]
+        return {
+            "id": pid,
+            "key": json.loads(key_json),
+            "rule": rule,
+            "refit_interval": interval,
+            "arrays": unpack_arrays(blob),
+            "last_outcome": outcome,
+            "workers": workers,
+            "costs": costs,
+            "history": history,
+            "updated": updated,
+        }
 
     def history(
         self, pair_id: str, limit: int = 1000

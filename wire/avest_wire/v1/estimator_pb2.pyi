@@ -340,3 +340,15 @@ class PositionCalibration(_message.Message):
     observed: float
     count: int
     def __init__(self, auc: _Optional[float] = ..., logloss: _Optional[float] = ..., ece: _Optional[float] = ..., mean_predicted: _Optional[float] = ..., observed: _Optional[float] = ..., count: _Optional[int] = ...) -> None: ...
+
+class DeletePairRequest(_message.Message):
+    __slots__ = ("pair_id",)
+    PAIR_ID_FIELD_NUMBER: _ClassVar[int]
+    pair_id: str
+    def __init__(self, pair_id: _Optional[str] = ...) -> None: ...
+
+class DeletePairResponse(_message.Message):
+    __slots__ = ("pair",)
+    PAIR_FIELD_NUMBER: _ClassVar[int]
+    pair: Pair
+    def __init__(self, pair: _Optional[_Union[Pair, _Mapping]] = ...) -> None: ...

@@ -80,6 +80,11 @@ class EstimatorServiceStub:
                 request_serializer=avest_dot_v1_dot_estimator__pb2.GetPairRequest.SerializeToString,
                 response_deserializer=avest_dot_v1_dot_estimator__pb2.GetPairResponse.FromString,
                 _registered_method=True)
+        self.DeletePair = channel.unary_unary(
+                '/avest.v1.EstimatorService/DeletePair',
+                request_serializer=avest_dot_v1_dot_estimator__pb2.DeletePairRequest.SerializeToString,
+                response_deserializer=avest_dot_v1_dot_estimator__pb2.DeletePairResponse.FromString,
+                _registered_method=True)
 
 
 class EstimatorServiceServicer:
@@ -176,6 +181,16 @@ class EstimatorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeletePair(self, request, context):
+        """Deletes a pair: its state, stored rows, cost curves and metric series.
+        Open WatchCoefficients streams of the pair end; later steps for it are
+        refused with NOT_FOUND. Registering the same key again creates a new pair
+        (same id) from the cold start. An administrative call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EstimatorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -223,6 +238,11 @@ def add_EstimatorServiceServicer_to_server(servicer, server):
                     servicer.GetPair,
                     request_deserializer=avest_dot_v1_dot_estimator__pb2.GetPairRequest.FromString,
                     response_serializer=avest_dot_v1_dot_estimator__pb2.GetPairResponse.SerializeToString,
+            ),
+            'DeletePair': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeletePair,
+                    request_deserializer=avest_dot_v1_dot_estimator__pb2.DeletePairRequest.FromString,
+                    response_serializer=avest_dot_v1_dot_estimator__pb2.DeletePairResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -469,6 +489,33 @@ class EstimatorService:
             '/avest.v1.EstimatorService/GetPair',
             avest_dot_v1_dot_estimator__pb2.GetPairRequest.SerializeToString,
             avest_dot_v1_dot_estimator__pb2.GetPairResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeletePair(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/avest.v1.EstimatorService/DeletePair',
+            avest_dot_v1_dot_estimator__pb2.DeletePairRequest.SerializeToString,
+            avest_dot_v1_dot_estimator__pb2.DeletePairResponse.FromString,
             options,
             channel_credentials,
             insecure,

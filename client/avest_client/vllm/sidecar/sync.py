@@ -158,7 +158,12 @@ class PairSync:
                 self.pair_id, draft, verify, cudagraph_limit=limit, hardware=self.hardware
             )
         except AvestError as exc:
-            if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
+            if exc.code in (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                grpc.StatusCode.PERMISSION_DENIED,
+                grpc.StatusCode.UNAUTHENTICATED,
+            ):
+                # Cost curves are an admin action: a worker token is refused.
                 logger.error("avest: the sidecar refused the cost curves: %s", exc)
                 self._costs_sent_version, self._costs_due = version, False
                 return

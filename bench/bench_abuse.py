@@ -1,0 +1,348 @@
+"""Hostile clients against ``avest serve`` in a subprocess (reports, never assertions).
+
+* ``poison``: an outsider who knows the model names (pair ids are a hash of
+  the key) streams 200 steps of "everything accepted" in about 0.2 s, sends
+  sequence 2^64-1 under a real worker's id and overwrites the cost curves;
+  once against a service with tokens, once against one without (loopback).
+* ``busy``: N busy Observe streams (default 1,000, each sending as fast as
+  flow control lets it) next to a light worker that sends 50 steps, one every
+  100 ms, each waiting for its acknowledgement: the light worker's ack
+  latency (p50, p99, max), and /healthz latency meanwhile.
+* ``idle``: the service under a 1,024 open-file limit, then 1,100 sockets
+  that connect and send nothing (half to gRPC, half to HTTP): for 30 s,
+  fresh /healthz and gRPC health probes every 0.5 s (share answered, longest
+  outage), idle sockets the service closed, and bytes of log written.
+
+Usage: python bench/bench_abuse.py poison|busy|idle|all [--streams N] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing as mp
+import resource
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_proc import ADMIN_TOKEN, WORKER_TOKEN, serve  # noqa: E402
+
+from avest_wire import matrix as wire  # noqa: E402
+from avest_wire.v1 import estimator_pb2 as pb  # noqa: E402
+from avest_wire.v1 import estimator_pb2_grpc as pb_grpc  # noqa: E402
+
+K = 5
+WORKER = (("authorization", f"Bearer {WORKER_TOKEN}"),)
+ADMIN = (("authorization", f"Bearer {ADMIN_TOKEN}"),)
+
+
+def key(name: str = "victim") -> pb.PairKey:
+    return pb.PairKey(
+        target_model=name, draft_model="draft", method="eagle", num_speculative_tokens=K
+    )
+
+
+def step(
+    pair_id: str, worker: str, seq: int, rows: int = 8, accept: int | None = None
+) -> pb.ObserveRequest:
+    rng = np.random.default_rng(seq)
+    x = rng.normal(0.0, 2.0, size=(rows, K))
+    a = rng.integers(0, K + 1, size=rows) if accept is None else np.full(rows, accept)
+    return pb.ObserveRequest(
+        pair_id=pair_id,
+        worker_id=worker,
+        sequence=seq,
+        features=wire.encode(x)[0],
+        rows=rows,
+        k=K,
+        num_verified=[K] * rows,
+        num_accepted=[int(v) for v in a],
+    )
+
+
+def _outcome(fn: Any) -> str:
+    try:
+        fn()
+        return "OK"
+    except grpc.RpcError as exc:
+        return f"{exc.code().name}: {exc.details()[:60]}"
+
+
+def poison_once(tokens: bool) -> dict[str, Any]:
+    served = serve(Path(tempfile.mkdtemp(prefix="avest-poison-")), tokens=tokens)
+    try:
+        md = WORKER if tokens else ()
+        with grpc.insecure_channel(served.grpc_address) as ch:
+            stub = pb_grpc.EstimatorServiceStub(ch)
+            pid = stub.RegisterPair(
+                pb.RegisterPairRequest(key=key(), refit_interval=20), metadata=md
+            ).pair_id
+            list(stub.Observe(iter([step(pid, "real", s) for s in range(1, 101)]), metadata=md))
+            before = stub.GetPair(pb.GetPairRequest(pair_id=pid), metadata=md).pair
+            curves = pb.SetCostCurvesRequest(
+                pair_id=pid,
+                draft_curve=[pb.CostPoint(size=1, ms=1000.0)],
+                verify_curve=[pb.CostPoint(size=1, ms=1000.0)],
+            )
+            t0 = time.perf_counter()
+            fake = [step(pid, "outsider", s, accept=K) for s in range(1, 201)]
+            fake_outcome = _outcome(lambda: list(stub.Observe(iter(fake), timeout=10)))
+            fake_s = time.perf_counter() - t0
+            outcomes = {
+                "ListPairs": _outcome(lambda: stub.ListPairs(pb.ListPairsRequest(), timeout=5)),
+                "200 fake steps": fake_outcome,
+                "sequence 2^64-1 as the real worker": _outcome(
+                    lambda: list(stub.Observe(iter([step(pid, "real", 2**64 - 1)]), timeout=5))
+                ),
+                "SetCostCurves": _outcome(lambda: stub.SetCostCurves(curves, timeout=5)),
+            }
+            list(stub.Observe(iter([step(pid, "real", 101)]), metadata=md))
+            after = stub.GetPair(pb.GetPairRequest(pair_id=pid), metadata=md).pair
+        return {
+            "tokens": tokens,
+            "outcomes": outcomes,
+            "fake_steps_s": round(fake_s, 3),
+            "steps_before_after": (before.steps_observed, after.steps_observed),
+            "intercepts_before": [round(v, 3) for v in before.coefficients.intercepts],
+            "intercepts_after": [round(v, 3) for v in after.coefficients.intercepts],
+            "cost_curves_after": list(after.cost_curve_hardware),
+            "real_worker_step_101_applied": after.steps_observed > before.steps_observed
+            and after.steps_observed - before.steps_observed in (1, 201),
+        }
+    finally:
+        served.stop()
+
+
+# -- busy streams --------------------------------------------------------------------------
+
+
+def _busy_proc(address: str, pid: str, first: int, count: int, seconds: float) -> None:
+    async def one(w: int) -> None:
+        channel = grpc.aio.insecure_channel(address)
+        stub = pb_grpc.EstimatorServiceStub(channel)
+        msg = step(pid, f"busy-{w}", 1)
+        deadline = time.monotonic() + seconds
+
+        async def gen():  # noqa: ANN202
+            seq = 0
+            while time.monotonic() < deadline:
+                seq += 1
+                msg.sequence = seq
+                yield msg
+
+        try:
+            async for _ in stub.Observe(gen(), metadata=WORKER, timeout=seconds + 30):
+                pass
+        except grpc.aio.AioRpcError:
+            pass
+        await channel.close()
+
+    async def main() -> None:
+        await asyncio.gather(*(one(w) for w in range(first, first + count)))
+
+    resource.setrlimit(
+        resource.RLIMIT_NOFILE, (8192, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    )
+    asyncio.run(main())
+
+
+async def _light(address: str, pid: str, steps: int, http_url: str) -> dict[str, Any]:
+    channel = grpc.aio.insecure_channel(address)
+    stub = pb_grpc.EstimatorServiceStub(channel)
+    queue: asyncio.Queue[pb.ObserveRequest | None] = asyncio.Queue()
+    acked: dict[int, float] = {}
+    sent: dict[int, float] = {}
+    got = asyncio.Event()
+
+    async def gen():  # noqa: ANN202
+        while (m := await queue.get()) is not None:
+            yield m
+
+    async def read() -> None:
+        async for resp in stub.Observe(gen(), metadata=WORKER):
+            if resp.HasField("ack"):
+                acked[resp.ack.acked_sequence] = time.perf_counter()
+                got.set()
+
+    reader = asyncio.create_task(read())
+    health: list[float] = []
+    async with httpx.AsyncClient(base_url=http_url, timeout=30) as http:
+        for s in range(1, steps + 1):
+            sent[s] = time.perf_counter()
+            await queue.put(step(pid, "light", s))
+            while max(acked, default=0) < s:
+                got.clear()
+                await asyncio.wait_for(got.wait(), timeout=120)
+            t0 = time.perf_counter()
+            await http.get("/healthz")
+            health.append(time.perf_counter() - t0)
+            await asyncio.sleep(0.1)
+    await queue.put(None)
+    await reader
+    await channel.close()
+    lat = []
+    for s, t in sent.items():
+        done = min(v for q, v in acked.items() if q >= s)
+        lat.append(done - t)
+    arr = np.array(lat) * 1000
+    h = np.array(health) * 1000
+    return {
+        "ack_ms_p50": round(float(np.percentile(arr, 50)), 1),
+        "ack_ms_p99": round(float(np.percentile(arr, 99)), 1),
+        "ack_ms_max": round(float(arr.max()), 1),
+        "healthz_ms_p50": round(float(np.percentile(h, 50)), 1),
+        "healthz_ms_max": round(float(h.max()), 1),
+    }
+
+
+def busy(streams: int, procs: int = 4, steps: int = 50, tokens: bool = True) -> dict[str, Any]:
+    served = serve(Path(tempfile.mkdtemp(prefix="avest-busy-")), tokens=tokens)
+    try:
+        with grpc.insecure_channel(served.grpc_address) as ch:
+            stub = pb_grpc.EstimatorServiceStub(ch)
+            busy_pid = stub.RegisterPair(
+                pb.RegisterPairRequest(key=key("busy")), metadata=WORKER
+            ).pair_id
+            light_pid = stub.RegisterPair(
+                pb.RegisterPairRequest(key=key("light")), metadata=WORKER
+            ).pair_id
+        seconds = 20.0 + steps * 0.2
+        ctx = mp.get_context("spawn")
+        per = streams // procs
+        workers = [
+            ctx.Process(
+                target=_busy_proc, args=(served.grpc_address, busy_pid, i * per, per, seconds)
+            )
+            for i in range(procs)
+        ]
+        for p in workers:
+            p.start()
+        time.sleep(8.0)  # let every stream open and run
+        rss0 = served.rss_mib()
+        result = asyncio.run(_light(served.grpc_address, light_pid, steps, served.http_url))
+        with grpc.insecure_channel(served.grpc_address) as ch:
+            stub = pb_grpc.EstimatorServiceStub(ch)
+            busy_steps = stub.GetPair(
+                pb.GetPairRequest(pair_id=busy_pid), metadata=WORKER
+            ).pair.steps_observed
+        result.update(busy_streams=streams, busy_steps_applied=busy_steps, rss_mib=round(rss0, 1))
+        for p in workers:
+            p.join(seconds + 60)
+        return result
+    finally:
+        served.stop()
+
+
+# -- idle sockets ----------------------------------------------------------------------------
+
+
+def idle(
+    sockets: int = 1100, nofile: int = 1024, seconds: float = 30.0, tokens: bool = True
+) -> dict[str, Any]:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
+    served = serve(Path(tempfile.mkdtemp(prefix="avest-idle-")), nofile=nofile, tokens=tokens)
+    try:
+        host, gport = served.grpc_address.rsplit(":", 1)
+        hport = served.http_url.rsplit(":", 1)[1]
+        log0 = served.log_bytes()
+        socks: list[socket.socket] = []
+        t_open = time.monotonic()
+        for i in range(sockets):
+            s = socket.socket()
+            s.setblocking(False)
+            with contextlib.suppress(OSError):
+                s.connect_ex((host, int(gport if i % 2 == 0 else hport)))
+            socks.append(s)
+        probes: list[tuple[float, bool, bool]] = []
+        deadline = t_open + seconds
+        while time.monotonic() < deadline:
+            t = time.monotonic() - t_open
+            try:
+                ok_http = httpx.get(served.http_url + "/healthz", timeout=1.0).status_code == 200
+            except httpx.HTTPError:
+                ok_http = False
+            try:
+                with grpc.insecure_channel(served.grpc_address) as ch:
+                    resp = health_pb2_grpc.HealthStub(ch).Check(
+                        health_pb2.HealthCheckRequest(), timeout=1.0
+                    )
+                    ok_grpc = resp.status == health_pb2.HealthCheckResponse.SERVING
+            except grpc.RpcError:
+                ok_grpc = False
+            probes.append((t, ok_http, ok_grpc))
+            time.sleep(0.5)
+        closed = 0
+        for s in socks:
+            try:
+                while s.recv(65536):  # what it sent first (HTTP/2 settings), then EOF
+                    pass
+                closed += 1
+            except BlockingIOError:
+                pass
+            except OSError:
+                closed += 1
+            s.close()
+
+        def outage(i: int) -> float:
+            longest, start = 0.0, None
+            for t, *ok in probes:
+                if not ok[i]:
+                    start = t if start is None else start
+                    longest = max(longest, t - start + 0.5)
+                else:
+                    start = None
+            return round(longest, 1)
+
+        return {
+            "sockets": sockets,
+            "nofile": nofile,
+            "probes": len(probes),
+            "healthz_ok": sum(p[1] for p in probes),
+            "grpc_health_ok": sum(p[2] for p in probes),
+            "longest_http_outage_s": outage(0),
+            "longest_grpc_outage_s": outage(1),
+            "idle_sockets_closed_by_server": closed,
+            "log_bytes_in_window": served.log_bytes() - log0,
+            "alive": served.proc.poll() is None,
+        }
+    finally:
+        served.stop()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("what", choices=["poison", "busy", "idle", "all"])
+    parser.add_argument("--streams", type=int, default=1000)
+    parser.add_argument("--sockets", type=int, default=1100)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--no-tokens", action="store_true", help="serve without tokens (to compare older builds)"
+    )
+    args = parser.parse_args()
+    out: dict[str, Any] = {}
+    if args.what in ("poison", "all"):
+        out["poison_with_tokens"] = poison_once(True)
+        out["poison_without_tokens_loopback"] = poison_once(False)
+    if args.what in ("busy", "all"):
+        out["busy"] = busy(args.streams, tokens=not args.no_tokens)
+    if args.what in ("idle", "all"):
+        out["idle"] = idle(args.sockets, tokens=not args.no_tokens)
+    print(json.dumps(out, indent=None if args.json else 2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,175 @@
+"""The gRPC gate: tokens, per-client call rate, and malformed messages.
+
+A server interceptor in front of every handler:
+
+- **access**: the call's ``authorization`` metadata against
+  :class:`avest.state.access.Access` (UNAUTHENTICATED / PERMISSION_DENIED,
+  before the request is even parsed);
+- **rate**: unary calls per client address, a token bucket
+  (RESOURCE_EXHAUSTED);
+- **malformed messages**: a request that does not parse becomes
+  :data:`MALFORMED` instead of an exception deep in gRPC, so a unary call ends
+  with INVALID_ARGUMENT and the Observe stream refuses it likewise; each one
+  is counted (``avest_refused_batches_total{reason="malformed"}``) and logged
+  at most once per interval.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from avest.grpc.interceptor import method_label
+from avest.state.access import Access, Role, grpc_role
+from avest.state.throttle import LogLimiter, TokenBucket
+
+#: What a request that does not parse is delivered as.
+MALFORMED: Any = type("Malformed", (), {"__repr__": lambda self: "<malformed message>"})()
+
+_MAX_CLIENTS = 10_000
+
+
+def malformed_reply() -> tuple[grpc.StatusCode, str]:
+    return grpc.StatusCode.INVALID_ARGUMENT, "malformed message: not a valid protobuf of this RPC"
+
+
+class Gate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    def __init__(
+        self,
+        access: Access,
+        on_refused: Callable[[str, str], None],
+        rpc_rate: float = 0.0,
+        logs: LogLimiter | None = None,
+    ) -> None:
+        self.access = access
+        self.on_refused = on_refused
+        self.rpc_rate = rpc_rate
+        self.logs = logs or LogLimiter()
+        self._buckets: OrderedDict[str, TokenBucket] = OrderedDict()
+
+    # -- pieces ---------------------------------------------------------------
+
+    def _rate_ok(self, peer: str) -> bool:
+        if self.rpc_rate <= 0:
+            return True
+        host = peer.rpartition(":")[0] or peer
+        bucket = self._buckets.get(host)
+        if bucket is None:
+            bucket = self._buckets[host] = TokenBucket(self.rpc_rate, self.rpc_rate)
+            if len(self._buckets) > _MAX_CLIENTS:
+                self._buckets.popitem(last=False)
+        else:
+            self._buckets.move_to_end(host)
+        return bucket.take()
+
+    def malformed(self, method: str) -> None:
+        self.on_refused(method, "malformed")
+        self.logs.warning("malformed", "malformed %s message(s) refused", method)
+
+    def _parse(self, deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+        if deserializer is None:
+            return None
+
+        def parse(data: bytes) -> Any:
+            try:
+                return deserializer(data)
+            except (DecodeError, ValueError, TypeError, RuntimeError):
+                return MALFORMED
+
+        return parse
+
+    # -- the interceptor --------------------------------------------------------
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        full = details.method
+        method = method_label(full)
+        role = grpc_role(full)
+        authorization = None
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization":
+                authorization = value if isinstance(value, str) else value.decode(errors="replace")
+        denied = self.access.check(role, authorization)
+        if denied is not None:
+            code = (
+                grpc.StatusCode.UNAUTHENTICATED
+                if denied.unauthenticated
+                else grpc.StatusCode.PERMISSION_DENIED
+            )
+            self.on_refused(method, code.name.lower())
+            self.logs.warning("denied", "%s refused: %s", method, denied.message)
+            return _refusing(handler, code, denied.message)
+        if role == Role.OPEN or not full.startswith("/avest."):
+            return handler
+        kw = {
+            "request_deserializer": self._parse(handler.request_deserializer),
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._unary(method, handler.unary_unary), **kw
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._unary_stream(method, handler.unary_stream), **kw
+            )
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(handler.stream_stream, **kw)
+        return handler
+
+    def _unary(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        async def gated(request: Any, context: Any) -> Any:
+            if request is MALFORMED:
+                self.malformed(method)
+                await context.abort(*malformed_reply())
+            peer = context.peer()
+            if not self._rate_ok(peer):
+                self.on_refused(method, "resource_exhausted")
+                self.logs.warning("rate", "%s: client %s over its call rate", method, peer)
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"more than {self.rpc_rate:g} calls per second from this client; retry later",
+                )
+            return await behavior(request, context)
+
+        return gated
+
+    def _unary_stream(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        async def gated(request: Any, context: Any) -> Any:
+            if request is MALFORMED:
+                self.malformed(method)
+                await context.abort(*malformed_reply())
+            async for item in behavior(request, context):
+                yield item
+
+        return gated
+
+
+def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> Any:
+    """A handler of the same kind that refuses without reading the request."""
+
+    async def refuse(request: Any, context: Any) -> Any:
+        await context.abort(code, message)
+
+    async def refuse_stream(request: Any, context: Any) -> Any:
+        await context.abort(code, message)
+        yield  # pragma: no cover - unreachable, makes this a generator
+
+    kw = {"request_deserializer": None, "response_serializer": handler.response_serializer}
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(refuse, **kw)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(refuse, **kw)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(refuse_stream, **kw)
+    return grpc.stream_stream_rpc_method_handler(refuse_stream, **kw)

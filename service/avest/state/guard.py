@@ -1,0 +1,85 @@
+"""The state file: what the data directory held, kept outside the database.
+
+``avest.state.json`` beside the SQLite file records how many pairs the store
+held after its last write. A store that held pairs and is now missing, empty
+(0 bytes, or no pairs) is refused at start, unless the operator says it is
+meant (``--allow-empty-store``): a lost or truncated volume must not start
+READY with every pair gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from avest import __version__
+from avest.state.store_format import STORE_FORMAT
+
+STATE_FILE = "avest.state.json"
+
+
+class StoreEmptied(RuntimeError):
+    """The store held pairs and is now missing or empty."""
+
+
+class StateFile:
+    def __init__(self, data_dir: Path | str, database: Path | str) -> None:
+        self.path = Path(data_dir) / STATE_FILE
+        self.database = Path(database)
+        self._pairs: int | None = None
+
+    def recorded_pairs(self) -> int:
+        """Pairs the store held after its last recorded write (0 if never recorded)."""
+        try:
+            data = json.loads(self.path.read_text())
+            return int(data.get("pairs", 0))
+        except FileNotFoundError:
+            return 0
+        except (ValueError, OSError, AttributeError):
+            # An unreadable state file is no evidence either way; it is rewritten.
+            return 0
+
+    def check_present(self, allow_empty: bool) -> None:
+        """Before opening: refuse a missing or 0-byte database that held pairs."""
+        held = self.recorded_pairs()
+        if held == 0 or allow_empty:
+            return
+        if not self.database.exists():
+            raise StoreEmptied(self._message(held, "is missing"))
+        if self.database.stat().st_size == 0:
+            raise StoreEmptied(self._message(held, "is empty (0 bytes)"))
+
+    def check_loaded(self, loaded_pairs: int, allow_empty: bool) -> None:
+        """After loading: refuse a store with no pairs where pairs were recorded."""
+        held = self.recorded_pairs()
+        if held and loaded_pairs == 0 and not allow_empty:
+            raise StoreEmptied(self._message(held, "holds no pairs"))
+
+    def record(self, pairs: int) -> None:
+        """Write the count (atomically) when it changed."""
+        if pairs == self._pairs:
+            return
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(
+            json.dumps(
+                {
+                    "pairs": pairs,
+                    "store_format": STORE_FORMAT,
+                    "written_by": __version__,
+                    "time": time.time(),
+                    "database": self.database.name,
+                }
+            )
+        )
+        os.replace(tmp, self.path)
+        self._pairs = pairs
+
+    def _message(self, held: int, what: str) -> str:
+        return (
+            f"{self.database} {what}, but {self.path} records {held} pair(s) stored: the "
+            "data volume may be lost or not mounted. Refusing to start with every pair "
+            "gone. Restore the volume, or start with --allow-empty-store "
+            "(AVEST_ALLOW_EMPTY_STORE=true) to begin afresh."
+        )

@@ -1,0 +1,124 @@
+"""Connections: idle sockets are closed, a capped listener still answers probes,
+and one busy stream does not starve another."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+
+import grpc
+import httpx
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from avest_wire import matrix as wire
+from avest_wire.v1 import estimator_pb2 as pb
+from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
+
+
+def _closed_by_peer(s: socket.socket) -> bool:
+    """Whether the service closed it (what it sent before, like HTTP/2 settings, is read)."""
+    s.setblocking(False)
+    try:
+        while s.recv(65536):
+            pass
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def _grpc_health(address: str, timeout: float = 1.0) -> bool:
+    try:
+        with grpc.insecure_channel(address) as channel:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout
+            )
+        return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+    except grpc.RpcError:
+        return False
+
+
+def test_idle_sockets_are_closed_and_probes_still_answer(start_server, tmp_path) -> None:  # noqa: ANN001
+    # Found: sockets that connect and send nothing were kept forever; enough of
+    # them stopped both gRPC and HTTP.
+    handle = start_server(
+        tmp_path / "data", max_connections=20, handshake_timeout_s=1.0, idle_timeout_s=2.0
+    )
+    host, hport = handle.grpc_address.rsplit(":", 1)[0], int(handle.http_url.rsplit(":", 1)[1])
+    gport = int(handle.grpc_address.rsplit(":", 1)[1])
+    idle = []
+    for port in (gport, hport):
+        for _ in range(60):
+            s = socket.create_connection((host, port), timeout=5)
+            idle.append(s)
+    try:
+        # HTTP: a new connection takes the place of an idle one at once.
+        t0 = time.monotonic()
+        assert httpx.get(handle.http_url + "/healthz", timeout=2).status_code == 200
+        http_wait = time.monotonic() - t0
+        # gRPC: answered once the idle ones time out (1 s here).
+        deadline = time.monotonic() + 10
+        while not _grpc_health(handle.grpc_address) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _grpc_health(handle.grpc_address)
+        assert http_wait < 1.5
+        # Every idle socket was closed by the service.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            open_ = [s for s in idle if not _closed_by_peer(s)]
+            if not open_:
+                break
+            time.sleep(0.2)
+        ports = sorted({s.getpeername()[1] for s in open_})
+        assert not open_, (
+            f"{len(open_)} of {len(idle)} idle sockets still open on {ports}, grpc {gport}"
+        )
+    finally:
+        for s in idle:
+            with contextlib.suppress(OSError):
+                s.close()
+
+
+def test_a_busy_stream_does_not_starve_a_light_one(server) -> None:  # noqa: ANN001
+    """A stream with thousands of queued steps and a light worker on another pair:
+    the light worker's steps are acknowledged while the heavy one is still sending."""
+    k, rows = 4, 64
+    with grpc.insecure_channel(server.grpc_address) as channel:
+        stub = pb_grpc.EstimatorServiceStub(channel)
+
+        def register(name: str) -> str:
+            key = pb.PairKey(
+                target_model=name, draft_model="d", method="m", num_speculative_tokens=k
+            )
+            return str(stub.RegisterPair(pb.RegisterPairRequest(key=key)).pair_id)
+
+        heavy_pid, light_pid = register("heavy"), register("light")
+        x = wire.encode(np.zeros((rows, k)))[0]
+
+        def msg(pid: str, worker: str, seq: int) -> pb.ObserveRequest:
+            return pb.ObserveRequest(
+                pair_id=pid,
+                worker_id=worker,
+                sequence=seq,
+                features=x,
+                rows=rows,
+                k=k,
+                num_verified=[k] * rows,
+                num_accepted=[1] * rows,
+            )
+
+        heavy_total = 20_000
+        heavy = stub.Observe(iter(msg(heavy_pid, "heavy", s) for s in range(1, heavy_total + 1)))
+        time.sleep(0.3)  # the heavy stream is under way
+        t0 = time.monotonic()
+        for s in range(1, 6):
+            acks = list(stub.Observe(iter([msg(light_pid, "light", s)]), timeout=30))
+            assert acks[-1].ack.acked_sequence == s
+        light_s = time.monotonic() - t0
+        heavy_done = stub.GetPair(pb.GetPairRequest(pair_id=heavy_pid)).pair.steps_observed
+        heavy.cancel()
+    # The light worker finished while the heavy stream still had steps to send.
+    assert heavy_done < heavy_total, (heavy_done, light_s)
