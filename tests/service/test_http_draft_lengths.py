@@ -11,7 +11,7 @@ import pytest
 from avest.core.costs import CostTable
 from avest.core.draft_length import best_lengths, expected_tokens
 from avest_wire.v1 import estimator_pb2 as pb
-from service.live import Live
+from service.live import TOKEN, Live
 from service.test_http import feed, register
 
 # Drafting a proposal of K=5 costs 5 ms at any batch (1 ms a position for an
@@ -29,6 +29,7 @@ def set_costs(live: Live, pair_id: str, hardware: str = "gpu") -> None:
             verify_curve=[pb.CostPoint(size=s, ms=m) for s, m in VERIFY],
         ),
         timeout=10,
+        metadata=(("authorization", f"Bearer {TOKEN}"),),
     )
 
 
