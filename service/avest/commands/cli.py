@@ -29,7 +29,7 @@ SERVER_DEPENDENCIES = {
 }
 
 #: Subcommand modules, in the order ``avest --help`` lists them.
-COMMANDS = ("serve", "demo", "replay", "record", "pairs", "evaluate", "simulate", "audit")
+COMMANDS = ("serve", "demo", "replay", "record", "pairs", "evaluate", "fleet", "simulate", "audit")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -31,7 +31,12 @@ def _lengths(text: str) -> list[int] | str:
     return "all" if text.strip() == "all" else _ints(text)
 
 
+#: Simulated steps per concurrency at least: shorter traces are cycled.
+MIN_STEPS = 2000
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from avest.core.rule_factory import DEFAULT_RULE, RULE_NAMES
     from avest.settings import Settings
 
     defaults = Settings()
@@ -42,9 +47,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "trace order) under measured or derived step-cost curves, and compare fixed "
         "verification lengths with adaptive verification: the avest estimator (learning "
         "online, predict-then-learn) under every budget rule, q_max unfitted, the "
-        "per-position rate and the trace's oracle confidences. Step time = draft cost + "
-        "verify cost[C + verified drafts]; a policy that drafts d positions pays d draft "
-        "passes (profiles with draft_per=position), whatever it trims.",
+        "per-position rate, the in-sample maximum-likelihood fit and the trace's oracle "
+        "confidences. Step time = draft cost + verify cost[C + verified drafts]; a policy that "
+        "drafts d positions pays d draft passes (profiles with draft_per=position), whatever it "
+        "trims. fixed-0 is speculation off. Traces shorter than --min-steps steps at a "
+        "concurrency are cycled (requests re-enter with their rows).",
     )
     p.add_argument(
         "traces", nargs="*", metavar="TRACE", help="trace files (.npz); default: the bundled sample"
@@ -72,15 +79,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument(
         "--update-rule",
-        choices=("tracking", "vllm", "recursive"),
-        default=defaults.default_rule,
-        help=f"estimator update rule (default {defaults.default_rule}, as the service)",
+        choices=RULE_NAMES,
+        default=DEFAULT_RULE,
+        help=f"estimator update rule (default {DEFAULT_RULE}, the core's default)",
     )
     p.add_argument(
         "--forgetting",
         type=float,
-        default=defaults.forgetting,
-        help="recursive rule: forgetting per round",
+        default=None,
+        help="forgetting per round (default: the rule's own)",
+    )
+    p.add_argument(
+        "--min-steps",
+        type=int,
+        default=MIN_STEPS,
+        metavar="N",
+        help=f"cycle the trace to at least N steps per concurrency (default {MIN_STEPS}; 0: "
+        "one pass)",
+    )
+    p.add_argument(
+        "--recommend",
+        action="store_true",
+        help="also run the avest policy drafting 1..K under the default budget rule and print "
+        "the recommended num_speculative_tokens per concurrency",
     )
     p.add_argument(
         "--prior", type=float, default=defaults.prior, help="recursive rule: prior precision"
@@ -149,7 +170,10 @@ def run(args: argparse.Namespace) -> int:
     except (TraceError, ProfileError, OSError) as exc:
         return fail(exc)
     baseline_rule = args.baseline_rule or DEFAULT_RULE
+    if args.min_steps < 0:
+        return fail(f"--min-steps must be >= 0, got {args.min_steps}")
     options = {
+        "min_steps": args.min_steps,
         "refit_interval": args.refit_interval,
         "update_rule": args.update_rule,
         "forgetting": args.forgetting,
@@ -160,16 +184,21 @@ def run(args: argparse.Namespace) -> int:
     try:
         plans = []
         for path, trace in traces:
+            lengths = (
+                range(1, trace.k + 1)
+                if args.draft_lengths == "all" or args.recommend
+                else args.draft_lengths
+            )
+            select = args.select
+            if args.recommend and select:
+                select = [*select, f"avest/{DEFAULT_RULE}*"]
             policies = make_policies(
-                trace.k,
-                trace.accept_rate_dist is not None,
-                baseline_rule,
-                range(1, trace.k + 1) if args.draft_lengths == "all" else args.draft_lengths,
-                args.select,
+                trace.k, trace.accept_rate_dist is not None, baseline_rule, lengths, select
             )
             plans.append((path, trace, policies))
         total = sum(
-            planned_steps(t, args.concurrency, pol, args.warmup_passes) for _, t, pol in plans
+            planned_steps(t, args.concurrency, pol, args.warmup_passes, args.min_steps)
+            for _, t, pol in plans
         ) * len(profiles)
         sims = []
         with tqdm(
@@ -192,10 +221,23 @@ def run(args: argparse.Namespace) -> int:
                     )
     except ValueError as exc:
         return fail(exc)
+    from avest.offline.simulate.recommend import format_recommendations, recommend
+
+    recs = [recommend(s, DEFAULT_RULE) if args.recommend else [] for s in sims]
     if args.json:
-        print(json.dumps({"simulations": [s.as_json() for s in sims]}, allow_nan=False))
+        blocks = [s.as_json() for s in sims]
+        if args.recommend:
+            for block, rec in zip(blocks, recs, strict=True):
+                block["recommendation"] = [r.as_json() for r in rec]
+        print(json.dumps({"simulations": blocks}, allow_nan=False))
     else:
-        print("\n\n".join(format_table(s) for s in sims))
+        tables = [format_table(s) for s in sims]
+        if args.recommend:
+            tables = [
+                f"{t}\n\n{format_recommendations(s, r)}"
+                for t, s, r in zip(tables, sims, recs, strict=True)
+            ]
+        print("\n\n".join(tables))
     if args.plot:
         for sim in sims:
             if sim.results:

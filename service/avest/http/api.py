@@ -350,6 +350,9 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
         return last
 
     add_recording_routes(api, app, settings, get_pair)
+    from avest.http.draft_lengths import draft_length_router
+
+    api.include_router(draft_length_router(app))  # GET /v1/pairs/{id}/draft-lengths
     return api
 
 

@@ -2,14 +2,22 @@
 
 The trace's rows are replayed in order, ``C`` rows per simulated decode step
 (rows ``[jC, (j+1)C)`` form step ``j``; a remainder shorter than ``C`` is
-dropped), for each concurrency ``C``. Every policy sees the same rows:
+dropped), for each concurrency ``C``. A trace too short for ``min_steps``
+steps at ``C`` is cycled (its requests re-enter with their rows, in order)
+until it gives ``min_steps``; the report says how many passes that took.
+Every policy sees the same rows:
 
 * ``fixed-v`` drafts and verifies ``v`` positions per request (vLLM with
-  ``num_speculative_tokens = v``, no adaptive verification);
+  ``num_speculative_tokens = v``, no adaptive verification); ``fixed-0`` is
+  speculation off;
 * ``avest/<rule>`` sizes and allocates the budget with the core's budget rule
   from the confidences of an :class:`OnlineEstimator` learning online as the
   service does: predict with the coefficients in force, verify, learn the
   verdicts of what was verified, refit every ``refit_interval`` steps;
+* ``avest+calibration`` the same estimator served through its calibration
+  layer; ``mle`` the maximum-likelihood linear fit of the whole trace, in
+  sample (what the linear model can know, against what the online estimator
+  has learned so far);
 * ``qmax-nofit``, ``position-rate`` and ``oracle`` (the trace's
   ``accept_rate_dist``: the best any lossless estimator can know) do the same
   under one rule (``baseline_rule``) with other confidences. The oracle is a
@@ -59,12 +67,15 @@ import numpy.typing as npt
 
 from avest.core.budget import DEFAULT_RULE, decide
 from avest.core.estimator import DEFAULT_REFIT_INTERVAL, Batch, OnlineEstimator
-from avest.core.model import predict
+from avest.core.mle import fit_mle
+from avest.core.model import Coefficients, linear_predictor, predict
 from avest.core.numeric import sigmoid
-from avest.core.rule_factory import make_rule, rule_options
+from avest.core.rule_factory import DEFAULT_RULE as DEFAULT_UPDATE_RULE
+from avest.core.rule_factory import make_rule
 from avest.offline.simulate.profiles import CostProfile, StepCosts
 from avest.offline.simulate.results import (
     BASELINES,
+    CALIBRATED,
     DEFAULT_CONCURRENCY,
     Policy,
     Simulation,
@@ -121,18 +132,32 @@ class _Rows:
     oracle: FloatArray | None
 
     @classmethod
-    def of(cls, trace: Trace, c: int) -> _Rows:
-        steps = trace.rows // c
+    def of(cls, trace: Trace, c: int, min_steps: int = 0) -> _Rows:
+        steps = _steps(trace.rows, c, min_steps)
         n = steps * c
+        # Rows in trace order, the trace repeated as often as it takes.
+        idx = np.resize(np.arange(trace.rows), n) if n > trace.rows else np.arange(n)
         oracle = trace.accept_rate_dist
         return cls(
             c,
             steps,
-            trace.features[:n].astype(np.float64),
-            trace.num_accepted[:n].astype(np.int64),
-            trace.num_verified[:n].astype(np.int64),
-            None if oracle is None else np.clip(oracle[:n].astype(np.float64), 0.0, 1.0),
+            trace.features[idx].astype(np.float64),
+            trace.num_accepted[idx].astype(np.int64),
+            trace.num_verified[idx].astype(np.int64),
+            None if oracle is None else np.clip(oracle[idx].astype(np.float64), 0.0, 1.0),
         )
+
+
+def _steps(rows: int, c: int, min_steps: int) -> int:
+    """Steps at concurrency ``c``: the whole trace, cycled up to ``min_steps``."""
+    whole = rows // c
+    return max(whole, min_steps) if whole else 0
+
+
+def cycles(trace: Trace, c: int, min_steps: int = 0) -> float:
+    """Passes over the trace that ``min_steps`` steps at ``c`` take (1 when not cycled)."""
+    steps = _steps(trace.rows, c, min_steps)
+    return max(1.0, steps * c / trace.rows) if trace.rows else 1.0
 
 
 class _Source(Protocol):
@@ -142,10 +167,13 @@ class _Source(Protocol):
 
 
 class _EstimatorSource:
-    def __init__(self, estimator: OnlineEstimator) -> None:
+    def __init__(self, estimator: OnlineEstimator, served: bool = False) -> None:
         self.estimator = estimator
+        self.served = served
 
     def confidences(self, lo: int, hi: int, x: FloatArray) -> FloatArray:
+        if self.served:
+            return self.estimator.predict_served(x)
         return predict(self.estimator.coefficients, x)
 
     def learn(self, x: FloatArray, observed: BoolArray, accepted: BoolArray) -> None:
@@ -234,11 +262,23 @@ def _adaptive(
 
 
 def planned_steps(
-    trace: Trace, concurrencies: Iterable[int], policies: Sequence[Policy], warmup_passes: int = 0
+    trace: Trace,
+    concurrencies: Iterable[int],
+    policies: Sequence[Policy],
+    warmup_passes: int = 0,
+    min_steps: int = 0,
 ) -> int:
     """Step-policy iterations ``simulate`` will report to ``progress``."""
     adaptive = sum(p.adaptive for p in policies)
-    return sum(trace.rows // c for c in concurrencies) * adaptive * (warmup_passes + 1)
+    steps = sum(_steps(trace.rows, c, min_steps) for c in concurrencies)
+    return steps * adaptive * (warmup_passes + 1)
+
+
+def trace_mle(trace: Trace) -> Coefficients:
+    """The maximum-likelihood linear fit of every recorded label of ``trace``."""
+    observed, accepted = trace.labels()
+    coef, _ = fit_mle(trace.features.astype(np.float64), observed, accepted)
+    return coef
 
 
 def simulate(
@@ -248,8 +288,8 @@ def simulate(
     *,
     name: str = "",
     refit_interval: int = DEFAULT_REFIT_INTERVAL,
-    update_rule: str = "recursive",
-    forgetting: float = 0.95,
+    update_rule: str = DEFAULT_UPDATE_RULE,
+    forgetting: float | None = None,
     prior: float = 1.0,
     warmup_passes: int = 0,
     min_per_request: int = 0,
@@ -258,6 +298,7 @@ def simulate(
     select: Sequence[str] | None = None,
     policies: Sequence[Policy] | None = None,
     progress: Progress | None = None,
+    min_steps: int = 0,
 ) -> Simulation:
     """Replay ``trace`` at each concurrency under ``profile`` for every policy.
 
@@ -267,7 +308,9 @@ def simulate(
     would have persisted; in-sample, but ``K + 1`` coefficients hardly overfit).
     ``min_per_request`` drafts of every request are always verified (the
     budget rules' minimum): without it a policy that trims everything learns
-    nothing, since only verified drafts are labelled.
+    nothing, since only verified drafts are labelled. A trace shorter than
+    ``min_steps`` steps at a concurrency is cycled to that many
+    (``Simulation.cycles``).
     """
     cs = sorted({int(c) for c in concurrencies})
     if not cs or cs[0] < 1:
@@ -278,6 +321,8 @@ def simulate(
         raise ValueError("warmup_passes must be >= 0")
     if min_per_request < 0:
         raise ValueError("min_per_request must be >= 0")
+    if min_steps < 0:
+        raise ValueError("min_steps must be >= 0")
     k = trace.k
     chosen = (
         list(policies)
@@ -290,9 +335,12 @@ def simulate(
         name, k, profile, refit_interval, update_rule, warmup_passes, baseline_rule, chosen
     )
     sim.min_per_request = min_per_request
+    sim.min_steps = min_steps
     costs = profile.step_costs(k, cs[-1], cs[-1] * (k + 1))
+    mle: Coefficients | None = None
     for c in cs:
-        rows = _Rows.of(trace, c)
+        rows = _Rows.of(trace, c, min_steps)
+        sim.cycles[c] = round(cycles(trace, c, min_steps), 2)
         if rows.steps == 0:
             sim.skipped.append(c)
             continue
@@ -303,10 +351,14 @@ def simulate(
                 continue
             estimator = None
             source: _Source
-            if policy.kind == "avest":
-                rule = make_rule(update_rule, **rule_options(update_rule, forgetting, prior))
-                estimator = OnlineEstimator(k, rule, refit_interval)
-                source = _EstimatorSource(estimator)
+            if policy.kind in ("avest", CALIBRATED):
+                rule = make_rule(update_rule, forgetting=forgetting, prior=prior)
+                calibrated = policy.kind == CALIBRATED
+                estimator = OnlineEstimator(k, rule, refit_interval, calibrate=calibrated)
+                source = _EstimatorSource(estimator, served=calibrated)
+            elif policy.kind == "mle":
+                mle = mle if mle is not None else trace_mle(trace)
+                source = _StaticSource(sigmoid(linear_predictor(mle, rows.features)))
             elif policy.kind == "qmax-nofit":
                 source = _StaticSource(sigmoid(rows.features))
             elif policy.kind == "position-rate":

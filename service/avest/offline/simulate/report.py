@@ -10,7 +10,7 @@ from avest.offline.simulate.results import Simulation
 
 _COLUMNS = (
     f"{'policy':<30} {'tok/s':>9} {'tok/s/req':>9} {'acc.len':>7} {'verif/req':>9} "
-    f"{'vs best':>8} {'vs oracle':>9} {'refits':>6}"
+    f"{'vs best':>8} {'vs oracle':>9} {'share':>6} {'refits':>6}"
 )
 
 
@@ -34,9 +34,11 @@ def format_table(sim: Simulation) -> str:
         best = sim.best_fixed(c)
         steps = next(iter(totals.values())).steps
         lines.append("")
+        cycled = sim.cycles.get(c, 1.0)
         lines.append(
-            f"C={c}: {steps} steps; best fixed length {best} at "
-            f"{totals[best].throughput:,.0f} tok/s"
+            f"C={c}: {steps} steps"
+            + (f" (trace cycled {cycled:g}x to reach {sim.min_steps})" if cycled > 1.0 else "")
+            + f"; best fixed length {best} at {totals[best].throughput:,.0f} tok/s"
         )
         lines.append(_COLUMNS)
         lines.append("-" * len(_COLUMNS))
@@ -48,17 +50,20 @@ def format_table(sim: Simulation) -> str:
             label = policy.name + ("" if policy.lossless else " *")
             vs_best = "" if policy.name == best else _pct(sim.gain(c, policy.name))
             vs_oracle = _pct(sim.vs_oracle(c, policy.name)) if policy.adaptive else ""
+            share = sim.oracle_share(c, policy.name)
+            shown = "" if share is None else f"{100.0 * share:.0f}%"
             refits = "" if t.refits is None else str(t.refits)
             lines.append(
                 f"{label:<30} {t.throughput:>9,.0f} {t.per_request:>9.1f} "
                 f"{t.acceptance_length:>7.3f} {t.verified_per_request:>9.3f} "
-                f"{vs_best:>8} {vs_oracle:>9} {refits:>6}"
+                f"{vs_best:>8} {vs_oracle:>9} {shown:>6} {refits:>6}"
             )
     if sim.skipped:
         lines.append(f"\nskipped C={sim.skipped}: the trace has fewer rows than one step")
     lines.append(
         "\nacc.len: tokens per request per step (1 + accepted drafts); verif/req: drafts "
-        "verified per request per step; vs best: throughput against the best fixed length."
+        "verified per request per step; vs best: throughput against the best fixed length "
+        "(fixed-0: speculation off); share: (policy - best fixed) / (oracle - best fixed)."
     )
     if lossy:
         lines.append("* not lossless: can bias the output distribution; for comparison only")

@@ -13,10 +13,15 @@ from avest.offline.simulate.profiles import CostProfile
 DEFAULT_CONCURRENCY = (8, 16, 32, 64, 128)
 #: Confidence sources other than the estimator, run under ``baseline_rule``.
 BASELINES = {
+    "mle": "in-sample maximum-likelihood linear fit of the whole trace: what the model can know",
     "qmax-nofit": "q_max itself (sigmoid of the feature), no fit",
     "position-rate": "per-position running acceptance rate, no feature",
     "oracle": "true acceptance rate given the distributions (accept_rate_dist): the ceiling",
 }
+
+
+#: The estimator's served confidences through the calibration layer.
+CALIBRATED = "avest+calibration"
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,13 @@ def make_policies(
     draft_lengths: Iterable[int] | None = None,
     select: Sequence[str] | None = None,
 ) -> list[Policy]:
-    """Fixed lengths ``1..k``, avest under every budget rule, then the baselines.
+    """Fixed lengths ``0..k``, avest under every budget rule, then the baselines.
+
+    ``fixed-0`` is speculation off (nothing drafted, nothing verified): a
+    fixed length like the others, so a gain over the best fixed length is
+    never a gain from merely switching speculation off. ``avest+calibration``
+    is the estimator's served confidences through the calibration layer
+    (under ``baseline_rule``).
 
     Adaptive policies draft ``k`` positions, or each of ``draft_lengths``
     (a name gets ``@d`` when ``d < k``: vLLM with ``num_speculative_tokens =
@@ -55,8 +66,14 @@ def make_policies(
     if lengths[-1] < 1 or lengths[0] > k:
         raise ValueError(f"draft lengths must lie in [1, K={k}], got {lengths}")
     out = [
-        Policy(f"fixed-{v}", "fixed", length=v, description=f"draft and verify {v}", drafts=v)
-        for v in range(1, k + 1)
+        Policy(
+            f"fixed-{v}",
+            "fixed",
+            length=v,
+            description=f"draft and verify {v}" if v else "speculation off",
+            drafts=v,
+        )
+        for v in range(0, k + 1)
     ]
     lossless = RULES[baseline_rule].lossless
     adaptive = []
@@ -66,6 +83,17 @@ def make_policies(
             adaptive.append(
                 Policy(f"avest/{rule}{at}", "avest", 0, rule, entry.lossless, entry.description, d)
             )
+        adaptive.append(
+            Policy(
+                f"{CALIBRATED}/{baseline_rule}{at}",
+                CALIBRATED,
+                0,
+                baseline_rule,
+                lossless,
+                "the avest estimator served through the calibration layer",
+                d,
+            )
+        )
         for kind, text in BASELINES.items():
             if kind != "oracle" or has_oracle:
                 name = f"{kind}/{baseline_rule}{at}"
@@ -126,6 +154,9 @@ class Simulation:
     results: dict[int, dict[str, Totals]] = field(default_factory=dict)
     skipped: list[int] = field(default_factory=list)
     min_per_request: int = 0
+    #: Passes over the trace per concurrency (above 1: cycled to ``min_steps``).
+    cycles: dict[int, float] = field(default_factory=dict)
+    min_steps: int = 0
 
     def best_fixed(self, c: int) -> str:
         fixed = {n: t for n, t in self.results[c].items() if n.startswith("fixed-")}
@@ -151,6 +182,22 @@ class Simulation:
             return None
         return self.results[c][name].throughput / self.results[c][oracle].throughput - 1.0
 
+    def oracle_share(self, c: int, name: str) -> float | None:
+        """``(policy - best fixed) / (oracle - best fixed)`` in throughput.
+
+        The oracle drafts as many positions as the policy; ``None`` for fixed
+        lengths and where the oracle gains nothing over the best fixed length.
+        """
+        policy = next(p for p in self.policies if p.name == name)
+        oracle = self.oracle_name(policy.drafts) if policy.adaptive else None
+        if oracle is None or oracle not in self.results[c]:
+            return None
+        best = self.results[c][self.best_fixed(c)].throughput
+        room = self.results[c][oracle].throughput - best
+        if not room > 0.0:
+            return None
+        return (self.results[c][name].throughput - best) / room
+
     def as_json(self) -> dict[str, Any]:
         def num(v: float | None) -> float | None:
             return None if v is None or v != v else float(v)
@@ -175,12 +222,14 @@ class Simulation:
                 for p in self.policies
             },
             "skipped_concurrency": self.skipped,
+            "min_steps": self.min_steps,
             "concurrency": {},
         }
         for c, totals in self.results.items():
             block: dict[str, Any] = {
                 "steps": next(iter(totals.values())).steps,
                 "best_fixed": self.best_fixed(c),
+                "trace_cycles": self.cycles.get(c, 1.0),
                 "policies": {},
             }
             for name, t in totals.items():
@@ -192,6 +241,7 @@ class Simulation:
                     "verified_per_request": num(t.verified_per_request),
                     "gain_vs_best_fixed": num(self.gain(c, name)),
                     "vs_oracle": num(self.vs_oracle(c, name)),
+                    "oracle_share": num(self.oracle_share(c, name)),
                     "tokens": t.tokens,
                     "time_ms": t.time_ms,
                     "refits": t.refits,
