@@ -77,6 +77,7 @@ def registration(msg: pb.RegisterPairResponse) -> Registration:
         refit_interval=int(msg.refit_interval),
         coefficients=coefficients(msg.coefficients),
         created=bool(msg.created),
+        accepts_round_summaries=bool(msg.accepts_round_summaries),
     )
 
 

@@ -35,6 +35,8 @@ class Registration:
     coefficients: Coefficients
     #: True when this call created the pair.
     created: bool = False
+    #: True when the service pools round summaries (false from a 0.1.0 service).
+    accepts_round_summaries: bool = False
 
 
 @dataclass(frozen=True)

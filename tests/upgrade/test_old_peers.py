@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -105,3 +106,31 @@ class _OldDefaults:
 
     forgetting = 0.95
     prior = 1.0
+
+
+def test_this_shim_in_summary_mode_falls_back_against_the_0_1_0_sidecar(
+    tmp_path, trace_slice, caplog
+):
+    """0.1.0 knows no round summaries: the shim sends it nothing and refits locally."""
+    pytest.importorskip("torch")
+    from shim.test_sidecar_sink import make_shim, run, sink_of, trace_steps
+
+    caplog.set_level(logging.INFO)
+    trace = trace_steps(trace_slice("chat", 0, 120))
+    with OldServer(tmp_path / "old-data", "--refit-interval", "10") as old:
+        est = make_shim(old.grpc_address, mode="summary")
+        sink = sink_of(est)
+        deadline = time.monotonic() + 20
+        while sink.error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sink.error is not None and "round summaries" in str(sink.error)
+        assert not sink.wait_connected(0.5)
+        run(est, trace)  # decoding goes on: vLLM's own estimator refits locally
+        stats = est.avest_stats()
+        with EstimatorClient(old.grpc_address) as client:
+            pairs = client.pairs()
+        est.avest_close()
+    assert not stats["governed"]
+    assert all(p.steps_observed == 0 for p in pairs)  # nothing was sent to it
+    assert any("does not pool round summaries" in r.getMessage() for r in caplog.records)
+    assert np.isfinite(float(est.slope)) and float(est.slope) >= 0.0

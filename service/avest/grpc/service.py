@@ -135,6 +135,7 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
                 refit_interval=pair.estimator.refit_interval,
                 coefficients=coefficients_pb(pair),
                 created=created,
+                accepts_round_summaries=True,
             )
 
         return await self._unary("RegisterPair", context, run)

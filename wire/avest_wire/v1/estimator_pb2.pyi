@@ -88,18 +88,20 @@ class RegisterPairRequest(_message.Message):
     def __init__(self, key: _Optional[_Union[PairKey, _Mapping]] = ..., update_rule: _Optional[_Union[UpdateRule, str]] = ..., refit_interval: _Optional[int] = ...) -> None: ...
 
 class RegisterPairResponse(_message.Message):
-    __slots__ = ("pair_id", "update_rule", "refit_interval", "coefficients", "created")
+    __slots__ = ("pair_id", "update_rule", "refit_interval", "coefficients", "created", "accepts_round_summaries")
     PAIR_ID_FIELD_NUMBER: _ClassVar[int]
     UPDATE_RULE_FIELD_NUMBER: _ClassVar[int]
     REFIT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     COEFFICIENTS_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_ROUND_SUMMARIES_FIELD_NUMBER: _ClassVar[int]
     pair_id: str
     update_rule: UpdateRule
     refit_interval: int
     coefficients: Coefficients
     created: bool
-    def __init__(self, pair_id: _Optional[str] = ..., update_rule: _Optional[_Union[UpdateRule, str]] = ..., refit_interval: _Optional[int] = ..., coefficients: _Optional[_Union[Coefficients, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
+    accepts_round_summaries: bool
+    def __init__(self, pair_id: _Optional[str] = ..., update_rule: _Optional[_Union[UpdateRule, str]] = ..., refit_interval: _Optional[int] = ..., coefficients: _Optional[_Union[Coefficients, _Mapping]] = ..., created: _Optional[bool] = ..., accepts_round_summaries: _Optional[bool] = ...) -> None: ...
 
 class ObserveRequest(_message.Message):
     __slots__ = ("pair_id", "worker_id", "sequence", "features", "rows", "k", "num_verified", "num_accepted", "exclude", "coefficients_version", "summary")

@@ -89,6 +89,23 @@ class PairSync:
             self._attempt += 1
             self._register_at = now + delay
             return
+        if self.config.mode == "summary" and not reg.accepts_round_summaries:
+            # An older sidecar (0.1.0) would take a summary for an empty step:
+            # send it nothing, and let vLLM's own estimator refit locally.
+            self.error = AvestError(
+                "the sidecar does not pool round summaries (an older release); "
+                "set AVEST_MODE=raw to forward raw steps to it",
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "RegisterPair",
+            )
+            self._connected = False
+            self._need_register = False
+            logger.warning(
+                "avest: the sidecar at %s does not pool round summaries (an older "
+                "release); local refits only (AVEST_MODE=raw forwards raw steps to it)",
+                self.config.address,
+            )
+            return
         c = reg.coefficients
         known: Coefficients = (int(c.version), float(c.slope), [float(b) for b in c.intercepts])
         if self.pair_id and reg.pair_id != self.pair_id:
