@@ -1,0 +1,45 @@
+"""Histogram buckets of the service's two timing metrics (see :mod:`avest.http.names`)."""
+
+#: Buckets of :data:`~avest.http.names.RPC_DURATION`: unary calls take 0.1 ms to tens of ms,
+#: streams (Observe, WatchCoefficients) last seconds to hours.
+RPC_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    300.0,
+    900.0,
+    3600.0,
+)
+#: Buckets of :data:`~avest.http.names.REFIT_DURATION` (one Newton step on K+1 parameters).
+REFIT_BUCKETS = (
+    0.00001,
+    0.000025,
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    1.0,
+)
