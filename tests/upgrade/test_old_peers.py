@@ -51,6 +51,36 @@ OLD_CLIENT = textwrap.dedent(
 )
 
 
+OLD_CLIENT_REFUSED = textwrap.dedent(
+    """
+    import json, sys
+    import grpc
+    from avest_client import EstimatorClient
+
+    with EstimatorClient(sys.argv[1], timeout=5.0) as client:
+        try:
+            client.register("old-target", "old-draft", "draft_model", 4)
+            out = {"code": "OK", "message": ""}
+        except Exception as exc:
+            out = {"code": getattr(getattr(exc, "code", None), "name", type(exc).__name__),
+                   "message": str(exc)}
+    print(json.dumps(out))
+    """
+)
+
+
+def test_the_0_1_0_client_without_a_token_is_refused_where_tokens_are_required(tmp_path):
+    srv = launch(tmp_path / "data", worker_token="worker-secret")
+    try:
+        out = run_old(OLD_CLIENT_REFUSED, srv.grpc_address)
+        with EstimatorClient(srv.grpc_address, token="worker-secret") as client:
+            assert client.pairs() == []  # refused before anything changed
+    finally:
+        srv.stop()
+    assert out["code"] == "UNAUTHENTICATED", out
+    assert "token" in out["message"], out
+
+
 def test_the_0_1_0_client_is_served_on_loopback(tmp_path):
     srv = launch(tmp_path / "data", refit_interval=10)
     try:
