@@ -4,7 +4,11 @@
 # torch, no vLLM. Build from the repository root:
 #
 #   docker build -t avest:local .
-#   docker run --rm -p 50051:50051 -p 8000:8000 -v avest-data:/data avest:local
+#   docker run --rm -p 127.0.0.1:50051:50051 -p 127.0.0.1:8000:8000 -v avest-data:/data \
+#     -e AVEST_WORKER_TOKEN=... -e AVEST_ADMIN_TOKEN=... avest:local
+#
+# The container listens on all its interfaces, so the service needs a worker
+# token there (or --insecure); without an admin token, admin actions are refused.
 #
 # Ports: 50051 gRPC (avest.v1.EstimatorService, health, reflection);
 #        8000   admin HTTP (/healthz, /readyz, /metrics, /v1/pairs, /docs).
