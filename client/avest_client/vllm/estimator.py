@@ -179,10 +179,17 @@ class _Runtime:
             "sink": getattr(self.sink, "stats", None),
         }
 
-    def close(self) -> None:
+    def close(self, est: Any = None) -> None:
+        """Stop forwarding; ``est`` given: its open round is sent first (vLLM's sums
+        are left as they are)."""
         if self.exporter is not None:
             self.exporter.close()
         if self.rounds is not None:
+            if est is not None:
+                try:
+                    self.rounds.end(est, zero=False)
+                except Exception:  # noqa: BLE001 - shutting down: never raise into vLLM
+                    logger.exception("avest: sending the last round failed")
             self.rounds.flush(2.0)
             self.rounds.close()
         if self.forwarder is not None:
@@ -302,7 +309,7 @@ def make_sidecar_estimator(
 
         def avest_close(self) -> None:
             if self._avest is not None:
-                self._avest.close()
+                self._avest.close(self)
 
     AvestSidecarEstimator.__name__ = AvestSidecarEstimator.__qualname__ = (
         f"AvestSidecar{base_cls.__name__}"

@@ -43,9 +43,12 @@ import math
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import JSONResponse, RedirectResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from avest import __version__
 from avest.http.models import (
@@ -106,6 +109,20 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
                 headers={"WWW-Authenticate": "Bearer"},
             )
         return JSONResponse({"detail": denied.message}, status_code=403)
+
+    @api.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        response = await http_exception_handler(request, exc)
+        if exc.status_code == 405:
+            # Each route answers for its own methods: list every method the path has.
+            allowed: set[str] = set()
+            for route in api.router.routes:
+                methods = getattr(route, "methods", None)
+                if methods and route.matches(request.scope)[0] != Match.NONE:
+                    allowed |= set(methods)
+            if allowed:
+                response.headers["Allow"] = ", ".join(sorted(allowed))
+        return response
 
     @api.exception_handler(NotFound)
     async def not_found(request: Request, exc: NotFound) -> JSONResponse:
