@@ -126,6 +126,9 @@ def test_the_plugin_on_vllms_real_classes(python, start_sidecar, tmp_path, mode,
     with EstimatorClient(live.grpc_address) as client:
         pair = client.pair(got["pair_id"])
     assert (pair.key.target, pair.key.draft, pair.key.k) == ("avest-ci/target", "avest-ci/draft", K)
+    if mode == "summary":
+        _check_summary_mode(got, pair)
+        return
     assert pair.steps_observed == STEPS
     assert pair.coefficients.version == STEPS // SIDECAR_REFIT
 
@@ -174,3 +177,22 @@ def test_the_plugin_on_vllms_real_classes(python, start_sidecar, tmp_path, mode,
     if mode == "raw":
         assert st["captured"] == st["submitted"] == STEPS and st["dropped"] == 0
     print(f"real vLLM driver ({mode}): {got['seconds']}", file=sys.stderr)
+
+
+def _check_summary_mode(got: dict, pair) -> None:  # noqa: ANN001
+    """Summary mode: rounds are sent from the first step scored at pooled coefficients
+    on, the last (open) round included when the shim closes; the steps before the warm
+    start applies stay vLLM's own. Raw against summary equivalence is tested against
+    the live server in tests/client/test_summary_mode.py."""
+    c = pair.coefficients
+    assert STEPS - LOCAL_REFIT < pair.steps_observed <= STEPS
+    assert c.version >= 1
+    assert all(same for *_, same in got["applied_per_step"])
+    versions = [v for v, *_ in got["applied_per_step"]]
+    assert versions == sorted(versions) and len(set(versions)) >= 3, versions
+    assert got["stats"]["version"] == c.version == got["latest"][0]
+    assert got["slope"] == f32(c.slope) and got["slope"] != f32(0.5)
+    assert got["intercepts"] == [f32(b) for b in c.intercepts]
+    st = got["stats"]
+    assert st["governed"] and got["local_refits"] == 0
+    assert st["summaries"] >= 1
