@@ -232,18 +232,10 @@ def latency(client: EstimatorClient, calls: int) -> dict[str, tuple[float, float
     return out
 
 
-def memory_per_pair(address: str, server_pid: int, pairs: int, steps_each: int) -> float:
-    steps = make_steps(steps_each, B, K, seed=7)
-    with EstimatorClient(address, timeout=30) as client:
-        time.sleep(0.5)
-        before = rss_bytes(server_pid)
-        ids = [
-            client.register("mem/target", f"mem/draft-{i}", "bench", K).pair_id
-            for i in range(pairs)
-        ]
-    plans = [messages(pid, f"mem-{i}", steps) for i, pid in enumerate(ids)]
-    # Eight streams, each carrying whole pairs in order (a stream may carry many pairs).
-    chunks = [[m for plan in plans[j::8] for m in plan] for j in range(8)]
+def stream_pairs(address: str, plans: list[list], streams: int = 8) -> None:
+    """Send every pair's messages over ``streams`` Observe streams, each carrying
+    whole pairs in order (a stream may carry many pairs); wait for every ack."""
+    chunks = [[m for plan in plans[j::streams] for m in plan] for j in range(streams)]
 
     async def run_chunks() -> None:
         async with grpc.aio.insecure_channel(address) as channel:
@@ -260,6 +252,19 @@ def memory_per_pair(address: str, server_pid: int, pairs: int, steps_each: int) 
             await asyncio.gather(*(one(c) for c in chunks))
 
     asyncio.run(run_chunks())
+
+
+def memory_per_pair(address: str, server_pid: int, pairs: int, steps_each: int) -> float:
+    steps = make_steps(steps_each, B, K, seed=7)
+    with EstimatorClient(address, timeout=30) as client:
+        time.sleep(0.5)
+        before = rss_bytes(server_pid)
+        ids = [
+            client.register("mem/target", f"mem/draft-{i}", "bench", K).pair_id
+            for i in range(pairs)
+        ]
+    plans = [messages(pid, f"mem-{i}", steps) for i, pid in enumerate(ids)]
+    stream_pairs(address, plans)
     time.sleep(1.0)
     after = rss_bytes(server_pid)
     return (after - before) / pairs

@@ -20,7 +20,6 @@ Usage: python bench/bench_scrape.py [--pairs 1024] [--calls 2000] [--json]
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import signal
@@ -31,14 +30,18 @@ import tempfile
 import time
 from pathlib import Path
 
-import grpc
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_ingest import make_steps, messages, rss_bytes, start_server  # noqa: E402
+from bench_ingest import (  # noqa: E402
+    make_steps,
+    messages,
+    rss_bytes,
+    start_server,
+    stream_pairs,
+)
 
 from avest_client import EstimatorClient  # noqa: E402
-from avest_wire.v1 import estimator_pb2_grpc as pb_grpc  # noqa: E402
 
 B = 64
 
@@ -50,24 +53,7 @@ def feed(address: str, k: int, pairs: int, steps_each: int) -> list[str]:
             client.register("scrape/target", f"scrape/draft-{i}", "bench", k).pair_id
             for i in range(pairs)
         ]
-    plans = [messages(pid, f"w-{i}", steps) for i, pid in enumerate(ids)]
-    chunks = [[m for plan in plans[j::8] for m in plan] for j in range(8)]
-
-    async def run() -> None:
-        async with grpc.aio.insecure_channel(address) as channel:
-            stub = pb_grpc.EstimatorServiceStub(channel)
-
-            async def one(msgs: list) -> None:
-                async def gen():
-                    for m in msgs:
-                        yield m
-
-                async for _ in stub.Observe(gen()):
-                    pass
-
-            await asyncio.gather(*(one(c) for c in chunks))
-
-    asyncio.run(run())
+    stream_pairs(address, [messages(pid, f"w-{i}", steps) for i, pid in enumerate(ids)])
     return ids
 
 
