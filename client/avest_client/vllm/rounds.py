@@ -7,30 +7,38 @@ with the coefficients (and sidecar version) they were computed at, the
 number of steps and a calibration sketch, instead of every step's drafts.
 
 Per step (vLLM's thread, only while pooled coefficients govern),
-:meth:`SummaryRound.record` makes four device copies into buffers
-preallocated for the round (``REFIT_INTERVAL`` x ``max_num_reqs`` x K
-float32, plus the per-request counts): vLLM's ``features`` buffer whole and
-the step's ``idx_mapping``, ``num_sampled`` and ``num_rejected``, since vLLM's
-next ``propose`` overwrites the features. No host copy, no synchronisation,
-no arithmetic, no Python loop over requests.
+:meth:`SummaryRound.record` makes one fixed-shape device copy, vLLM's
+``features`` buffer whole into the round's slot for the step (preallocated:
+``REFIT_INTERVAL`` x ``max_num_reqs`` x K float32), since vLLM's next
+``propose`` overwrites it, and keeps references to the step's
+``idx_mapping``, ``num_sampled`` and ``num_rejected``. vLLM 0.33 allocates
+those three afresh every step (``async_tensor_h2d``, the rejection
+sampler's ``new_empty``, ``get_num_sampled_and_rejected``'s ``empty_like``)
+and never writes them after the step, so holding them until the round's
+sketch is built costs no copy. No host copy, no synchronisation, no
+arithmetic, no Python loop over requests.
+
+A caller that reuses its buffers instead (a platform's runner, a test) would
+leave the round holding the last values only. The sender checks every
+round's references for shared storage (:func:`~avest_client.vllm.sketch.storage_reused`);
+on the first such round it sends that round without a sketch and switches to
+copying the three vectors too (three more copies per step into a
+preallocated ring, counted in ``copy_mode``).
 
 At a round boundary (``REFIT_INTERVAL`` steps, a coefficient update, or the
 sidecar lost) :meth:`SummaryRound.end`, on the step, copies vLLM's sums (one
 small device op), zeroes them, and hands the round to a sender thread with
 its set of kept steps; the next round fills the other set. The sender builds
-the round's calibration sketch from the kept steps with fixed-shape torch ops
-over ``[T, R, K]`` on the estimator's device (on a side stream after the
-round's copies, on CUDA): the linear predictor ``eta = slope x + b_k`` in
-float32 with the round's coefficients, as the draft graph computed it; its
-AUC slot by label; its ECE bin with the probability; the log loss; all masked
-by the observed flag and added with ``index_add_``. It then copies sums and
-sketch to the host in one transfer, gives the set back, and hands the sink a
+the round's calibration sketch (:mod:`avest_client.vllm.sketch`) on the
+estimator's device (on a side stream after the round's copies, on CUDA),
+copies sums and sketch to the host in one transfer, gives the set back (and
+drops the round's references), and hands the sink a
 :class:`~avest_client.summary.RoundSummaryData`. Should the sender still hold
 both sets when a round starts, that round goes without a sketch (counted in
 ``sketches_skipped``). The kept steps cost ``2 x REFIT_INTERVAL x
-max_num_reqs x K x 4`` bytes of device memory plus the counts (1.6 MiB at 256
-requests and K = 8; 52 MiB at 1024 and K = 64); ``AVEST_SKETCH=0`` drops
-them and the sketch.
+max_num_reqs x K x 4`` bytes of device memory (1.6 MiB at 256 requests and
+K = 8; 52 MiB at 1024 and K = 64) plus the held per-step vectors;
+``AVEST_SKETCH=0`` drops them and the sketch.
 
 A round only ever holds steps drafted with one set of pooled coefficients:
 it starts at the first step whose drafts were scored with coefficients from
@@ -48,18 +56,17 @@ import logging
 import queue
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from avest_client.summary import AUC_SLOTS, ECE_BINS, ETA_RANGE, RoundSummaryData, Sketch
+from avest_client.summary import RoundSummaryData
+from avest_client.vllm import sketch as sketches
+from avest_client.vllm.sketch import Held
 
 logger = logging.getLogger(__name__)
-
-_SCALE = (AUC_SLOTS - 2) / (2.0 * ETA_RANGE)
-_OFFSET = ETA_RANGE * _SCALE + 1.0
 
 
 @dataclass
@@ -67,9 +74,10 @@ class _Kept:
     """One set of round buffers: the steps a round kept for its sketch."""
 
     features: torch.Tensor  # [round_steps, max_num_reqs, K] float32
-    meta: torch.Tensor  # [round_steps, 3, max_num_reqs] int64
-    features_np: Any = None  # CPU: numpy views of the same memory
-    meta_np: Any = None
+    slots: list[Any]  # per step: the features slot (a tensor, or a numpy view on CPU)
+    held: list[Held] = field(default_factory=list)
+    ring: torch.Tensor | None = None  # copy mode: [round_steps, 3, max_num_reqs] int64
+    ring_np: Any = None  # CPU: a numpy view of ``ring``
 
 
 @dataclass
@@ -83,7 +91,6 @@ class _Pending:
     intercepts: tuple[float, ...]
     steps: int
     kept: _Kept | None  # None: no sketch for this round
-    rows: list[int]
 
 
 class SummaryRound:
@@ -104,30 +111,29 @@ class SummaryRound:
         self.device = torch.device(device)
         self.keep_sketch = sketch and max_num_reqs > 0
         self.round_steps = round_steps
+        self.max_num_reqs = max_num_reqs
         self._cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self._cur: _Kept | None = None
         self._free: deque[_Kept] = deque()
+        #: Set once a round showed reused buffers: the per-step vectors are copied too.
+        self.copy_mode = False
         if self.keep_sketch:
             # What vLLM's next propose overwrites, kept for the round: the features
-            # buffer and the step's (idx_mapping, num_sampled, num_rejected). Two
-            # sets: one fills while the sender builds the last round's sketch.
+            # buffer. Two sets: one fills while the sender builds the last round's sketch.
             for _ in range(2):
                 f = torch.zeros(
                     round_steps, max_num_reqs, k, dtype=torch.float32, device=self.device
                 )
-                m = torch.zeros(round_steps, 3, max_num_reqs, dtype=torch.int64, device=self.device)
-                kept = _Kept(f, m)
-                if not self._cuda:
-                    kept.features_np, kept.meta_np = f.numpy(), m.numpy()
-                self._free.append(kept)
+                slots = list(f.unbind(0)) if self._cuda else list(f.numpy())
+                self._free.append(_Kept(f, slots))
             self._cur = self._free.popleft()
-            self._row = torch.arange(max_num_reqs, device=self.device)
         self._side = torch.cuda.Stream(self.device) if self._cuda else None
-        #: Rounds sent without a sketch because the sender still held both buffer sets.
+        #: Rounds sent without a sketch because the sender still held both buffer sets,
+        #: or because their references turned out to be reused buffers.
         self.sketches_skipped = 0
         self._src: Any = None
         self._src_np: Any = None
-        self._rows: list[int] = []
+        self._t = 0  # steps the open round kept
         self._pos = torch.arange(k, device=self.device)
         #: The pooled coefficients the open round's drafts are scored with (None: local).
         self.version: int | None = None
@@ -148,63 +154,47 @@ class SummaryRound:
                num_rejected: torch.Tensor) -> None:  # fmt: skip
         """Keep what the sketch needs of this step (before vLLM's next propose overwrites it).
 
-        Four device copies into the round's preallocated buffers: the features
-        buffer whole, and the step's three per-request vectors. Nothing is
-        computed per step; :meth:`end` builds the sketch of the whole round.
+        One device copy (the features buffer whole into the step's slot) and
+        three references; in copy mode three more copies. Nothing is computed
+        per step: the sender builds the sketch of the whole round.
         """
-        t = len(self._rows)
+        t = self._t
         kept = self._cur
         if kept is None or t >= self.round_steps:
             return
-        rows = idx_mapping.shape[0]
+        src = est.features
         if self._cuda:
-            kept.features[t].copy_(est.features, non_blocking=True)
-            meta = kept.meta[t]
-            meta[0, :rows].copy_(idx_mapping, non_blocking=True)
-            meta[1, :rows].copy_(num_sampled[:rows], non_blocking=True)
-            meta[2, :rows].copy_(num_rejected[:rows], non_blocking=True)
+            kept.slots[t].copy_(src, non_blocking=True)
         else:
-            # CPU: the same copies through numpy views (no torch dispatch per copy)
-            src = est.features
             if src is not self._src:  # vLLM's buffer is stable: view it once
                 self._src, self._src_np = src, src.numpy()
-            kept.features_np[t] = self._src_np
-            m = kept.meta_np[t]
-            m[0, :rows] = idx_mapping.numpy()
-            m[1, :rows] = num_sampled.numpy()[:rows]
-            m[2, :rows] = num_rejected.numpy()[:rows]
-        self._rows.append(rows)
+            np.copyto(kept.slots[t], self._src_np)  # no torch dispatch on the CPU
+        if self.copy_mode:
+            kept.held.append(self._copy(kept, t, idx_mapping, num_sampled, num_rejected))
+        else:
+            kept.held.append((idx_mapping, num_sampled, num_rejected))
+        self._t = t + 1
 
-    def _sketch(self, item: _Pending) -> list[torch.Tensor]:
-        """A closed round's sketch from its kept steps: fixed-shape ops over [T, R, K]."""
-        assert item.kept is not None
-        t = len(item.rows)
-        k = self.k
-        rows = torch.tensor(item.rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        valid = self._row[None, :] < rows[:, None]  # [T, R]
-        meta = item.kept.meta[:t]
-        idx = torch.where(valid, meta[:, 0], 0)
-        x = torch.gather(item.kept.features[:t], 1, idx[:, :, None].expand(-1, -1, k))
-        coef = torch.tensor((item.slope, *item.intercepts), dtype=torch.float32)
-        coef = coef.to(self.device, non_blocking=True)
-        eta = torch.addcmul(coef[1:], x, coef[:1])  # as the draft graph computed it, in float32
-        acc = (meta[:, 1] - 1).clamp_(min=0)[:, :, None]
-        adm = acc + meta[:, 2][:, :, None]
-        pos = self._pos
-        obs = ((pos <= acc) & (pos < adm) & valid[:, :, None]).to(torch.float32)
-        label = (pos < acc).to(torch.int64)
-        slot = (eta * _SCALE + _OFFSET).clamp_(0.0, AUC_SLOTS - 1).to(torch.int64)
-        cell = (pos * 2 + label) * AUC_SLOTS + slot
-        f32 = dict(dtype=torch.float32, device=self.device)
-        hist = torch.zeros(k * 2 * AUC_SLOTS, **f32).index_add_(0, cell.view(-1), obs.view(-1))
-        p = torch.sigmoid(eta)
-        b = pos * ECE_BINS + (p * ECE_BINS).to(torch.int64).clamp_(max=ECE_BINS - 1)
-        ece = torch.zeros(k * ECE_BINS * 2, **f32).index_add_(
-            0, (b * 2 + label).view(-1), obs.view(-1)
-        )
-        psum = torch.zeros(k * ECE_BINS, **f32).index_add_(0, b.view(-1), (p * obs).view(-1))
-        nll = ((torch.nn.functional.softplus(eta) - label * eta) * obs).sum((0, 1))
-        return [hist, ece, psum, nll]
+    def _copy(self, kept: _Kept, t: int, idx_mapping: torch.Tensor, num_sampled: torch.Tensor,
+              num_rejected: torch.Tensor) -> Held:  # fmt: skip
+        """Copy mode: the step's vectors into the set's ring; views of the copies."""
+        if kept.ring is None:  # allocated on first use: most runs never need it
+            kept.ring = torch.zeros(
+                self.round_steps, 3, self.max_num_reqs, dtype=torch.int64, device=self.device
+            )
+            kept.ring_np = None if self._cuda else kept.ring.numpy()
+        rows = idx_mapping.shape[0]
+        m = kept.ring[t]
+        if self._cuda:
+            m[0, :rows].copy_(idx_mapping, non_blocking=True)
+            m[1, :rows].copy_(num_sampled[:rows], non_blocking=True)
+            m[2, :rows].copy_(num_rejected[:rows], non_blocking=True)
+        else:
+            mn = kept.ring_np[t]
+            mn[0, :rows] = idx_mapping.numpy()
+            mn[1, :rows] = num_sampled.numpy()[:rows]
+            mn[2, :rows] = num_rejected.numpy()[:rows]
+        return m[0, :rows], m[1, :rows], m[2, :rows]
 
     # --------------------------------------------------------------- boundary
     def start(self, version: int, slope: float, intercepts: tuple[float, ...]) -> None:
@@ -230,13 +220,12 @@ class SummaryRound:
             if self._cuda:
                 ready = torch.cuda.Event()
                 ready.record()
-            kept = self._cur if self._rows else None
+            kept = self._cur if self._t else None
             self.closed_rounds += 1
             self.steps_closed += self.steps
             self._queue.put(
-                _Pending(sums, ready, self.version, self.slope, self.intercepts, self.steps,
-                         kept, list(self._rows))
-            )  # fmt: skip
+                _Pending(sums, ready, self.version, self.slope, self.intercepts, self.steps, kept)
+            )
             if kept is not None:
                 self._cur = None  # handed to the sender with the round
         if self._cur is None and self.keep_sketch:
@@ -252,7 +241,9 @@ class SummaryRound:
             est.info.zero_()
             est.grad.zero_()
             est.counts.zero_()
-        self._rows.clear()
+        if self._cur is not None:
+            self._cur.held.clear()
+        self._t = 0
         self.steps = 0
 
     # ---------------------------------------------------------------- sender
@@ -272,41 +263,51 @@ class SummaryRound:
             finally:
                 self.handled += 1
 
+    def _sketch_of(self, item: _Pending, kept: _Kept) -> list[torch.Tensor] | None:
+        """The round's sketch, or None if its references may be reused buffers.
+
+        Steps kept by reference are trusted only while no round showed shared
+        storage; once one did, a round that still holds references (it filled
+        while the sender checked the last) goes without a sketch too.
+        """
+        ring = None if kept.ring is None else kept.ring.untyped_storage().data_ptr()
+        refs = [h for h in kept.held if ring is None or h[0].untyped_storage().data_ptr() != ring]
+        if refs and (self.copy_mode or sketches.storage_reused(refs)):
+            if not self.copy_mode:
+                logger.warning("avest: the step's tensors are reused buffers; copying them")
+            self.copy_mode = True
+            return None
+        return sketches.build(kept.features, kept.held, item.slope, item.intercepts, self._pos)
+
     def _unpack(self, item: _Pending) -> RoundSummaryData:
         parts = [item.sums]
+        kept = item.kept
+        drawn: list[torch.Tensor] | None = None
         if self._cuda:
             side = self._side
             assert side is not None
             with torch.cuda.device(self.device), torch.cuda.stream(side):
                 side.wait_event(item.ready)
-                if item.kept is not None:
-                    parts += self._sketch(item)
-                buf = torch.cat(parts)
+                if kept is not None:
+                    drawn = self._sketch_of(item, kept)
+                buf = torch.cat(parts + (drawn or []))
                 host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
                 host.copy_(buf, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(side)
             done.synchronize()  # this round's work only; releases the GIL
         else:
-            if item.kept is not None:
-                parts += self._sketch(item)
-            host = torch.cat(parts)
-        if item.kept is not None:
-            self._free.append(item.kept)  # its steps are read: the step may refill it
-        elif self.keep_sketch:
+            if kept is not None:
+                drawn = self._sketch_of(item, kept)
+            host = torch.cat(parts + (drawn or []))
+        if kept is not None:
+            kept.held.clear()  # drop the round's references: vLLM's allocator may reuse them
+            self._free.append(kept)  # its steps are read: the step may refill it
+        if drawn is None and self.keep_sketch:
             self.sketches_skipped += 1
         v = host.numpy().astype(np.float64)
         k = self.k
         info, grad, counts = v[: 3 * k], v[3 * k : 5 * k], v[5 * k : 6 * k]
-        sketch = None
-        if item.kept is not None:
-            o = 6 * k
-            n_hist, n_ece, n_psum = k * 2 * AUC_SLOTS, k * ECE_BINS * 2, k * ECE_BINS
-            hist = v[o : o + n_hist]
-            ece = v[o + n_hist : o + n_hist + n_ece].reshape(k, ECE_BINS, 2)
-            psum = v[o + n_hist + n_ece : o + n_hist + n_ece + n_psum]
-            nll = v[o + n_hist + n_ece + n_psum :]
-            sketch = Sketch.from_dense(hist, ece[:, :, 0], ece[:, :, 1], psum, nll)
         return RoundSummaryData(
             version=item.version,
             slope=item.slope,
@@ -315,7 +316,7 @@ class SummaryRound:
             grad=grad.reshape(k, 2),
             counts=np.rint(counts),
             steps=item.steps,
-            sketch=sketch,
+            sketch=None if drawn is None else sketches.unpack(v[6 * k :], k),
         )
 
     def flush(self, timeout: float = 10.0) -> bool:
