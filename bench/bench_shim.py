@@ -82,9 +82,10 @@ def _phase(
         for which, e in order:
             for i in range(per_round):
                 j = i % len(feats)
-                e.load_features(idx, feats[j])  # vLLM's propose: not timed
+                ix = idx[j] if isinstance(idx, list) else idx  # a list: a tensor per step
+                e.load_features(ix, feats[j])  # vLLM's propose: not timed
                 t0 = clock()
-                e.step(idx, sampled[j], rejected[j])
+                e.step(ix, sampled[j], rejected[j])
                 dt = clock() - t0
                 if r:
                     times[which].append(dt / 1e3)

@@ -1,10 +1,14 @@
 """Summary mode against raw mode, in one run: the shim's step, bytes on the wire, ingest.
 
-* **Shim**: added wall time per ``step`` at B x K on the CPU stand-in of vLLM's
-  estimator (tests/shim/standin.py), each variant interleaved with a plain
-  estimator in blocks (``bench_shim._phase``): raw mode, summary mode with the
-  on-device calibration sketch, summary mode without it. In-memory sinks
-  (pooled coefficients govern), so only the shim's own cost is measured.
+* **Shim**: added wall time per ``step`` at B x K (``bench/shim_costs.py``):
+  the shim's own work around a stand-in whose step does only vLLM's
+  bookkeeping, with fresh per-step tensors as vLLM allocates them and a gap
+  after each step (the precise figure); ``SummaryRound.record`` alone, by
+  reference and by copy; and the CPU stand-in of vLLM's estimator
+  (tests/shim/standin.py), each variant interleaved with a plain estimator in
+  blocks (``bench_shim._phase``): raw mode, summary mode with the on-device
+  calibration sketch, summary mode without it. In-memory sinks (pooled
+  coefficients govern), so only the shim's own cost is measured.
 * **Bytes on the wire per worker-step**: the serialized ``ObserveRequest``
   of one raw step (B x K float32 features and the counts), against the
   serialized summary messages the summary shim produced over the same
@@ -47,13 +51,11 @@ for _path in (str(HERE.parents[1]), str(HERE.parent)):
 
 from bench_ingest import make_steps, start_server  # noqa: E402
 from bench_shim import _phase  # noqa: E402
-from shim_variants import CPU, BenchSink, StandinAcceptanceEstimator  # noqa: E402
+from shim_costs import bench_overhead, bench_record, summary_shim  # noqa: E402
+from shim_variants import CPU, StandinAcceptanceEstimator  # noqa: E402
 
 from avest_client import EstimatorClient  # noqa: E402
 from avest_client.summary import RoundAccumulator  # noqa: E402
-from avest_client.vllm.config import ShimConfig  # noqa: E402
-from avest_client.vllm.estimator import make_sidecar_estimator  # noqa: E402
-from avest_client.vllm.pair import PairKey  # noqa: E402
 from avest_wire import matrix as wire  # noqa: E402
 from avest_wire.v1 import estimator_pb2 as pb  # noqa: E402
 
@@ -61,35 +63,18 @@ PAIR_ID, WORKER_ID = "0123456789abcdef", "gpu-node-17:48213:9f3a1c2e"
 ROUND_STEPS = 100
 
 
-class SummarySink(BenchSink):
-    """The bench sink, keeping the round summaries it gets."""
-
-    def __init__(self, k: int) -> None:
-        super().__init__(True, k=k)
-        self.summaries: list[Any] = []
-
-    def submit_summary(self, summary: Any) -> None:
-        self.summaries.append(summary)
-
-
-def shim(mode: str, batch: int, k: int, sketch: bool = True) -> tuple[Any, SummarySink]:
-    sink = SummarySink(k)
-    cls = make_sidecar_estimator(
-        StandinAcceptanceEstimator,
-        lambda config, pair: sink,
-        config=ShimConfig(address="bench", queue_size=64, mode=mode, sketch=sketch),
-        pair_resolver=lambda kk: PairKey("bench-target", "bench-draft", "draft_model", kk),
-    )
-    return cls(batch, k, CPU), sink
+def shim(mode: str, batch: int, k: int, sketch: bool = True) -> tuple[Any, Any]:
+    return summary_shim(mode, batch, k, sketch)
 
 
 def torch_steps(batch: int, k: int, n: int, seed: int) -> tuple:
-    """``(idx, features, sampled, rejected)`` lists: n distinct steps from bench_ingest's model."""
+    """``(idx, features, sampled, rejected)`` lists: n distinct steps from bench_ingest's model,
+    each with tensors of its own (as vLLM allocates them every step)."""
     g = torch.Generator().manual_seed(seed)
-    idx = torch.randperm(batch, generator=g).to(torch.int64)
-    feats, sampled, rejected = [], [], []
+    idx, feats, sampled, rejected = [], [], [], []
     for x, d, a in make_steps(n, batch, k, seed):
         rej = np.minimum(np.random.default_rng(seed).integers(0, 2, batch), d - a)
+        idx.append(torch.randperm(batch, generator=g).to(torch.int64))
         feats.append(torch.from_numpy(x))
         sampled.append(torch.from_numpy((a + 1).astype(np.int32)))
         rejected.append(torch.from_numpy(rej.astype(np.int32)))
@@ -97,7 +82,7 @@ def torch_steps(batch: int, k: int, n: int, seed: int) -> tuple:
 
 
 def bench_shim_steps(batch: int, k: int, steps: int, rounds: int) -> dict[str, dict[str, float]]:
-    inputs = torch_steps(batch, k, 64, seed=1)
+    inputs = torch_steps(batch, k, 128, seed=1)  # > one round of distinct tensors
     out = {}
     for name, mode, sketch in (
         ("raw", "raw", True),
@@ -119,43 +104,12 @@ def bench_shim_steps(batch: int, k: int, steps: int, rounds: int) -> dict[str, d
     return out
 
 
-def bench_record(batch: int, k: int, blocks: int = 200) -> dict[str, float]:
-    """The per-step work summary mode adds, alone: ``SummaryRound.record`` against the
-    plain stand-in step, each timed in blocks (5th percentile and median of block means)."""
-    from avest_client.vllm.rounds import SummaryRound
-
-    est = StandinAcceptanceEstimator(batch, k, CPU)
-    rounds = SummaryRound(SummarySink(k), k, CPU, True, max_num_reqs=batch, round_steps=100)
-    rounds.start(1, 0.5, tuple([-0.2] * k))
-    idx, feats, sampled, rejected = torch_steps(batch, k, 1, seed=4)
-    est.load_features(idx, feats[0])
-
-    def record() -> None:
-        if len(rounds._rows) >= 100:
-            rounds._rows.clear()
-        rounds.record(est, idx, sampled[0], rejected[0])
-
-    def timed(fn: Any, n: int) -> tuple[float, float]:
-        means = []
-        for _ in range(blocks):
-            t = time.perf_counter_ns()
-            for _ in range(n):
-                fn()
-            means.append((time.perf_counter_ns() - t) / n / 1e3)
-        return float(np.percentile(means, 5)), float(np.median(means))
-
-    rec = timed(record, 100)
-    step = timed(lambda: est.step(idx, sampled[0], rejected[0]), 10)
-    rounds.close()
-    return {"record_p5_us": rec[0], "record_median_us": rec[1], "step_p5_us": step[0],
-            "step_median_us": step[1], "ratio_p5": rec[0] / step[0]}  # fmt: skip
-
-
 def bench_bytes(batch: int, k: int, steps: int) -> dict[str, float]:
-    idx, feats, sampled, rejected = torch_steps(batch, k, steps, seed=2)
+    idxs, feats, sampled, rejected = torch_steps(batch, k, steps, seed=2)
     est, sink = shim("summary", batch, k)
     raw_bytes = []
     for j in range(steps):
+        idx = idxs[j]
         est.load_features(idx, feats[j])
         est.step(idx, sampled[j], rejected[j])
         a = np.maximum(sampled[j].numpy() - 1, 0)
@@ -318,8 +272,10 @@ def main() -> None:
     a = ap.parse_args()
     res: dict[str, Any] = {
         "cpus": os.cpu_count(),
-        "shim": bench_shim_steps(a.batch, a.k, a.steps, a.rounds),
+        "load_average": os.getloadavg(),
+        "shim_overhead": bench_overhead(a.batch, a.k),
         "record": bench_record(a.batch, a.k),
+        "shim": bench_shim_steps(a.batch, a.k, a.steps, a.rounds),
         "bytes": bench_bytes(a.batch, a.k, a.bytes_steps),
     }
     if not a.no_ingest:
@@ -328,18 +284,31 @@ def main() -> None:
     if a.json:
         print(json.dumps(res, indent=2))
         return
-    print(f"shim step at B={a.batch}, K={a.k} (CPU stand-in; {res['cpus']} CPUs)")
+    print(f"load average {res['load_average'][0]:.1f}; {res['cpus']} CPUs")
+    print(f"shim's own work per step at B={a.batch}, K={a.k} (no-op base, fresh tensors)")
+    print(
+        f"{'mode':<32} {'step µs':>8} {'plain µs':>9} {'added µs':>9} {'p5 added':>9} "
+        "sketches  sender ms/round"
+    )
+    for name, r in res["shim_overhead"].items():
+        print(
+            f"{name:<32} {r['median_us']:>8.2f} {r['plain_median_us']:>9.2f} "
+            f"{r['added_median_us']:>+9.2f} {r['added_p5_us']:>+9.2f} "
+            f"{r['sketches']:>4.0f}/{r['summaries']:<4.0f} {r['sender_ms_per_round']:>8.1f}"
+        )
+    r = res["record"]
+    print(
+        f"record alone (median of block means; p5): by reference {r['reference_median_us']:.2f} "
+        f"({r['reference_p5_us']:.2f}) µs, by copy {r['copy_median_us']:.2f} "
+        f"({r['copy_p5_us']:.2f}) µs; plain stand-in step {r['step_median_us']:.1f} µs"
+    )
+    print(f"\nshim step at B={a.batch}, K={a.k} (CPU stand-in, interleaved)")
     print(f"{'mode':<22} {'step µs':>9} {'plain µs':>9} {'added µs':>9}")
     for name, r in res["shim"].items():
         print(
             f"{name:<22} {r['median_us']:>9.1f} {r['plain_median_us']:>9.1f} "
             f"{r['added_median_us']:>+9.1f}"
         )
-    r = res["record"]
-    print(
-        f"record alone: {r['record_p5_us']:.1f} µs (p5; median {r['record_median_us']:.1f}) vs "
-        f"plain step {r['step_p5_us']:.1f} µs (p5): {100 * r['ratio_p5']:.1f} % of the step"
-    )
     b = res["bytes"]
     print(
         f"\nbytes per worker-step: raw {b['raw_bytes_per_step']:.0f}, summary "

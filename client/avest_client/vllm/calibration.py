@@ -142,10 +142,12 @@ class TableSync:
         self._errors = 0
         self._last_raw: object = None
         self._last_table: Table | None = None
+        self._single = group.world_size == 1
+        #: the sink's reader, looked up once (None: the sink serves no table)
+        self._reader = getattr(self.sink, "latest_calibration", None)
 
     def _read_sink(self) -> Table | None:
-        sink = self.sink
-        reader = getattr(sink, "latest_calibration", None)
+        reader = self._reader
         if reader is None:
             return None
         try:
@@ -162,8 +164,17 @@ class TableSync:
     def boundary(self, governed: bool) -> None:
         """Call at every step boundary after the governor's, on every rank."""
         n = self.steps
-        self.steps += 1
-        if self.group.world_size > 1:
+        self.steps = n + 1
+        if self._single and governed is self._governed:
+            reader = self._reader
+            if reader is None:
+                return  # nothing to read; the (identity) map stays as loaded
+            try:
+                if reader() is self._last_raw:
+                    return  # unchanged: already validated and loaded
+            except Exception:  # noqa: BLE001 - counted and logged by _read_sink below
+                pass
+        if not self._single:
             if n % self.sync_steps:
                 return
             table = self.group.broadcast_object(self._read_sink() if self.group.rank == 0 else None)

@@ -129,24 +129,25 @@ class _Runtime:
         """One step in summary mode (see :mod:`avest_client.vllm.rounds`)."""
         rounds = self.rounds
         assert rounds is not None
-        if rounds.version is not None:
+        recording = rounds.version is not None
+        if recording:
             # keep what the round's sketch needs before vLLM's next propose overwrites it
             rounds.record(est, idx_mapping, num_sampled, num_rejected)
         if update is not None:
             # before the base step, as in raw mode: the step's sums use the
             # stored predictions, and the next draft graph reads the new values
             self.apply(est, update)
-        self.tables.boundary(self.governor.governed)
         governed = self.governor.governed
+        self.tables.boundary(governed)
         if governed and est._steps_since_refit + 1 >= est.REFIT_INTERVAL:
             est._steps_since_refit = -1  # the pooled round replaces vLLM's local refit
             base_step(idx_mapping, num_sampled, num_rejected)
             self.skipped_refits += 1
         else:
             base_step(idx_mapping, num_sampled, num_rejected)
-        if rounds.version is not None:
-            rounds.steps += 1
-            if update is not None or not governed or rounds.steps >= est.REFIT_INTERVAL:
+        if recording:
+            steps = rounds.steps = rounds.steps + 1
+            if update is not None or not governed or steps >= est.REFIT_INTERVAL:
                 rounds.end(est, zero=governed)
                 if not governed:
                     rounds.stop()

@@ -55,6 +55,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,7 +76,8 @@ class _Kept:
 
     features: torch.Tensor  # [round_steps, max_num_reqs, K] float32
     slots: list[Any]  # per step: the features slot (a tensor, or a numpy view on CPU)
-    held: list[Held] = field(default_factory=list)
+    #: per step: the step's tensors (by reference), or its row count (copied into ``ring``)
+    held: list[Held | int] = field(default_factory=list)
     ring: torch.Tensor | None = None  # copy mode: [round_steps, 3, max_num_reqs] int64
     ring_np: Any = None  # CPU: a numpy view of ``ring``
 
@@ -145,6 +147,8 @@ class SummaryRound:
         self.closed_rounds = 0  # handed to the sender
         self.steps_closed = 0  # steps covered by them
         self.handled = 0  # the sender is done with (sent or failed)
+        #: Seconds the sender spent building sketches and reading rounds back (its thread).
+        self.sender_seconds = 0.0
         self._queue: queue.Queue[_Pending | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="avest-summaries", daemon=True)
         self._thread.start()
@@ -176,16 +180,16 @@ class SummaryRound:
         self._t = t + 1
 
     def _copy(self, kept: _Kept, t: int, idx_mapping: torch.Tensor, num_sampled: torch.Tensor,
-              num_rejected: torch.Tensor) -> Held:  # fmt: skip
-        """Copy mode: the step's vectors into the set's ring; views of the copies."""
+              num_rejected: torch.Tensor) -> int:  # fmt: skip
+        """Copy mode: the step's vectors into the set's ring; returns the step's row count."""
         if kept.ring is None:  # allocated on first use: most runs never need it
             kept.ring = torch.zeros(
                 self.round_steps, 3, self.max_num_reqs, dtype=torch.int64, device=self.device
             )
             kept.ring_np = None if self._cuda else kept.ring.numpy()
-        rows = idx_mapping.shape[0]
-        m = kept.ring[t]
+        rows = int(idx_mapping.shape[0])
         if self._cuda:
+            m = kept.ring[t]
             m[0, :rows].copy_(idx_mapping, non_blocking=True)
             m[1, :rows].copy_(num_sampled[:rows], non_blocking=True)
             m[2, :rows].copy_(num_rejected[:rows], non_blocking=True)
@@ -194,7 +198,7 @@ class SummaryRound:
             mn[0, :rows] = idx_mapping.numpy()
             mn[1, :rows] = num_sampled.numpy()[:rows]
             mn[2, :rows] = num_rejected.numpy()[:rows]
-        return m[0, :rows], m[1, :rows], m[2, :rows]
+        return rows
 
     # --------------------------------------------------------------- boundary
     def start(self, version: int, slope: float, intercepts: tuple[float, ...]) -> None:
@@ -253,7 +257,9 @@ class SummaryRound:
             if item is None:
                 return
             try:
+                t0 = time.perf_counter()
                 summary = self._unpack(item)
+                self.sender_seconds += time.perf_counter() - t0
                 self.sink.submit_summary(summary)
                 self.summaries += 1
             except Exception:  # noqa: BLE001 - the sink's problem, never vLLM's
@@ -270,14 +276,20 @@ class SummaryRound:
         storage; once one did, a round that still holds references (it filled
         while the sender checked the last) goes without a sketch too.
         """
-        ring = None if kept.ring is None else kept.ring.untyped_storage().data_ptr()
-        refs = [h for h in kept.held if ring is None or h[0].untyped_storage().data_ptr() != ring]
+        refs = [h for h in kept.held if not isinstance(h, int)]
         if refs and (self.copy_mode or sketches.storage_reused(refs)):
             if not self.copy_mode:
                 logger.warning("avest: the step's tensors are reused buffers; copying them")
             self.copy_mode = True
             return None
-        return sketches.build(kept.features, kept.held, item.slope, item.intercepts, self._pos)
+        ring = kept.ring
+        held: list[Held] = []
+        for t, h in enumerate(kept.held):
+            if isinstance(h, int):  # copied: views of the ring (the sender's work, not the step's)
+                assert ring is not None
+                h = (ring[t, 0, :h], ring[t, 1, :h], ring[t, 2, :h])
+            held.append(h)
+        return sketches.build(kept.features, held, item.slope, item.intercepts, self._pos)
 
     def _unpack(self, item: _Pending) -> RoundSummaryData:
         parts = [item.sums]
@@ -321,8 +333,6 @@ class SummaryRound:
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every closed round was handed to the sink (tests, shutdown)."""
-        import time
-
         deadline = time.monotonic() + timeout
         while self.handled < self.closed_rounds:
             if time.monotonic() >= deadline:
