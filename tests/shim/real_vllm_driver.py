@@ -19,6 +19,15 @@ attributes it sets; the draft model is a stub (load_model only stores it);
 the logits are random; verdicts are drawn from the estimator's own
 predictions, with a random verification depth per request.
 
+After each step's ``predict`` calls it compares the confidences vLLM's
+adaptive verification reads (``draft_token_confidence_probs``) with what
+the shim's calibration table in force makes of vLLM's linear confidences
+``sigmoid(slope x + b_k)``: the table's piecewise-linear map of the linear
+predictor while the table is served, the linear confidences otherwise. The
+table's own ops inside ``predict`` are logged by a torch dispatch mode:
+host synchronisations (``.item()``-like reads, data-dependent shapes) and
+how many distinct op and shape sequences each batch size gives.
+
 Writes ``OUT_DIR/steps.npz`` (each step's rows as the shim forwarded them)
 and ``OUT_DIR/result.json`` (what the checks below saw), and exits non-zero
 on the first failed check.
@@ -35,10 +44,67 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 TARGET = "avest-ci/target"
 DRAFT = "avest-ci/draft"
 VOCAB = 64
+
+
+#: Ops that read a device value on the host or give a shape that depends on data.
+HOST_SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "item")
+
+
+class OpLog(TorchDispatchMode):
+    """Every aten op run inside, with the shapes of what it returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, tuple[tuple[int, ...], ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        shapes = tuple(tuple(o.shape) for o in outs if isinstance(o, torch.Tensor))
+        self.ops.append((str(func), shapes))
+        return out
+
+
+def log_table_ops(table_map) -> tuple[dict[int, set], list[int]]:  # noqa: ANN001
+    """Wrap the shim's table ``apply`` (run inside vLLM's predict) in an :class:`OpLog`;
+    the op sequences seen, by number of tokens, and the number of calls."""
+    seen: dict[int, set] = {}
+    calls = [0]
+    apply = table_map.apply
+
+    def logged(est, num_tokens, *args):  # noqa: ANN001, ANN002, ANN202
+        with OpLog() as log:
+            apply(est, num_tokens, *args)
+        seen.setdefault(int(num_tokens), set()).add(tuple(log.ops))
+        calls[0] += 1
+
+    table_map.apply = logged
+    return seen, calls
+
+
+def table_check(est, idx: torch.Tensor, conf: torch.Tensor) -> dict:  # noqa: ANN001
+    """The step's confidences against the table in force applied to vLLM's linear ones."""
+    m = est._avest.tables.map
+    x = est.features[idx]
+    eta = est.slope[0] * x + est.intercepts  # float32, as vLLM's predict kernel
+    linear = torch.sigmoid(eta).double().numpy()
+    served = bool(m.served.item() > 0.5)
+    want = linear
+    if served:
+        knots, logits, _ = m.table
+        want = 1.0 / (1.0 + np.exp(-np.interp(eta.double().numpy(), knots, logits)))
+    got = conf.double().numpy()
+    return {
+        "served": served,
+        "err": float(np.abs(got - want).max()),
+        "bend": float(np.abs(got - linear).max()),
+        "table": None if m.table is None else [list(m.table[0]), list(m.table[1]), m.table[2]],
+    }
 
 
 def check(cond: bool, what: str) -> None:
@@ -126,6 +192,8 @@ def main() -> int:
     check(sink.wait_connected(30), f"sidecar connected ({sink.stats})")
     mode = getattr(rt, "mode", "raw")
     ptrs = (est.slope.data_ptr(), est.intercepts.data_ptr())
+    table_ops, table_calls = log_table_ops(rt.tables.map)
+    table_checks: list[dict] = []
     t_ready = time.monotonic()
 
     rng = np.random.default_rng(11)
@@ -141,6 +209,9 @@ def main() -> int:
         for pos in range(k):
             logits = torch.randn(len(live), VOCAB, generator=gen) * float(rng.uniform(1, 6))
             spec._maybe_predict_acceptance(logits, idx, torch.tensor(pos, dtype=torch.int64))
+        table_checks.append(
+            table_check(est, idx, spec.draft_token_confidence_probs[: len(live)].clone())
+        )
         # the target's verdicts, drawn from the predictions; a random verification depth
         p = est.predictions[idx].numpy()
         depth = rng.integers(1, k + 1, size=len(live))
@@ -194,6 +265,21 @@ def main() -> int:
         "refit_interval": est.REFIT_INTERVAL,
         "seconds": {"setup": t_ready - t0, "steps": t_steps - t_ready},
         "torch": torch.__version__,
+        "table_checks": table_checks,
+        "table_ops": {
+            "calls": table_calls[0],
+            "host_syncs": sorted(
+                {
+                    op
+                    for seqs in table_ops.values()
+                    for seq in seqs
+                    for op, _ in seq
+                    if any(name in op for name in HOST_SYNC_OPS)
+                }
+            ),  # fmt: skip
+            "max_sequences_per_size": max((len(v) for v in table_ops.values()), default=0),
+            "sizes": sorted(table_ops),
+        },
     }
     (out / "result.json").write_text(json.dumps(result))
     est.avest_close()

@@ -18,7 +18,12 @@ a second server); that pooled coefficients are copied into the estimator's
 own tensors (same storage) and are those in force at the end; and that vLLM's
 local refits are skipped while pooled coefficients govern. It is
 parametrised over the shim's modes (``MODES`` of the shim's config, ``raw``
-where there is none).
+where there is none). A third run checks the pair's calibration layer inside
+vLLM's real ``predict``: the pair is first fed drafts its logistic cannot
+follow until the sidecar serves the layer, then the driver's worker gets the
+table with its warm start, and the confidences vLLM's adaptive verification
+reads must be the table's map of vLLM's own linear confidences, computed
+with no host synchronisation and one op sequence per batch size.
 
 Where is the environment? ``$AVEST_VLLM_PYTHON`` (an interpreter), else
 ``.venv-vllm/bin/python``. ``scripts/check`` builds it (CI sets ``CI``); if
@@ -32,6 +37,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +53,8 @@ from .test_sidecar_sink import sidecar_servers
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("real_vllm_driver.py")
 STEPS, REQUESTS, K = 24, 16, 4
+#: Steps of the calibration-table run (short: the table is checked at every step).
+TABLE_STEPS = 8
 #: vLLM's local refit point (the driver's subclass) and the sidecar's round.
 LOCAL_REFIT, SIDECAR_REFIT = 4, 3
 MODES = tuple(getattr(shim_config, "MODES", ("raw",)))
@@ -83,7 +91,7 @@ def start_sidecar():
     yield from sidecar_servers()
 
 
-def drive(python: Path, address: str, mode: str, out: Path) -> dict:
+def drive(python: Path, address: str, mode: str, out: Path, steps: int = STEPS) -> dict:
     env = {
         **os.environ,
         "TRITON_INTERPRET": "1",
@@ -95,7 +103,7 @@ def drive(python: Path, address: str, mode: str, out: Path) -> dict:
         "AVEST_TIMEOUT_S": "20",
         "PYTHONPATH": "",  # the venv's own avest (editable), not this suite's path
     }
-    args = [str(python), str(DRIVER), str(out), str(STEPS), str(REQUESTS), str(K)]
+    args = [str(python), str(DRIVER), str(out), str(steps), str(REQUESTS), str(K)]
     proc = subprocess.run(
         [*args, str(LOCAL_REFIT)],
         env=env,
@@ -122,6 +130,10 @@ def test_the_plugin_on_vllms_real_classes(python, start_sidecar, tmp_path, mode,
         "vllm.v1.worker.gpu.spec_decode.acceptance_estimator.OnlineAcceptanceEstimator"
     )
     assert got["refit_interval"] == LOCAL_REFIT
+    # vLLM's confidences are its linear ones wherever no table is served (none is primed)
+    assert len(got["table_checks"]) == STEPS
+    assert max(c["err"] for c in got["table_checks"]) <= 1e-6
+    assert got["table_ops"]["host_syncs"] == []
 
     with EstimatorClient(live.grpc_address) as client:
         pair = client.pair(got["pair_id"])
@@ -196,3 +208,53 @@ def _check_summary_mode(got: dict, pair) -> None:  # noqa: ANN001
     st = got["stats"]
     assert st["governed"] and got["local_refits"] == 0
     assert st["summaries"] >= 1
+
+
+def prime_served_layer(address: str) -> tuple[str, tuple]:
+    """Register the driver's pair and feed it drafts the logistic cannot follow (accepted
+    at 0.95 above x = 0, at 0.3 below) until its calibration layer is served; the pair's
+    id and the table pushed with its latest coefficients."""
+    rng = np.random.default_rng(3)
+    with EstimatorClient(address) as client:
+        labels = {"draft_sample_method": "probabilistic"}
+        reg = client.register("avest-ci/target", "avest-ci/draft", "draft_model", K, labels)
+        fwd = client.forwarder(reg.pair_id, "primer", k=K)
+        for _ in range(120):  # served after about 20 steps; the rest builds a margin
+            x = rng.normal(0.0, 3.0, size=(32, K)).astype(np.float32)
+            ok = rng.random((32, K)) < np.where(x > 0.0, 0.95, 0.3)
+            a = np.where(ok.all(axis=1), K, np.argmin(ok, axis=1)).astype(np.int32)
+            fwd.submit(x, np.full(32, K, dtype=np.int32), a, None)
+        assert fwd.flush(30)
+        version = client.coefficients(reg.pair_id).version
+        deadline = time.monotonic() + 20
+        while (fwd.latest_coefficients() or (0,))[0] != version:
+            assert time.monotonic() < deadline, "the primer never saw the latest version"
+            time.sleep(0.01)
+        table = fwd.latest_calibration()
+        fwd.close()
+    assert table is not None and table[2], "the layer is not served after priming"
+    return reg.pair_id, table
+
+
+def test_the_served_calibration_table_inside_vllms_real_predict(python, start_sidecar, tmp_path):
+    live = start_sidecar(tmp_path / "live", refit_interval=SIDECAR_REFIT, default_rule="vllm")
+    pair_id, table = prime_served_layer(live.grpc_address)
+    got = drive(python, live.grpc_address, "summary", tmp_path, steps=TABLE_STEPS)
+    assert got["torch"].startswith("2.13.0") and got["pair_id"] == pair_id
+    checks = got["table_checks"]
+    assert len(checks) == TABLE_STEPS
+    # the first drafts precede the first step boundary, where the shim loads the table
+    # pushed with the warm start: from the second step on vLLM's predict serves it
+    assert not checks[0]["served"] and checks[1]["served"]
+    np.testing.assert_allclose(checks[1]["table"][0], table[0], rtol=1e-6)
+    np.testing.assert_allclose(checks[1]["table"][1], table[1], rtol=1e-6, atol=1e-6)
+    # what adaptive verification reads is the table's map of vLLM's linear confidences
+    # (and the linear confidences themselves at any step where the table is not served)
+    assert max(c["err"] for c in checks) <= 1e-6, [c["err"] for c in checks]
+    served = [c for c in checks if c["served"]]
+    assert len(served) >= TABLE_STEPS // 2
+    assert max(c["bend"] for c in served) > 0.05  # the table moved vLLM's confidences
+    # CUDA-graph safe: no host synchronisation, one op and shape sequence per batch size
+    ops = got["table_ops"]
+    assert ops["calls"] == TABLE_STEPS * K
+    assert ops["host_syncs"] == [] and ops["max_sequences_per_size"] == 1, ops
