@@ -255,6 +255,36 @@ def bench_ingest_summaries(ks: list[int], workers: int, streams: int, rate: floa
     return out
 
 
+def compare_trees(baseline: Path, repeats: int, batch: int, k: int) -> None:
+    """Before/after in one run: this file's shim-only section on the baseline tree's code
+    and on this tree's, alternately, each in a fresh process."""
+    import subprocess
+
+    trees = {"before": baseline.resolve(), "after": HERE.parents[1]}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+    for _ in range(repeats):
+        for name, root in trees.items():
+            path = os.pathsep.join(str(root / p) for p in ("service", "client", "wire"))
+            out = subprocess.run(
+                [sys.executable, str(HERE), "--shim-only", "--json", "--batch", str(batch),
+                 "--k", str(k)],
+                env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True, check=True,
+            ).stdout  # fmt: skip
+            runs[name].append(json.loads(out))
+    print(f"B={batch}, K={k}; added µs per step (median), each run in turn; load at start")
+    for variant in runs["after"][0]["shim_overhead"]:
+        for name in trees:
+            cells = [
+                f"{r['shim_overhead'][variant]['added_median_us']:+7.2f} "
+                f"(load {r['load_average'][0]:.1f})"
+                for r in runs[name]
+            ]
+            print(f"{variant:<32} {name:<6} " + "  ".join(cells))
+    for name in trees:
+        cells = [f"{r['record']['reference_median_us']:.2f}" for r in runs[name]]
+        print(f"record alone, median µs           {name:<6} " + "  ".join(cells))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=256)
@@ -268,17 +298,31 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=5000.0)
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--no-ingest", action="store_true")
+    ap.add_argument(
+        "--shim-only", action="store_true", help="only the shim's own work and record alone"
+    )
+    ap.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="a checkout of the code before (e.g. git archive REV | tar -x -C DIR): the "
+        "shim-only section runs alternately on it and on this tree, --repeats times each",
+    )
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.baseline_tree is not None:
+        compare_trees(a.baseline_tree, a.repeats, a.batch, a.k)
+        return
     res: dict[str, Any] = {
         "cpus": os.cpu_count(),
         "load_average": os.getloadavg(),
         "shim_overhead": bench_overhead(a.batch, a.k),
         "record": bench_record(a.batch, a.k),
-        "shim": bench_shim_steps(a.batch, a.k, a.steps, a.rounds),
-        "bytes": bench_bytes(a.batch, a.k, a.bytes_steps),
     }
-    if not a.no_ingest:
+    if not a.shim_only:
+        res["shim"] = bench_shim_steps(a.batch, a.k, a.steps, a.rounds)
+        res["bytes"] = bench_bytes(a.batch, a.k, a.bytes_steps)
+    if not (a.no_ingest or a.shim_only):
         ks = [int(x) for x in a.ingest_k.split(",") if x]
         res["ingest"] = bench_ingest_summaries(ks, a.workers, a.streams, a.rate, a.seconds)
     if a.json:
@@ -302,6 +346,8 @@ def main() -> None:
         f"({r['reference_p5_us']:.2f}) µs, by copy {r['copy_median_us']:.2f} "
         f"({r['copy_p5_us']:.2f}) µs; plain stand-in step {r['step_median_us']:.1f} µs"
     )
+    if a.shim_only:
+        return
     print(f"\nshim step at B={a.batch}, K={a.k} (CPU stand-in, interleaved)")
     print(f"{'mode':<22} {'step µs':>9} {'plain µs':>9} {'added µs':>9}")
     for name, r in res["shim"].items():

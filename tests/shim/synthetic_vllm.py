@@ -40,6 +40,9 @@ def render(entries: tuple[c.Entry, ...] = c.ENTRIES) -> dict[str, str]:
                 k["methods"][m.name] = m.params
         elif isinstance(e, c.Call):
             klass(e.path, e.cls)["body"][e.method].append(f"{e.callee}({', '.join(e.args)})")
+        elif isinstance(e, c.Statements) and not e.cls:  # a module-level function
+            body = "".join(f"    {b}\n" for b in e.snippets)
+            funcs[e.path].append(f"def {e.method}():\n{body}")
         elif isinstance(e, c.Statements):
             klass(e.path, e.cls)["body"][e.method].extend(e.snippets)
     out: dict[str, list[str]] = defaultdict(list)

@@ -122,6 +122,18 @@ DRIFTS = [
         "broadcast_object parameters",
     ),
     ("vllm/sampling_params.py", "logit_bias = None", "bias = None", "logit_bias"),
+    (  # a per-step tensor becomes a reused buffer: summary mode's references would break
+        "vllm/v1/worker/gpu/input_batch.py",
+        "num_rejected = torch.empty_like(num_sampled)",
+        "num_rejected = self_num_rejected",
+        "get_num_sampled_and_rejected no longer contains",
+    ),
+    (
+        "vllm/v1/worker/gpu/input_batch.py",
+        "def get_num_sampled_and_rejected(",
+        "def num_sampled_and_rejected(",
+        "get_num_sampled_and_rejected missing",
+    ),
 ]
 
 

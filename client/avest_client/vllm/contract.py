@@ -87,7 +87,8 @@ class Statements:
     """Inside ``cls.method``, statements/expressions whose ``ast.unparse`` equals each string.
 
     Used where the shim depends on *how* a method works, not only on its name:
-    the refit counter that the shim resets to skip a local refit.
+    the refit counter that the shim resets to skip a local refit. An empty
+    ``cls`` names a module-level function.
     """
 
     path: str
@@ -177,6 +178,38 @@ ENTRIES: tuple[Entry, ...] = (
         method="observe_verification",
         callee="self.acceptance_estimator.step",
         args=("idx_mapping", "num_sampled", "num_rejected"),
+    ),
+    # Summary mode holds each step's (idx_mapping, num_sampled, num_rejected) by
+    # reference until the round's sketch is built: vLLM allocates all three afresh
+    # every step (a round that sees shared storage falls back to copies anyway).
+    Statements(
+        path="vllm/v1/worker/gpu/model_runner.py",
+        cls="GPUModelRunner",
+        method="prepare_inputs",
+        snippets=(
+            "idx_mapping = async_tensor_h2d(idx_mapping_np, device=self.device, dtype=torch.int64)",
+        ),
+    ),
+    Statements(
+        path="vllm/v1/worker/gpu/model_runner.py",
+        cls="GPUModelRunner",
+        method="sample_tokens",
+        snippets=(
+            "self.speculator.observe_verification(input_batch.idx_mapping, num_sampled, "
+            "num_rejected)",
+        ),
+    ),
+    Statements(
+        path=f"{_SPEC}/rejection_sampler_utils.py",
+        cls="",
+        method="rejection_sample",
+        snippets=("num_sampled = sampled.new_empty(num_reqs, dtype=torch.int32)",),
+    ),
+    Statements(
+        path="vllm/v1/worker/gpu/input_batch.py",
+        cls="",
+        method="get_num_sampled_and_rejected",
+        snippets=("num_rejected = torch.empty_like(num_sampled)",),
     ),
     # Plugin loading.
     Constant(

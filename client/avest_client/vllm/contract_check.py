@@ -190,9 +190,13 @@ class _Checker:
         return self._cache[path]
 
     def method(self, path: str, cls: str, method: str) -> tuple[ast.AST | None, str | None]:
+        """``cls.method``, or the module-level function ``method`` when ``cls`` is empty."""
         tree = self.module(path)
         if tree is None:
             return None, f"{path}: file missing"
+        if not cls:
+            func = _top(tree, method, (ast.FunctionDef, ast.AsyncFunctionDef))
+            return (func, None) if func is not None else (None, f"{path}: {method} missing")
         node = _top(tree, cls, ast.ClassDef)
         if not isinstance(node, ast.ClassDef):
             return None, f"{path}: class {cls} missing"
@@ -308,7 +312,7 @@ class _Checker:
             return [err]
         found = {ast.unparse(n) for n in ast.walk(fn) if isinstance(n, ast.stmt | ast.expr)}  # type: ignore[arg-type]
         return [
-            f"{e.path}: {e.cls}.{e.method} no longer contains `{s}`"
+            f"{e.path}: {f'{e.cls}.' if e.cls else ''}{e.method} no longer contains `{s}`"
             for s in e.snippets
             if s not in found
         ]
