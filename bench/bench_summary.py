@@ -255,7 +255,9 @@ def bench_ingest_summaries(ks: list[int], workers: int, streams: int, rate: floa
     return out
 
 
-def compare_trees(baseline: Path, repeats: int, batch: int, k: int) -> None:
+def compare_trees(
+    baseline: Path, repeats: int, batch: int, k: int, gap_ms: float, steps: int
+) -> None:
     """Before/after in one run: this file's shim-only section on the baseline tree's code
     and on this tree's, alternately, each in a fresh process."""
     import subprocess
@@ -265,13 +267,18 @@ def compare_trees(baseline: Path, repeats: int, batch: int, k: int) -> None:
     for _ in range(repeats):
         for name, root in trees.items():
             path = os.pathsep.join(str(root / p) for p in ("service", "client", "wire"))
-            out = subprocess.run(
+            proc = subprocess.run(
                 [sys.executable, str(HERE), "--shim-only", "--json", "--batch", str(batch),
-                 "--k", str(k)],
-                env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True, check=True,
-            ).stdout  # fmt: skip
-            runs[name].append(json.loads(out))
-    print(f"B={batch}, K={k}; added µs per step (median), each run in turn; load at start")
+                 "--k", str(k), "--gap-ms", str(gap_ms), "--overhead-steps", str(steps)],
+                env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True,
+            )  # fmt: skip
+            if proc.returncode:
+                raise SystemExit(f"{name} ({root}) failed:\n{proc.stderr[-3000:]}")
+            runs[name].append(json.loads(proc.stdout))
+    print(
+        f"B={batch}, K={k}, {gap_ms} ms after each step; added µs per step (median), "
+        "each run in turn; load at start"
+    )
     for variant in runs["after"][0]["shim_overhead"]:
         for name in trees:
             cells = [
@@ -281,8 +288,11 @@ def compare_trees(baseline: Path, repeats: int, batch: int, k: int) -> None:
             ]
             print(f"{variant:<32} {name:<6} " + "  ".join(cells))
     for name in trees:
-        cells = [f"{r['record']['reference_median_us']:.2f}" for r in runs[name]]
-        print(f"record alone, median µs           {name:<6} " + "  ".join(cells))
+        cells = [
+            f"{r['record']['reference_median_us']:.2f} of a {r['record']['step_median_us']:.0f}"
+            for r in runs[name]
+        ]
+        print(f"record alone / stand-in step, µs  {name:<6} " + "  ".join(cells))
 
 
 def main() -> None:
@@ -308,15 +318,19 @@ def main() -> None:
         "shim-only section runs alternately on it and on this tree, --repeats times each",
     )
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument(
+        "--gap-ms", type=float, default=0.5, help="the shim's own work: the wait after each step"
+    )
+    ap.add_argument("--overhead-steps", type=int, default=3000)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if a.baseline_tree is not None:
-        compare_trees(a.baseline_tree, a.repeats, a.batch, a.k)
+        compare_trees(a.baseline_tree, a.repeats, a.batch, a.k, a.gap_ms, a.overhead_steps)
         return
     res: dict[str, Any] = {
         "cpus": os.cpu_count(),
         "load_average": os.getloadavg(),
-        "shim_overhead": bench_overhead(a.batch, a.k),
+        "shim_overhead": bench_overhead(a.batch, a.k, a.overhead_steps, gap_s=a.gap_ms / 1e3),
         "record": bench_record(a.batch, a.k),
     }
     if not a.shim_only:
@@ -329,7 +343,10 @@ def main() -> None:
         print(json.dumps(res, indent=2))
         return
     print(f"load average {res['load_average'][0]:.1f}; {res['cpus']} CPUs")
-    print(f"shim's own work per step at B={a.batch}, K={a.k} (no-op base, fresh tensors)")
+    print(
+        f"shim's own work per step at B={a.batch}, K={a.k} (no-op base, fresh tensors, "
+        f"{a.gap_ms} ms after each step)"
+    )
     print(
         f"{'mode':<32} {'step µs':>8} {'plain µs':>9} {'added µs':>9} {'p5 added':>9} "
         "sketches  sender ms/round"

@@ -138,7 +138,8 @@ def bench_overhead(
             "added_p5_us": float(np.percentile(shim_t, 5) - np.percentile(plain_t, 5)),
             "summaries": float(len(sink.summaries)),
             "sketches": float(sum(s.sketch is not None for s in sink.summaries)),
-            "copy_mode": float(bool(rounds and rounds.copy_mode)),
+            # (code before by-reference rounds always copied)
+            "copy_mode": float(bool(rounds and getattr(rounds, "copy_mode", True))),
             # the sender thread's time per round (sketch and read-back), off the step
             "sender_ms_per_round": (
                 1e3 * getattr(rounds, "sender_seconds", float("nan")) / max(1, len(sink.summaries))

@@ -5,8 +5,9 @@ next ``propose`` overwrites it) and the step's ``idx_mapping``,
 ``num_sampled`` and ``num_rejected`` (the tensors themselves in vLLM 0.33,
 which allocates all three afresh every step; copies where a caller reuses its
 buffers, see :func:`storage_reused`). :func:`build` turns them into the
-round's sketch in the service's bins with one batch of fixed-shape torch ops
-over the round's ``N`` request rows: the linear predictor
+round's sketch in the service's bins with fixed-shape torch ops over the
+round's ``N`` request rows (in one batch on CUDA; on the CPU in chunks of
+steps small enough that each op runs on one thread): the linear predictor
 ``eta = slope x + b_k`` in float32 with the round's coefficients (as the draft
 graph computed it); its AUC slot by label; its ECE bin with the probability;
 the log loss; all masked by the observed flag and added with ``index_add_``.
@@ -56,6 +57,11 @@ def storage_reused(held: Sequence[Held]) -> bool:
     return False
 
 
+#: CPU: at most this many elements per op, so torch runs each op on one thread (its
+#: intra-op grain is 32768): the sketch then never spins every core beside vLLM's thread.
+CPU_CHUNK = 16384
+
+
 def build(
     features: torch.Tensor,
     held: Sequence[Held],
@@ -66,29 +72,61 @@ def build(
     """The sketch of a round: ``features`` [T, R, K] kept per step, ``held`` its T steps."""
     device = features.device
     k = int(positions.shape[0])
+    f32 = dict(dtype=torch.float32, device=device)
+    acc = [
+        torch.zeros(k * 2 * AUC_SLOTS, **f32),
+        torch.zeros(k * ECE_BINS * 2, **f32),
+        torch.zeros(k * ECE_BINS, **f32),
+        torch.zeros(k, **f32),
+    ]
+    coef = torch.tensor((slope, *intercepts), dtype=torch.float32).to(device, non_blocking=True)
     rows = [int(h[0].shape[0]) for h in held]
+    if device.type == "cuda":
+        _add(acc, features, held, rows, 0, coef, positions)
+        return acc
+    start = 0
+    while start < len(held):  # CPU: chunks of steps, each op under torch's intra-op grain
+        n, stop = 0, start
+        while stop < len(held) and (stop == start or (n + rows[stop]) * k <= CPU_CHUNK):
+            n += rows[stop]
+            stop += 1
+        _add(acc, features, held[start:stop], rows[start:stop], start, coef, positions)
+        start = stop
+    return acc
+
+
+def _add(
+    acc: list[torch.Tensor],
+    features: torch.Tensor,
+    held: Sequence[Held],
+    rows: list[int],
+    first: int,
+    coef: torch.Tensor,
+    positions: torch.Tensor,
+) -> None:
+    """Add steps ``first ..`` (``held``, with ``rows`` requests each) to the sketch ``acc``."""
+    device = features.device
     idx = torch.cat([h[0].reshape(-1) for h in held]).to(device, torch.int64)
     sampled = torch.cat([h[1][:n] for h, n in zip(held, rows, strict=True)])
     rejected = torch.cat([h[2][:n] for h, n in zip(held, rows, strict=True)])
-    step = torch.from_numpy(np.repeat(np.arange(len(held), dtype=np.int64), rows))
-    step = step.to(device, non_blocking=True)
-    x = features[step, idx]  # [N, K]: each row's features as the step graded them
-    coef = torch.tensor((slope, *intercepts), dtype=torch.float32).to(device, non_blocking=True)
+    t, r, k = features.shape
+    base = np.repeat(np.arange(first, first + len(held), dtype=np.int64) * r, rows)
+    flat = torch.from_numpy(base).to(device, non_blocking=True) + idx
+    x = features.view(t * r, k).index_select(0, flat)  # [N, K]: as the step graded them
     eta = torch.addcmul(coef[1:], x, coef[:1])  # as the draft graph computed it, in float32
-    acc = (sampled.to(device, torch.int64) - 1).clamp_(min=0)[:, None]
-    adm = acc + rejected.to(device, torch.int64)[:, None]
-    obs = ((positions <= acc) & (positions < adm)).to(torch.float32)
-    label = (positions < acc).to(torch.int64)
+    accepted = (sampled.to(device, torch.int64) - 1).clamp_(min=0)[:, None]
+    admitted = accepted + rejected.to(device, torch.int64)[:, None]
+    obs = ((positions <= accepted) & (positions < admitted)).to(torch.float32)
+    label = (positions < accepted).to(torch.int64)
     slot = (eta * _SCALE + _OFFSET).clamp_(0.0, AUC_SLOTS - 1).to(torch.int64)
     cell = (positions * 2 + label) * AUC_SLOTS + slot
-    f32 = dict(dtype=torch.float32, device=device)
-    hist = torch.zeros(k * 2 * AUC_SLOTS, **f32).index_add_(0, cell.view(-1), obs.view(-1))
+    hist, ece, psum, nll = acc
+    hist.index_add_(0, cell.view(-1), obs.view(-1))
     p = torch.sigmoid(eta)
     b = positions * ECE_BINS + (p * ECE_BINS).to(torch.int64).clamp_(max=ECE_BINS - 1)
-    ece = torch.zeros(k * ECE_BINS * 2, **f32).index_add_(0, (b * 2 + label).view(-1), obs.view(-1))
-    psum = torch.zeros(k * ECE_BINS, **f32).index_add_(0, b.view(-1), (p * obs).view(-1))
-    nll = ((torch.nn.functional.softplus(eta) - label * eta) * obs).sum(0)
-    return [hist, ece, psum, nll]
+    ece.index_add_(0, (b * 2 + label).view(-1), obs.view(-1))
+    psum.index_add_(0, b.view(-1), (p * obs).view(-1))
+    nll.add_(((torch.nn.functional.softplus(eta) - label * eta) * obs).sum(0))
 
 
 def unpack(v: npt.NDArray[np.float64], k: int) -> Sketch:
