@@ -170,3 +170,28 @@ def test_summaries_reach_the_sidecar_which_pools_and_pushes_back(
     drive(est, trace[-1])
     assert est.slope.item() == pytest.approx(pair.coefficients.slope, rel=1e-6)
     est.avest_close()
+
+
+def test_a_failed_sketch_gives_its_buffers_back(monkeypatch):
+    """The sender fails on one round (counted); the next rounds still get sketches."""
+    from avest_client.vllm import sketch as sketches
+
+    build, calls = sketches.build, []
+
+    def failing_once(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("device lost")
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(sketches, "build", failing_once)
+    sink = FakeSink()
+    sink.push(*POOLED)
+    est = _shim(sink)
+    for s in _trace(301):
+        drive(est, s)
+    rounds = est._avest.rounds
+    assert rounds.flush(10)
+    assert rounds.send_errors == 1 and [s.steps for s in sink.summaries] == [100, 100]
+    assert all(s.sketch is not None for s in sink.summaries)
+    est.avest_close()

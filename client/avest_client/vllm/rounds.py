@@ -292,29 +292,15 @@ class SummaryRound:
         return sketches.build(kept.features, held, item.slope, item.intercepts, self._pos)
 
     def _unpack(self, item: _Pending) -> RoundSummaryData:
-        parts = [item.sums]
         kept = item.kept
-        drawn: list[torch.Tensor] | None = None
-        if self._cuda:
-            side = self._side
-            assert side is not None
-            with torch.cuda.device(self.device), torch.cuda.stream(side):
-                side.wait_event(item.ready)
-                if kept is not None:
-                    drawn = self._sketch_of(item, kept)
-                buf = torch.cat(parts + (drawn or []))
-                host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
-                host.copy_(buf, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(side)
-            done.synchronize()  # this round's work only; releases the GIL
-        else:
+        try:
+            host, drawn = self._read(item, kept)
+        finally:
             if kept is not None:
-                drawn = self._sketch_of(item, kept)
-            host = torch.cat(parts + (drawn or []))
-        if kept is not None:
-            kept.held.clear()  # drop the round's references: vLLM's allocator may reuse them
-            self._free.append(kept)  # its steps are read: the step may refill it
+                if self._side is not None:
+                    self._side.synchronize()  # nothing of this round may still read the set
+                kept.held.clear()  # drop the round's references: vLLM's allocator may reuse them
+                self._free.append(kept)  # its steps are read: the step may refill it
         if drawn is None and self.keep_sketch:
             self.sketches_skipped += 1
         v = host.numpy().astype(np.float64)
@@ -330,6 +316,29 @@ class SummaryRound:
             steps=item.steps,
             sketch=None if drawn is None else sketches.unpack(v[6 * k :], k),
         )
+
+    def _read(self, item: _Pending, kept: _Kept | None) -> tuple[torch.Tensor, Any]:
+        """The round's sums and sketch on the host (in one copy), and the sketch's tensors
+        (None: no sketch)."""
+        parts = [item.sums]
+        drawn: list[torch.Tensor] | None = None
+        if not self._cuda:
+            if kept is not None:
+                drawn = self._sketch_of(item, kept)
+            return torch.cat(parts + (drawn or [])), drawn
+        side = self._side
+        assert side is not None
+        with torch.cuda.device(self.device), torch.cuda.stream(side):
+            side.wait_event(item.ready)
+            if kept is not None:
+                drawn = self._sketch_of(item, kept)
+            buf = torch.cat(parts + (drawn or []))
+            host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
+            host.copy_(buf, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(side)
+        done.synchronize()  # this round's work only; releases the GIL
+        return host, drawn
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every closed round was handed to the sink (tests, shutdown)."""
