@@ -27,8 +27,11 @@ WORKER = textwrap.dedent(
     mode = sys.argv[2]
     sink = FakeSink()
     sink.push(7, 0.6, [0.1] * 4)
+    # a queue that holds every step: a starved forwarder thread drops none (exact counts)
     cls = make_sidecar_estimator(
-        StandinAcceptanceEstimator, FakeSinkFactory(sink), config=ShimConfig(mode=mode)
+        StandinAcceptanceEstimator,
+        FakeSinkFactory(sink),
+        config=ShimConfig(mode=mode, queue_size=4096),
     )
     est = cls(32, 4, torch.device("cpu"))
     for s in steps(synthetic_trace(steps=250, batch=8, k=4), 32):
