@@ -117,7 +117,8 @@ class PairCollector:
     ``collect()`` renders every pair at once (prometheus_client's path, and
     ``registry.get_sample_value``); :mod:`avest.http.exposition` renders the
     same families a few pairs at a time through :meth:`families`,
-    :meth:`add_globals` and :meth:`add_pair`, with ``collect()`` paused.
+    :meth:`add_globals` and :meth:`add_pair`, with ``collect()`` paused, and
+    keeps each pair's text until its :meth:`stamp` moves.
     """
 
     def __init__(self, metrics: PairSource) -> None:
@@ -166,6 +167,23 @@ class PairCollector:
         f[PAIRS].add_metric([], float(len(pairs)))
         depth = sum(queue_depth(pair.applied, pair.durable) for pair in pairs)
         f[QUEUE_DEPTH].add_metric([], float(depth))
+
+    def stamp(self, pair: Any) -> tuple[Any, ...]:
+        """What moves whenever anything :meth:`add_pair` reads changes: a step or
+        summary applied (steps, drafts, last update, the calibration layer's
+        losses), a refit (round, version, refit counts), a reset (version)."""
+        est = pair.estimator
+        refits = sum(self._metrics.refit_counts(pair.id).values())
+        return (
+            id(est),
+            est.version,
+            est.round,
+            est.steps,
+            est.drafts,
+            pair.updated,
+            pair.rule_name,
+            refits,
+        )
 
     def add_pair(self, f: Families, pair: Any) -> None:
         """One pair's samples."""
