@@ -220,6 +220,11 @@ class OnlineEstimator:
         eta = linear_predictor(self.coefficients, check_features(features, self.k))
         return eta if self.recalibrator is None else self.recalibrator.apply(eta)
 
+    @property
+    def layer_served(self) -> bool:
+        """Whether the calibration layer's map is served now."""
+        return self.recalibrator is not None and self.recalibrator.active
+
     def predict_served(self, features: npt.ArrayLike) -> FloatArray:
         """Served acceptance probabilities ``[R, K]`` (calibration layer included)."""
         from avest.core.numeric import sigmoid

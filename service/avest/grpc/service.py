@@ -21,6 +21,7 @@ from avest.core.errors import InvalidInput
 from avest.core.estimator import make_batch
 from avest.core.features import check_features
 from avest.core.model import survival
+from avest.grpc.budgets import budget_confidences
 from avest.grpc.convert import (
     BUDGET_FROM_PB,
     BUDGET_TO_PB,
@@ -189,12 +190,7 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
             self._check_shape(pair, request.rows, request.k)
             if request.rule not in BUDGET_FROM_PB:
                 raise InvalidInput("rule", f"unknown budget rule {request.rule}")
-            conf = wire.decode(request.confidences, request.rows, request.k, "confidences")
-            stale = (
-                wire.decode(request.stale_confidences, request.rows, request.k, "stale_confidences")
-                if request.stale_confidences
-                else None
-            )
+            conf, stale, scored = budget_confidences(pair, request)
             try:
                 table = pair.cost_table(request.hardware)
             except NotFound as exc:
@@ -219,6 +215,8 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
                 cost_ms=float(decision.cost_ms),
                 rule=BUDGET_TO_PB[decision.rule],
                 lossless=bool(decision.lossless),
+                coefficients_version=pair.estimator.version if scored else 0,
+                calibration_layer_served=scored and pair.estimator.layer_served,
             )
 
         try:
