@@ -14,7 +14,10 @@ One run, one table:
   (tracemalloc, in this process: no allocator slack, no other traffic); and
   the snapshot bytes one pair writes per save.
 
-Usage: python bench/bench_scrape.py [--pairs 1024] [--calls 2000] [--json]
+``--baseline PATH`` repeats the scrape table with a server from another
+source tree (e.g. an export of main), in the same run, after this tree's.
+
+Usage: python bench/bench_scrape.py [--pairs 1024] [--calls 2000] [--baseline PATH] [--json]
 """
 
 from __future__ import annotations
@@ -76,9 +79,9 @@ def timed_calls(client: EstimatorClient, ids: list[str], calls: int) -> np.ndarr
     return np.array(out) * 1e3
 
 
-def scrape_table(pairs: int, calls: int) -> dict:
+def scrape_table(pairs: int, calls: int, tree: Path | None = None) -> dict:
     tmp = tempfile.mkdtemp(prefix="avest-bench-scrape-")
-    proc, address, http = start(tmp)
+    proc, address, http = start(tmp, tree)
     try:
         ids = feed(address, 8, pairs, steps_each=5)
         time.sleep(1.0)
@@ -163,8 +166,20 @@ def held_bytes(k: int, pairs: int, steps_each: int = 5) -> float:
     return (after - before) / pairs
 
 
-def start(data_dir: str) -> tuple:
-    proc, address = start_server(data_dir)
+def start(data_dir: str, tree: Path | None = None) -> tuple:
+    """``avest serve`` from this tree, or from ``tree`` (its ``service`` and ``wire``
+    first on the server's path)."""
+    saved = os.environ.get("PYTHONPATH")
+    if tree is not None:
+        paths = [str(tree / "service"), str(tree / "client"), str(tree / "wire")]
+        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, saved or ""])
+    try:
+        proc, address = start_server(data_dir)
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
     return proc, address, proc.avest_http  # type: ignore[attr-defined]
 
 
@@ -183,21 +198,32 @@ def main() -> None:
     parser.add_argument("--memory-pairs", type=int, default=200)
     parser.add_argument("--no-memory", action="store_true", help="skip the memory table")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--baseline", type=Path, help="also time a server from this source tree (after ours)"
+    )
     args = parser.parse_args()
     scrape = scrape_table(args.pairs, args.calls)
+    if args.baseline:
+        scrape["baseline"] = scrape_table(args.pairs, args.calls, args.baseline)
+    scrape["load"] = os.getloadavg()[0]
     mem = [] if args.no_memory else [memory(k, args.memory_pairs) for k in (8, 64)]
     if args.json:
         print(json.dumps({"scrape": scrape, "memory": mem, "cpus": os.cpu_count()}, indent=2))
         return
     print(f"GetCoefficients during /metrics scrapes, {scrape['pairs']} pairs (K=8)")
     print(f"{'':<16} {'p50 ms':>8} {'p99 ms':>8}")
-    for name, (p50, p99) in scrape["get_coefficients_ms"].items():
-        print(f"{name:<16} {p50:>8.3f} {p99:>8.3f}")
-    print(f"p99 during / idle: {scrape['p99_ratio']:.2f} (target <= 2)")
-    print(
-        f"scrape: median {scrape['scrape_ms']:.0f} ms, {scrape['scrape_bytes'] / 1e6:.1f} MB, "
-        f"{scrape['scrapes']} scrapes"
-    )
+    for label, sc in (("this tree", scrape), ("baseline", scrape.get("baseline"))):
+        if sc is None:
+            continue
+        print(f"-- {label}")
+        for name, (p50, p99) in sc["get_coefficients_ms"].items():
+            print(f"{name:<16} {p50:>8.3f} {p99:>8.3f}")
+        print(f"p99 during / idle: {sc['p99_ratio']:.2f} (target <= 2)")
+        print(
+            f"scrape: median {sc['scrape_ms']:.0f} ms, {sc['scrape_bytes'] / 1e6:.1f} MB, "
+            f"{sc['scrapes']} scrapes"
+        )
+    print(f"load average at the end: {scrape['load']:.1f}")
     print(f"\nmemory per pair ({args.memory_pairs} pairs, 5 steps of B={B} each)")
     for m in mem:
         print(

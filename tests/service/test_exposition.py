@@ -243,3 +243,26 @@ def test_a_refit_changes_the_scraped_series_of_its_pair(live: Live, trace_slice)
     assert after[("avest_auc", (("pair", pid),))] != before[("avest_auc", (("pair", pid),))]
     mine = {key for key in after if ("pair", idle) in key[1]}
     assert mine and all(after[key] == before[key] for key in mine)
+
+
+def test_interleaved_scrapes_never_serve_a_pair_older_than_their_start():
+    """Two scrapes on one loop: one that finds a pair already re-rendered by the other
+    (so sees no change itself) must still not reuse text joined before the change."""
+    pairs = _pairs(3, k=3)
+    metrics = M.Metrics(_App(pairs), registry=CollectorRegistry())
+    metrics.exposition()  # everything cached and joined
+    busy = pairs[2]
+    busy.observe("w-late", 1, _batch(np.random.default_rng(3), busy.k))
+    line = f'avest_steps_observed_total{{pair="{busy.id}"}} {float(busy.estimator.steps)}'
+
+    first = metrics.text.render(slice_s=0.0)
+    while metrics.text._texts[0].get(busy.id, (None, None))[1] != metrics._pairs.stamp(busy):
+        next(first)  # until the first scrape has re-rendered the busy pair
+    second = metrics.text.render_now()  # a whole scrape meanwhile
+    assert line in second.decode().splitlines()
+    try:
+        while True:
+            next(first)
+    except StopIteration as done:
+        assert line in b"".join(done.value).decode().splitlines()
+    assert line in metrics.exposition()[0].decode().splitlines()
