@@ -82,14 +82,15 @@ def test_rendering_yields_between_pairs_and_runs_what_waits():
             yields += 1
     except StopIteration as done:
         body = b"".join(done.value)
-    # a slice of zero: the loop's turn after each of the registry's other families,
-    # after each pair, and after each family's join (the pair collector's, then
-    # the worker tables')
+    # a slice of zero: the loop's turn after each of the registry's other families
+    # and collectors, after each pair, and after each family's join (the pair
+    # collector's, then the worker tables')
     metrics._pairs.paused = metrics._workers.paused = True
     others = list(metrics.registry.collect())
     metrics._pairs.paused = metrics._workers.paused = False
     families = len(metrics._pairs.families()) + len(metrics._workers.families())
-    assert yields == len(others) + 2 * 6 + families
+    collectors = len(metrics.text._others())
+    assert yields == len(others) + collectors + 2 * 6 + families
     assert _samples(body.decode()) == _samples(metrics.exposition()[0].decode())
     # the next scrape, nothing changed: no pair and no join, only the other families
     gen = metrics.text.render(slice_s=0.0)
@@ -100,7 +101,7 @@ def test_rendering_yields_between_pairs_and_runs_what_waits():
             again += 1
     except StopIteration as done:
         assert _samples(b"".join(done.value).decode()) == _samples(body.decode())
-    assert again == len(others) + 2 * 6
+    assert again == len(others) + collectors + 2 * 6
 
     async def scrape_with_a_call_in_between() -> list[str]:
         order: list[str] = []

@@ -37,7 +37,7 @@ from prometheus_client.utils import floatToGoString
 #: Longest stretch of rendering between two yields to the event loop.
 SLICE_S = 0.0005
 #: Bytes handed to the HTTP server at a time (:func:`pieces`).
-PIECE_BYTES = 256 * 1024
+PIECE_BYTES = 64 * 1024
 
 _EMPTY = b""
 
@@ -52,7 +52,9 @@ class Sliced(Protocol):
 
     def pairs(self) -> list[Any]: ...
 
-    def add_globals(self, f: Any, pairs: list[Any]) -> None: ...
+    def tally(self, pair: Any) -> float: ...
+
+    def add_globals(self, f: Any, pairs: list[Any], tallied: float) -> None: ...
 
     def add_pair(self, f: Any, pair: Any) -> None: ...
 
@@ -126,8 +128,17 @@ class Exposition:
         for texts in self._texts:
             texts.pop(pair_id, None)
 
-    def _head(self) -> list[Metric]:
-        """The rest of the registry's metrics, read in one go (rendered in slices)."""
+    def _others(self) -> list[Any]:
+        """The registry's other collectors (RPC histograms, counters, process)."""
+        names = getattr(self.registry, "_collector_to_names", None)
+        lock = getattr(self.registry, "_lock", None)
+        if names is None or lock is None:  # another registry layout: read them in one go
+            return [_Static(self._read_others())]
+        with lock:
+            found = list(names)
+        return [c for c in found if all(c is not mine for mine in self.collectors)]
+
+    def _read_others(self) -> list[Metric]:
         for c in self.collectors:
             c.paused = True
         try:
@@ -147,8 +158,12 @@ class Exposition:
         bytes as a list of parts (joined, they are the text)."""
         t0 = time.perf_counter()
         body = []
-        for metric in self._head():  # a family at a time: the RPC histograms are large
-            body.append(generate_latest(_Static([metric])))  # type: ignore[arg-type]
+        for other in self._others():  # a collector at a time, then a family at a time
+            for metric in other.collect():
+                body.append(generate_latest(_Static([metric])))  # type: ignore[arg-type]
+                if time.perf_counter() - t0 >= slice_s:
+                    yield
+                    t0 = time.perf_counter()
             if time.perf_counter() - t0 >= slice_s:
                 yield
                 t0 = time.perf_counter()
@@ -157,25 +172,29 @@ class Exposition:
             texts = self._texts[n]
             families = collector.families()
             pairs = collector.pairs()
-            collector.add_globals(families, pairs)
-            globals_ = _drain(families)
             chunks: list[tuple[bytes, ...]] = []
+            tallied = 0.0
             generation = self._generation[n]  # the chunks below are at least this new
             own = 0
+            ids = []
             for pair in pairs:
+                pid = pair.id
+                ids.append(pid)
                 stamp = collector.stamp(pair)
-                entry = texts.get(pair.id)
+                entry = texts.get(pid)
                 if entry is None or entry[0] is not pair or entry[1] != stamp:
                     collector.add_pair(families, pair)
-                    entry = texts[pair.id] = (pair, stamp, _drain(families))
-                    rendered.add(pair.id)
+                    entry = texts[pid] = (pair, stamp, _drain(families))
+                    rendered.add(pid)
                     self._generation[n] += 1
                     own += 1
                 chunks.append(entry[2])
+                tallied += collector.tally(pair)
                 if time.perf_counter() - t0 >= slice_s:
                     yield
                     t0 = time.perf_counter()
-            ids = [p.id for p in pairs]
+            collector.add_globals(families, pairs, tallied)
+            globals_ = _drain(families)
             if len(texts) > len(pairs):  # pairs removed without a hook: forget them
                 live = set(ids)
                 for pid in [pid for pid in texts if pid not in live]:

@@ -58,7 +58,10 @@ class WorkerCollector:
     def pairs(self) -> list[Any]:
         return list(self._app.registry.pairs.values())
 
-    def add_globals(self, f: Any, pairs: list[Any]) -> None:
+    def tally(self, pair: Any) -> float:
+        return 0.0
+
+    def add_globals(self, f: Any, pairs: list[Any], tallied: float) -> None:
         """No series that are not per pair."""
 
     def stamp(self, pair: Any) -> tuple[Any, ...]:
