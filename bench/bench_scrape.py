@@ -99,7 +99,9 @@ def scrape_table(pairs: int, calls: int, tree: Path | None = None) -> dict:
             )
             assert scraper.stdout is not None
             first = scraper.stdout.readline()  # one scrape done: the loop is running
+            cpu0 = cpu_seconds(proc.pid)
             during = timed_calls(client, ids, calls)
+            cpu = cpu_seconds(proc.pid) - cpu0
             scraper.terminate()
             rest, _ = scraper.communicate(timeout=60)
             for line in (first + rest).splitlines():
@@ -114,12 +116,19 @@ def scrape_table(pairs: int, calls: int, tree: Path | None = None) -> dict:
     }
     return {
         "pairs": pairs,
+        "server_cpu_ms_per_scrape": cpu / max(len(durations) - 1, 1) * 1e3,
         "get_coefficients_ms": p,
         "p99_ratio": p["during scrape"][1] / p["idle"][1],
         "scrape_ms": float(np.median(durations) * 1e3),
         "scrapes": len(durations),
         "scrape_bytes": int(np.median(sizes)),
     }
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds a process has used (user + system, all threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def memory(k: int, pairs: int) -> dict:
@@ -221,7 +230,8 @@ def main() -> None:
         print(f"p99 during / idle: {sc['p99_ratio']:.2f} (target <= 2)")
         print(
             f"scrape: median {sc['scrape_ms']:.0f} ms, {sc['scrape_bytes'] / 1e6:.1f} MB, "
-            f"{sc['scrapes']} scrapes"
+            f"{sc['scrapes']} scrapes, server CPU {sc['server_cpu_ms_per_scrape']:.0f} ms "
+            "per scrape (GetCoefficients calls included)"
         )
     print(f"load average at the end: {scrape['load']:.1f}")
     print(f"\nmemory per pair ({args.memory_pairs} pairs, 5 steps of B={B} each)")
