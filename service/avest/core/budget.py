@@ -18,6 +18,7 @@ Each rule in ``RULES`` states whether it is lossless; ``DEFAULT_RULE`` is.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -294,7 +295,7 @@ class BudgetStep:
     def num_requests(self) -> int:
         return int(self.survival.shape[0])
 
-    @property
+    @functools.cached_property
     def forced(self) -> IntArray:
         return np.asarray(np.minimum(self.scheduled, self.min_per_request), dtype=np.int64)
 
