@@ -34,6 +34,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
+from avest.http.deflate import Segments
+
 #: Longest stretch of rendering between two yields to the event loop.
 SLICE_S = 0.0005
 #: Bytes handed to the HTTP server at a time (:func:`pieces`).
@@ -120,6 +122,8 @@ class Exposition:
         #: Per collector: bumped whenever a pair's text is replaced (a section
         #: joined at an older generation may miss it).
         self._generation = [0 for _ in self.collectors]
+        #: Compressed segments of the big parts, for gzip bodies.
+        self._segments = Segments()
         #: Ids of the pairs the last scrape rendered (the others' text was cached).
         self.rendered: set[str] = set()
 
@@ -229,16 +233,24 @@ class Exposition:
             except StopIteration as done:
                 return b"".join(done.value)
 
-    async def render_async(self, slice_s: float = SLICE_S) -> list[bytes]:
-        """The exposition's parts, giving the event loop back every ``slice_s`` seconds."""
-        gen = self.render(slice_s)
-        while True:
-            try:
-                next(gen)
-            except StopIteration as done:
-                parts: list[bytes] = done.value
-                return parts
-            await asyncio.sleep(0)
+    async def render_async(self, slice_s: float = SLICE_S, gzip: bool = False) -> list[bytes]:
+        """The exposition's parts, giving the event loop back every ``slice_s``
+        seconds; ``gzip``: the parts of its gzip encoding (:mod:`avest.http.deflate`)."""
+        parts: list[bytes] = await _drive(self.render(slice_s))
+        if gzip:
+            parts = await _drive(self._segments.gzip_body(parts))
+        return parts
+
+
+async def _drive(gen: Generator[None, None, list[bytes]]) -> list[bytes]:
+    """Run a generator to its end, giving the event loop back at each yield."""
+    while True:
+        try:
+            next(gen)
+        except StopIteration as done:
+            result: list[bytes] = done.value
+            return result
+        await asyncio.sleep(0)
 
 
 async def pieces(parts: list[bytes], size: int = PIECE_BYTES) -> AsyncIterator[bytes]:

@@ -197,12 +197,12 @@ class Metrics:
         """The text exposition of every metric, and its content type, in one go."""
         return self.text.render_now(), CONTENT_TYPE_LATEST
 
-    async def exposition_async(self) -> tuple[list[bytes], str]:
+    async def exposition_async(self, gzip: bool = False) -> tuple[list[bytes], str]:
         """The same exposition as parts (joined, the text), rendered in slices that
         give the event loop back (:mod:`avest.http.exposition`): RPCs are served
         during a scrape, and a pair that did not change since the last scrape is
-        not rendered again."""
-        return await self.text.render_async(), CONTENT_TYPE_LATEST
+        not rendered again; ``gzip``: the parts of its gzip encoding."""
+        return await self.text.render_async(gzip=gzip), CONTENT_TYPE_LATEST
 
     # -- state shared with the HTTP API -------------------------------------
 
