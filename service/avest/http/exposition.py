@@ -9,7 +9,9 @@ bytes, one chunk per family, with the pair's *stamp*: the counters that move
 whenever anything its series read changes (steps, drafts, rounds, version,
 last update, refits). A scrape re-renders only the pairs whose stamp moved
 and joins everyone's cached bytes; a pair that did not change since the last
-scrape costs a stamp comparison.
+scrape costs a stamp comparison; each family's joined text is kept too, while
+no pair changed. Series that are not per pair (the queue depth, open streams)
+are computed on every scrape, the queue depth tallied pair by pair.
 
 :meth:`Exposition.render` is a generator that yields whenever it has worked
 for ``slice_s`` seconds, and the async caller gives the loop back at each
@@ -17,9 +19,11 @@ yield. A pair is always rendered whole between two yields, so its series are
 consistent with each other; pairs may be read a few milliseconds apart.
 
 Everything else in the registry (RPC histograms, counters, process metrics)
-is small and rendered by prometheus_client itself, with the sliced
-collectors paused. The lines are those ``generate_latest`` writes (same
-escaping, label order and number format); the sliced families come last.
+is small and rendered by prometheus_client itself, a collector and a family at
+a time. The lines are those ``generate_latest`` writes (same escaping, label
+order and number format); the sliced families come last. The body is a list
+of parts, handed to the HTTP server in :data:`PIECE_BYTES` pieces, or gzipped
+from segments compressed once per change (:mod:`avest.http.deflate`).
 """
 
 from __future__ import annotations
