@@ -267,3 +267,18 @@ def test_interleaved_scrapes_never_serve_a_pair_older_than_their_start():
     except StopIteration as done:
         assert line in b"".join(done.value).decode().splitlines()
     assert line in metrics.exposition()[0].decode().splitlines()
+
+
+def test_the_registrys_other_families_follow_their_samples():
+    """Counters and histograms outside the pair collectors: text kept while their
+    samples stay, rendered again as soon as one moves."""
+    metrics = M.Metrics(_App(_pairs(2, k=3)), registry=CollectorRegistry())
+    line = 'avest_refused_batches_total{method="Score",reason="invalid_argument"}'
+    first = metrics.exposition()[0].decode()
+    assert f"{line} 0.0" in first
+    metrics.refused("Score", "invalid_argument")
+    metrics.rpc_duration.labels("Score", "OK").observe(0.25)
+    second = metrics.exposition()[0].decode()
+    assert f"{line} 1.0" in second and f"{line} 0.0" not in second
+    assert 'avest_rpc_duration_seconds_count{code="OK",method="Score"} 1.0' in second
+    assert _samples(second) == _samples(generate_latest(metrics.registry).decode())

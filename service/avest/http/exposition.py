@@ -126,6 +126,8 @@ class Exposition:
         #: Per collector: bumped whenever a pair's text is replaced (a section
         #: joined at an older generation may miss it).
         self._generation = [0 for _ in self.collectors]
+        #: The other collectors' families: their samples and text at the last scrape.
+        self._other_texts: dict[str, tuple[Hashable, bytes]] = {}
         #: Compressed segments of the big parts, for gzip bodies.
         self._segments = Segments()
         #: Ids of the pairs the last scrape rendered (the others' text was cached).
@@ -166,9 +168,21 @@ class Exposition:
         bytes as a list of parts (joined, they are the text)."""
         t0 = time.perf_counter()
         body = []
+        kept = self._other_texts
+        self._other_texts = {}
         for other in self._others():  # a collector at a time, then a family at a time
             for metric in other.collect():
-                body.append(generate_latest(_Static([metric])))  # type: ignore[arg-type]
+                # The same samples as last time (most counters, the idle methods'
+                # histograms): the same text.
+                key = (metric.type, tuple(
+                    (x.name, tuple(x.labels.items()), x.value, x.timestamp) for x in metric.samples
+                ))  # fmt: skip
+                hit = kept.get(metric.name)
+                text = hit[1] if hit is not None and hit[0] == key else None
+                if text is None:
+                    text = generate_latest(_Static([metric]))  # type: ignore[arg-type]
+                self._other_texts[metric.name] = (key, text)
+                body.append(text)
                 if time.perf_counter() - t0 >= slice_s:
                     yield
                     t0 = time.perf_counter()
