@@ -12,6 +12,7 @@ import grpc
 
 from avest.grpc.gate import MALFORMED, malformed_reply
 from avest.grpc.refusals import Refused
+from avest.grpc.turns import Turns
 from avest.state.app import Avest
 from avest.state.pairs import Pair
 from avest.state.throttle import TokenBucket
@@ -31,6 +32,8 @@ class StreamHost(Protocol):
     on_refused: Callable[[str, str], None]
     #: (pair_id, worker_id) -> the open stream sending as that worker.
     owners: dict[tuple[str, str], ObserveStream]
+    #: Who applies the next step (fair turns between streams).
+    turns: Turns
 
     def step_rate(self) -> TokenBucket | None: ...
 
@@ -58,6 +61,8 @@ class ObserveStream:
         #: Worker ids this stream holds (no other stream may send as them meanwhile).
         self.claimed: set[tuple[str, str]] = set()
         self.error: Refused | None = None
+        #: When this stream was last given a turn (:class:`Turns`).
+        self.served = 0
 
     def coefficients(self, pair_id: str, msg: pb.Coefficients) -> None:
         if pair_id in self.pairs:
@@ -113,6 +118,8 @@ class ObserveStream:
                     service.malformed("Observe")
                     self.error = Refused(*malformed_reply())
                     break
+                # Wait for a turn: streams that sent least recently go first.
+                self.served = await service.turns.take(self.served)
                 try:
                     pair, batch = service.validate_observe(req)
                     self._claim(pair.id, req.worker_id)

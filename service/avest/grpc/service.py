@@ -32,6 +32,7 @@ from avest.grpc.convert import (
 from avest.grpc.observe import ObserveStream
 from avest.grpc.refusals import Refused, refusals
 from avest.grpc.summaries import summary_from_pb
+from avest.grpc.turns import Turns
 from avest.state.access import Access, may_replace_costs
 from avest.state.app import Avest
 from avest.state.pairs import CostCurves, Exhausted, NotFound, Pair, PairKey, check_sequence
@@ -60,6 +61,7 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         self.watchers: dict[str, set[asyncio.Queue[pb.Coefficients | None]]] = {}
         self.open_streams = 0
         self.owners: dict[tuple[str, str], ObserveStream] = {}
+        self.turns = Turns()
         self._logs = LogLimiter("avest.grpc")
         #: Set when the server drains: streams stop applying steps, so the
         #: final snapshot covers (and acknowledges) everything applied.
