@@ -88,6 +88,12 @@ class Settings(BaseSettings):
     rpc_rate: float = Field(
         1000.0, ge=0, description="unary calls per second per client address (0: no limit)"
     )
+    pair_rate: float = Field(
+        20000.0,
+        ge=0,
+        description="calls and Observe steps per second naming one pair, all clients together, "
+        "then RESOURCE_EXHAUSTED (0: no limit)",
+    )
     stream_step_rate: float = Field(
         5000.0,
         ge=0,

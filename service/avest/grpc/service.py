@@ -36,7 +36,7 @@ from avest.grpc.turns import Turns
 from avest.state.access import Access, may_replace_costs
 from avest.state.app import Avest
 from avest.state.pairs import CostCurves, Exhausted, NotFound, Pair, PairKey, check_sequence
-from avest.state.throttle import LogLimiter, TokenBucket
+from avest.state.throttle import KeyedRates, LogLimiter, TokenBucket
 from avest_wire import limits
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
@@ -62,6 +62,8 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         self.open_streams = 0
         self.owners: dict[tuple[str, str], ObserveStream] = {}
         self.turns = Turns()
+        #: Calls and steps per pair, whoever sends them (``pair_rate``).
+        self.pair_rates = KeyedRates(app.settings.pair_rate)
         self._logs = LogLimiter("avest.grpc")
         #: Set when the server drains: streams stop applying steps, so the
         #: final snapshot covers (and acknowledges) everything applied.
@@ -87,7 +89,15 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
             raise InvalidInput("pair_id", "must not be empty")
         if len(pair_id) > limits.MAX_PAIR_ID_BYTES:
             raise NotFound(f"unknown pair_id {limits.echo(pair_id)}")
-        return self.app.registry.get(pair_id)
+        pair = self.app.registry.get(pair_id)
+        if not self.pair_rates.take(pair.id):
+            self._logs.warning("pair_rate", "pair %s over its call rate", pair.id)
+            raise Exhausted(
+                "pair_id",
+                f"more than {self.pair_rates.rate:g} calls and steps per second for pair "
+                f"{pair.id}; retry later",
+            )
+        return pair
 
     async def _unary(
         self, method: str, context: grpc.aio.ServicerContext, fn: Callable[[], Any]
