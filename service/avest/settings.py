@@ -88,6 +88,12 @@ class Settings(BaseSettings):
     rpc_rate: float = Field(
         1000.0, ge=0, description="unary calls per second per client address (0: no limit)"
     )
+    fold_thread_cells: int = Field(
+        65536,
+        ge=0,
+        description="fold a raw step of at least this many draft cells (rows x K) on a worker "
+        "thread, so health and coefficients stay prompt (0: always on the event loop)",
+    )
     pair_rate: float = Field(
         20000.0,
         ge=0,

@@ -134,7 +134,7 @@ class ObserveStream:
                 key = (pair.id, req.worker_id)
                 self.pairs.add(pair.id)
                 self.acked.setdefault(key, 0)
-                if not service.app.observe(pair, req.worker_id, req.sequence, batch):
+                if not await service.app.observe_soon(pair, req.worker_id, req.sequence, batch):
                     # A duplicate: acknowledge again once what covers it is durable.
                     level = pair.durable.get(req.worker_id, 0)
                     if level >= req.sequence:
