@@ -88,6 +88,12 @@ class Settings(BaseSettings):
     rpc_rate: float = Field(
         1000.0, ge=0, description="unary calls per second per client address (0: no limit)"
     )
+    steps_per_turn: int = Field(
+        8,
+        ge=0,
+        description="Observe steps applied per event-loop iteration, all streams together; "
+        "streams served least recently go first (0: no limit, one step per stream per turn)",
+    )
     fold_thread_cells: int = Field(
         65536,
         ge=0,

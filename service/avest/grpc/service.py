@@ -61,7 +61,7 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         self.watchers: dict[str, set[asyncio.Queue[pb.Coefficients | None]]] = {}
         self.open_streams = 0
         self.owners: dict[tuple[str, str], ObserveStream] = {}
-        self.turns = Turns()
+        self.turns = Turns(app.settings.steps_per_turn)
         #: Calls and steps per pair, whoever sends them (``pair_rate``).
         self.pair_rates = KeyedRates(app.settings.pair_rate)
         self._logs = LogLimiter("avest.grpc")

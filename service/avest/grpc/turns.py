@@ -15,7 +15,8 @@ import asyncio
 import heapq
 import itertools
 
-#: Steps applied per event-loop iteration, all streams together.
+#: Steps applied per event-loop iteration, all streams together (the default
+#: of ``steps_per_turn``).
 STEPS_PER_TURN = 8
 
 
@@ -50,8 +51,11 @@ class Turns:
 
     async def take(self, last_served: int) -> int:
         """Wait for a turn; ``last_served`` is what this returned to the stream
-        last time (0 at first). Returns the stream's new "last served"."""
-        if not self._line and self._granted < self.per_turn:
+        last time (0 at first). Returns the stream's new "last served".
+        ``per_turn`` 0: no limit (each stream still yields after each step)."""
+        if self.per_turn <= 0:
+            pass
+        elif not self._line and self._granted < self.per_turn:
             self._granted += 1
             self._schedule()
         else:
