@@ -13,13 +13,16 @@
   fresh /healthz and gRPC health probes every 0.5 s (share answered, longest
   outage), idle sockets the service closed, and bytes of log written.
 
+* ``busy-turns``: ``busy`` twice in one run, without fair turns
+  (``--steps-per-turn 0``, one step per stream per loop iteration, as before)
+  and with the default.
 * ``heavy``: one stream sending 2 MiB steps (8,192 rows x K = 64, the largest
   allowed) flat out, while /healthz and GetCoefficients are probed every 50 ms:
   their latency (p50, p99, max), once with every step folded on the event loop
   (``--fold-thread-cells 0``, as before) and once with the default (heavy steps
   folded on a worker thread), in the same run.
 
-Usage: python bench/bench_abuse.py poison|busy|idle|heavy|all [--streams N] [--json]
+Usage: python bench/bench_abuse.py poison|busy|busy-turns|idle|heavy|all [--streams N] [--json]
 """
 
 from __future__ import annotations
@@ -213,8 +216,14 @@ async def _light(address: str, pid: str, steps: int, http_url: str) -> dict[str,
     }
 
 
-def busy(streams: int, procs: int = 4, steps: int = 50, tokens: bool = True) -> dict[str, Any]:
-    served = serve(Path(tempfile.mkdtemp(prefix="avest-busy-")), tokens=tokens)
+def busy(
+    streams: int,
+    procs: int = 4,
+    steps: int = 50,
+    tokens: bool = True,
+    extra: list[str] | None = None,
+) -> dict[str, Any]:
+    served = serve(Path(tempfile.mkdtemp(prefix="avest-busy-")), extra or [], tokens=tokens)
     try:
         with grpc.insecure_channel(served.grpc_address) as ch:
             stub = pb_grpc.EstimatorServiceStub(ch)
@@ -427,7 +436,7 @@ def idle(
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["poison", "busy", "idle", "heavy", "all"])
+    parser.add_argument("what", choices=["poison", "busy", "busy-turns", "idle", "heavy", "all"])
     parser.add_argument("--streams", type=int, default=1000)
     parser.add_argument("--sockets", type=int, default=1100)
     parser.add_argument("--json", action="store_true")
@@ -441,6 +450,9 @@ def main() -> int:
         out["poison_without_tokens_loopback"] = poison_once(False)
     if args.what in ("busy", "all"):
         out["busy"] = busy(args.streams, tokens=not args.no_tokens)
+    if args.what == "busy-turns":
+        out["busy_no_turns"] = busy(args.streams, extra=["--steps-per-turn", "0"])
+        out["busy_turns"] = busy(args.streams)
     if args.what in ("heavy", "all"):
         out["heavy"] = heavy()
     if args.what in ("idle", "all"):
