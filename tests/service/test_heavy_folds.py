@@ -119,3 +119,47 @@ def test_steps_folded_on_threads_count_once_each(start_server, tmp_path) -> None
     assert threaded.coefficients.round == on_loop.coefficients.round
     assert threaded.calibration.count == on_loop.calibration.count
     assert np.isfinite(threaded.coefficients.slope)
+
+
+def test_a_pair_reset_while_its_heavy_step_is_folded_folds_it_again(
+    start_server, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # noqa: ANN001
+    release, folding = threading.Event(), threading.Event()
+    apply = OnlineEstimator.apply
+    calls: list[int] = []
+
+    def held(self: OnlineEstimator, batch: Batch):  # noqa: ANN202
+        if batch.features.shape[0] == HEAVY_ROWS:
+            calls.append(self.steps)
+            folding.set()
+            release.wait(20)
+        return apply(self, batch)
+
+    monkeypatch.setattr(OnlineEstimator, "apply", held)
+    handle = start_server(tmp_path / "data", fold_thread_cells=HEAVY_ROWS * K)
+    with grpc.insecure_channel(handle.grpc_address) as channel:
+        stub = pb_grpc.EstimatorServiceStub(channel)
+        pid = _register(stub)
+        sends: queue.Queue[pb.ObserveRequest | None] = queue.Queue()
+        acks = stub.Observe(iter(sends.get, None), timeout=60)
+        sends.put(_step(pid, "w", 1, 4))
+        assert _next_ack(acks) == 1
+        sends.put(_step(pid, "w", 2, HEAVY_ROWS))
+        assert folding.wait(20)
+        try:
+            reset = httpx.post(
+                f"{handle.http_url}/v1/pairs/{pid}/reset",
+                headers={"Authorization": f"Bearer {handle.settings.admin_token}"},
+                timeout=10,
+            )
+        finally:
+            release.set()
+        assert reset.status_code == 200, reset.text
+        assert _next_ack(acks) == 2
+        sends.put(None)
+        list(acks)
+        pair = stub.GetPair(pb.GetPairRequest(pair_id=pid)).pair
+    # Folded on a copy from before the reset (1 step), then again on the reset pair
+    # (0 steps): the step counts once, on what the pair is now.
+    assert calls == [1, 0]
+    assert pair.steps_observed == 1
