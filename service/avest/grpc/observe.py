@@ -120,6 +120,8 @@ class ObserveStream:
                     break
                 # Wait for a turn: streams that sent least recently go first.
                 self.served = await service.turns.take(self.served)
+                if service.draining:
+                    break
                 try:
                     pair, batch = service.validate_observe(req)
                     self._claim(pair.id, req.worker_id)
