@@ -11,6 +11,7 @@ import pytest
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
+from service.conftest import ADMIN
 
 K = 4
 RATE = 40.0
@@ -56,6 +57,8 @@ def test_many_clients_hammering_one_pair_are_bounded(start_server, tmp_path) -> 
         assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
         # A burst of one second's worth, then the rate: however many clients.
         assert codes.count(grpc.StatusCode.OK) <= RATE + RATE * elapsed + 1
+        # Deleting the hammered pair is never refused for its rate.
+        stubs[0].DeletePair(pb.DeletePairRequest(pair_id=hot), metadata=ADMIN, timeout=10)
         # Another pair is untouched by the hot one's limit.
         stubs[1].GetCoefficients(pb.GetCoefficientsRequest(pair_id=quiet), timeout=10)
 

@@ -84,13 +84,15 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         self.on_refused(method, "malformed")
         self._logs.warning("malformed", "malformed %s message(s) refused", method)
 
-    def _pair(self, pair_id: str) -> Pair:
+    def _pair(self, pair_id: str, rated: bool = True) -> Pair:
+        """The pair named, counted against its rate (``pair_rate``) unless not ``rated``
+        (deleting an abused pair is never refused for its rate)."""
         if not pair_id:
             raise InvalidInput("pair_id", "must not be empty")
         if len(pair_id) > limits.MAX_PAIR_ID_BYTES:
             raise NotFound(f"unknown pair_id {limits.echo(pair_id)}")
         pair = self.app.registry.get(pair_id)
-        if not self.pair_rates.take(pair.id):
+        if rated and not self.pair_rates.take(pair.id):
             self._logs.warning("pair_rate", "pair %s over its call rate", pair.id)
             raise Exhausted(
                 "pair_id",
@@ -275,7 +277,9 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
     async def DeletePair(
         self, request: pb.DeletePairRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeletePairResponse:
-        pair = await self._unary("DeletePair", context, lambda: self._pair(request.pair_id))
+        pair = await self._unary(
+            "DeletePair", context, lambda: self._pair(request.pair_id, rated=False)
+        )
         last = pair_pb(pair)
         try:
             await self.app.remove(pair)

@@ -137,4 +137,5 @@ class Warden:
         while True:
             await asyncio.sleep(EVERY_S)
             with contextlib.suppress(OSError):
-                self.sweep()
+                # System calls only, a few per socket: off the event loop.
+                await asyncio.to_thread(self.sweep)
