@@ -54,7 +54,13 @@ class ObserveStream:
         self.service = service
         self.requests = requests
         self.context = context
-        self.out: asyncio.Queue[pb.ObserveResponse | None] = asyncio.Queue()
+        #: What to send, in order; a pair id stands for its latest unsent
+        #: coefficients and a (pair id, worker id) for its latest unsent ack, so a
+        #: stream whose client reads slowly (or never) holds one of each, not one
+        #: per refit or flush.
+        self.out: asyncio.Queue[pb.ObserveResponse | str | tuple[str, str] | None] = asyncio.Queue()
+        self._coefficients: dict[str, pb.Coefficients] = {}
+        self._acks: dict[tuple[str, str], int] = {}
         #: (pair_id, worker_id) -> highest sequence acknowledged on this stream.
         self.acked: dict[tuple[str, str], int] = {}
         self.pairs: set[str] = set()
@@ -66,9 +72,9 @@ class ObserveStream:
 
     def coefficients(self, pair_id: str, msg: pb.Coefficients) -> None:
         if pair_id in self.pairs:
-            self.out.put_nowait(
-                pb.ObserveResponse(coefficients_update=pb.CoefficientsUpdate(coefficients=msg))
-            )
+            if pair_id not in self._coefficients:
+                self.out.put_nowait(pair_id)
+            self._coefficients[pair_id] = msg
 
     def durable(self, pair_ids: set[str]) -> None:
         registry = self.service.app.registry
@@ -77,12 +83,24 @@ class ObserveStream:
                 continue
             level = registry.pairs[pair_id].durable.get(worker, 0)
             if level > sent:
-                self.acked[(pair_id, worker)] = level
-                self.out.put_nowait(
-                    pb.ObserveResponse(
-                        ack=pb.Ack(pair_id=pair_id, worker_id=worker, acked_sequence=level)
-                    )
-                )
+                key = (pair_id, worker)
+                self.acked[key] = level
+                if key not in self._acks:
+                    self.out.put_nowait(key)
+                self._acks[key] = level
+
+    def _response(self, msg: pb.ObserveResponse | str | tuple[str, str]) -> pb.ObserveResponse:
+        if isinstance(msg, str):
+            coefficients = self._coefficients.pop(msg)
+            return pb.ObserveResponse(
+                coefficients_update=pb.CoefficientsUpdate(coefficients=coefficients)
+            )
+        if isinstance(msg, tuple):
+            level = self._acks.pop(msg)
+            return pb.ObserveResponse(
+                ack=pb.Ack(pair_id=msg[0], worker_id=msg[1], acked_sequence=level)
+            )
+        return msg
 
     def close(self) -> None:
         self.out.put_nowait(None)
@@ -173,7 +191,7 @@ class ObserveStream:
                 msg = await self.out.get()
                 if msg is None:
                     break
-                yield msg
+                yield self._response(msg)
             if self.error is not None:
                 await self.context.abort(self.error.code, self.error.message)
         finally:
