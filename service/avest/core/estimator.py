@@ -186,7 +186,8 @@ class OnlineEstimator:
         self.round_stats = RoundStats.zeros(self.k)
         self.steps_in_round = 0
         if self.recalibrator is not None:
-            self.recalibrator.refit()
+            # A workload change the rule detected also ages the layer's evidence.
+            self.recalibrator.refit(float(getattr(self.rule, "carried_weight", 1.0)))
         self._calibration_total.merge(self._calibration_round)
         self._calibration_recent.scale(self.recent_decay)
         self._calibration_recent.merge(self._calibration_round)
