@@ -32,10 +32,11 @@ from avest.grpc.convert import (
 from avest.grpc.observe import ObserveStream
 from avest.grpc.refusals import Refused, refusals
 from avest.grpc.summaries import summary_from_pb
+from avest.grpc.turns import Turns
 from avest.state.access import Access, may_replace_costs
 from avest.state.app import Avest
 from avest.state.pairs import CostCurves, Exhausted, NotFound, Pair, PairKey, check_sequence
-from avest.state.throttle import LogLimiter, TokenBucket
+from avest.state.throttle import KeyedRates, LogLimiter, TokenBucket
 from avest_wire import limits
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
@@ -60,6 +61,9 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         self.watchers: dict[str, set[asyncio.Queue[pb.Coefficients | None]]] = {}
         self.open_streams = 0
         self.owners: dict[tuple[str, str], ObserveStream] = {}
+        self.turns = Turns(app.settings.steps_per_turn)
+        #: Calls and steps per pair, whoever sends them (``pair_rate``).
+        self.pair_rates = KeyedRates(app.settings.pair_rate)
         self._logs = LogLimiter("avest.grpc")
         #: Set when the server drains: streams stop applying steps, so the
         #: final snapshot covers (and acknowledges) everything applied.
@@ -80,12 +84,22 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         self.on_refused(method, "malformed")
         self._logs.warning("malformed", "malformed %s message(s) refused", method)
 
-    def _pair(self, pair_id: str) -> Pair:
+    def _pair(self, pair_id: str, rated: bool = True) -> Pair:
+        """The pair named, counted against its rate (``pair_rate``) unless not ``rated``
+        (deleting an abused pair is never refused for its rate)."""
         if not pair_id:
             raise InvalidInput("pair_id", "must not be empty")
         if len(pair_id) > limits.MAX_PAIR_ID_BYTES:
             raise NotFound(f"unknown pair_id {limits.echo(pair_id)}")
-        return self.app.registry.get(pair_id)
+        pair = self.app.registry.get(pair_id)
+        if rated and not self.pair_rates.take(pair.id):
+            self._logs.warning("pair_rate", "pair %s over its call rate", pair.id)
+            raise Exhausted(
+                "pair_id",
+                f"more than {self.pair_rates.rate:g} calls and steps per second for pair "
+                f"{pair.id}; retry later",
+            )
+        return pair
 
     async def _unary(
         self, method: str, context: grpc.aio.ServicerContext, fn: Callable[[], Any]
@@ -260,7 +274,9 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
     async def DeletePair(
         self, request: pb.DeletePairRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeletePairResponse:
-        pair = await self._unary("DeletePair", context, lambda: self._pair(request.pair_id))
+        pair = await self._unary(
+            "DeletePair", context, lambda: self._pair(request.pair_id, rated=False)
+        )
         last = pair_pb(pair)
         try:
             await self.app.remove(pair)
