@@ -25,7 +25,7 @@ def summary_from_pb(req: pb.ObserveRequest, pair: Pair) -> RoundSummary:
     sk = s.sketch
     if s.HasField("sketch") and (len(sk.cell_deltas) or len(sk.logloss_sum)):
         deltas = np.asarray(sk.cell_deltas, dtype=np.int64)
-        if deltas.size > 1 and (deltas[1:] < 1).any():
+        if deltas.size > 1 and deltas[1:].min() < 1:
             raise InvalidInput("sketch.cell_deltas", "gaps after the first cell must be >= 1")
         try:
             calibration = make_sketch(
