@@ -34,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -53,7 +54,7 @@ REFIT_INTERVAL = 100
 ADMIN_TOKEN = "bench-admin-token"
 
 
-def start_server(data_dir: str) -> tuple[subprocess.Popen[str], str]:
+def start_server(data_dir: str, extra: Sequence[str] = ()) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -78,6 +79,7 @@ def start_server(data_dir: str) -> tuple[subprocess.Popen[str], str]:
             "0",
             "--stream-step-rate",
             "0",
+            *extra,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
