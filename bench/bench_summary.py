@@ -48,7 +48,7 @@ for _path in (str(HERE.parents[1]), str(HERE.parent)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from bench_ingest import make_steps, start_server  # noqa: E402
+from bench_ingest import cpu_s, make_steps, start_server  # noqa: E402
 from bench_shim import _phase  # noqa: E402
 from shim_variants import CPU, BenchSink, StandinAcceptanceEstimator  # noqa: E402
 
@@ -283,12 +283,6 @@ async def ingest(address: str, pair_id: str, body: bytes, workers: int, streams:
         "unacked": unacked,
         "bytes_per_summary": len(body) + 40,
     }
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def bench_ingest_summaries(ks: list[int], workers: int, streams: int, rate: float,
