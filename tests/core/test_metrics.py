@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-import time
+import sys
 
 import numpy as np
 import pytest
@@ -389,17 +389,42 @@ def test_property_merge_equals_concatenation(parts):
     assert_states_equal(merged, whole)
 
 
+def _lines_run_in_avest(fn, *args) -> int:
+    """Python lines executed inside avest's own modules while ``fn(*args)`` runs."""
+    count = 0
+
+    def tracer(frame, event, arg):
+        nonlocal count
+        if "avest" not in frame.f_code.co_filename:
+            return None
+        if event == "line":
+            count += 1
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        fn(*args)
+    finally:
+        sys.settrace(None)
+    return count
+
+
 def test_update_is_vectorised():
-    """A loose floor (measured ~24M observed drafts/s): catches a per-row loop."""
+    """The work in Python does not grow with the batch: no per-row or per-draft loop.
+
+    Counted in executed lines, not seconds, so load cannot make it flaky; the
+    throughput itself is a benchmark (bench/bench_core.py).
+    """
     rng = np.random.default_rng(13)
-    eta, obs, acc = random_batch(rng, 256, 8)
-    state, best = CalibrationState.empty(8), math.inf
-    for _ in range(7):
-        t0 = time.perf_counter()
-        for _ in range(50):
-            state.update(eta, obs, acc)
-        best = min(best, (time.perf_counter() - t0) / 50)
-    assert obs.sum() / best > 2e6
+    lines = []
+    for rows in (4, 4096):
+        eta, obs, acc = random_batch(rng, rows, 8)
+        state = CalibrationState.empty(8)
+        state.update(eta, obs, acc)  # the AUC window is allocated on the first batch
+        eta, obs, acc = random_batch(rng, rows, 8)
+        lines.append(_lines_run_in_avest(state.update, eta, obs, acc))
+    assert lines[0] > 0
+    assert lines[1] <= lines[0] + 20, lines
 
 
 def test_the_exact_references_use_the_services_ece_bins():

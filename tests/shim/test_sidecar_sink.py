@@ -383,7 +383,7 @@ def test_the_constructor_does_no_network_call():
     t0 = time.perf_counter()
     sink = SidecarSink(cfg, PairKey("t", "d", "m", 3))
     built = time.perf_counter() - t0
-    assert built < 0.05, built
+    assert built < 1.0, built  # a connect there would take the 30 s timeout
     assert not sink.connected and sink.latest_coefficients() is None
     sink.submit(np.zeros((2, 3), np.float32), np.zeros(2, np.int32), np.zeros(2, np.int32), None)
     t0 = time.perf_counter()

@@ -171,6 +171,20 @@ def dashed(regex: str) -> dict:
     }
 
 
+def right_axis_step(regex: str) -> dict:
+    """Series matching ``regex`` drawn as steps on a 0..1 right axis (a flag)."""
+    return {
+        "matcher": {"id": "byRegexp", "options": regex},
+        "properties": [
+            {"id": "custom.axisPlacement", "value": "right"},
+            {"id": "custom.lineInterpolation", "value": "stepAfter"},
+            {"id": "min", "value": 0},
+            {"id": "max", "value": 1},
+            {"id": "decimals", "value": 0},
+        ],
+    }
+
+
 def query_variable(
     name: str,
     label: str,

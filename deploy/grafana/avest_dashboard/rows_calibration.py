@@ -8,8 +8,19 @@ from typing import Any
 
 from avest.core.metrics import ECE_BINS
 from avest.http import metrics as m
+from avest.http.names import CALIBRATION_LAYER_GAIN, CALIBRATION_LAYER_SERVED
 
-from .panels import DATASOURCE, Layout, dashed, refs, row, target, text, timeseries
+from .panels import (
+    DATASOURCE,
+    Layout,
+    dashed,
+    refs,
+    right_axis_step,
+    row,
+    target,
+    text,
+    timeseries,
+)
 from .queries import DIVERGENCE_THRESHOLD, ECE_THRESHOLD, PAIR, pair
 
 #: The sidecar's admin HTTP address as the viewer's browser reaches it (the
@@ -101,8 +112,28 @@ def calibration(lay: Layout) -> list[dict]:
             "Drafts the cumulative calibration gauges are computed over (since registration "
             "or reset). The calibration alerts wait for 10,000 before judging a pair.",
             [target(f"{m.CALIBRATION_DRAFTS}{{{PAIR}}}", "drafts")],
-            w=24,
-            h=5,
+            w=12,
+            h=6,
+        )
+    )
+    p.append(
+        timeseries(
+            lay,
+            "Calibration layer",
+            "The monotone map over the linear predictor (avest.core.calibration). Gain: "
+            "the plain logistic's recent log loss minus the layer's, nats per draft "
+            "(above 0: the layer predicts better). Served (right axis, 0 or 1): whether "
+            "Score, Budget and the shims' tables use it now; it is served only while the "
+            "gain is clearly positive. Empty for a pair without a layer yet.",
+            refs(
+                (f"{CALIBRATION_LAYER_GAIN}{{{PAIR}}}", "gain"),
+                (f"{CALIBRATION_LAYER_SERVED}{{{PAIR}}}", "served"),
+            ),
+            unit="none",
+            w=12,
+            h=6,
+            decimals=4,
+            overrides=[right_axis_step("served")],
         )
     )
     return p

@@ -13,7 +13,17 @@ below and one above the grid) applied by piecewise-linear interpolation in
 ``eta``, flat beyond the end knots, so a GPU kernel can apply it with fixed
 shapes. Each refit, every bin's rate is shrunk toward the logistic rate at
 its centre (``PSEUDO_COUNT`` drafts' worth), made monotone by weighted
-pool-adjacent-violators, and stored as log-odds.
+pool-adjacent-violators, and stored as log-odds, then made to rise at least
+:data:`MIN_SLOPE` per unit of ``eta`` (a second weighted pool-adjacent-
+violators pass on ``logit - MIN_SLOPE * eta``). A strictly increasing map
+keeps the ranking of the drafts it is applied to: flat stretches would tie
+drafts the linear predictor tells apart, and the served AUC would drop.
+
+When the update rule reports that the workload moved (the tracking rule's
+innovation test keeps less than :data:`SHIFT_WEIGHT` of its carried
+information), the histograms and the serving test are discounted by the
+same weight: a map learned on the old workload stops being served until it
+wins again on the new one.
 """
 
 from __future__ import annotations
@@ -41,6 +51,14 @@ SERVE_MARGIN_NATS = 2.0
 SERVE_Z = 2.5
 #: Log-odds of served confidences are kept within this range.
 MAX_LOGIT = 12.0
+#: Least rise of the map's log-odds per unit of the linear predictor.
+MIN_SLOPE = 0.4
+#: A refit keeping less than this share of the rule's carried information
+#: means the workload moved: the layer's evidence is discounted by that share.
+#: (The tracking rule's innovation test keeps 0.1-1 of it while it converges
+#: or on a stationary workload the logistic does not fit exactly, and 0-0.01
+#: at a switch of drafter or prompts.)
+SHIFT_WEIGHT = 0.05
 
 _WIDTH = 2.0 * ETA_MAX / BINS
 KNOTS = np.concatenate(
@@ -52,6 +70,13 @@ def slot(eta: npt.ArrayLike) -> npt.NDArray[np.intp]:
     """Histogram slot of each ``eta``: 0 below the grid, 1..BINS inside, BINS+1 above."""
     v = np.floor((np.asarray(eta, dtype=np.float64) + ETA_MAX) / _WIDTH) + 1.0
     return np.clip(v, 0, SLOTS - 1).astype(np.intp)
+
+
+def rising(logits: FloatArray, weights: FloatArray, min_slope: float = MIN_SLOPE) -> FloatArray:
+    """The weighted least-squares fit of ``logits`` (over :data:`KNOTS`) rising at least
+    ``min_slope`` per unit of ``eta`` between knots."""
+    floor = min_slope * KNOTS
+    return pool_adjacent_violators(logits - floor, weights) + floor
 
 
 def pool_adjacent_violators(values: FloatArray, weights: FloatArray) -> FloatArray:
@@ -143,8 +168,15 @@ class Recalibrator:
         self.round_total += np.bincount(s, minlength=SLOTS)
         self.round_accepted += np.bincount(s, weights=y[obs].astype(np.float64), minlength=SLOTS)
 
-    def refit(self) -> None:
-        """Close the round: decay, merge, and fit the table again."""
+    def refit(self, carried: float = 1.0) -> None:
+        """Close the round: decay, merge, and fit the table again.
+
+        ``carried`` is the share of its information the update rule kept at
+        this refit; below :data:`SHIFT_WEIGHT` the workload moved, and the
+        old histograms and serving evidence are discounted by it.
+        """
+        if 0.0 <= carried < SHIFT_WEIGHT:
+            self.discount(carried)
         self.accepted = self.decay * self.accepted + self.round_accepted
         self.total = self.decay * self.total + self.round_total
         self.loss *= self.decay
@@ -153,9 +185,19 @@ class Recalibrator:
         self.round_total = np.zeros(SLOTS)
         prior = sigmoid(KNOTS)
         rate = (self.accepted + PSEUDO_COUNT * prior) / (self.total + PSEUDO_COUNT)
-        rate = pool_adjacent_violators(rate, self.total + PSEUDO_COUNT)
+        weights = self.total + PSEUDO_COUNT
+        rate = pool_adjacent_violators(rate, weights)
         rate = np.clip(rate, sigmoid(-MAX_LOGIT), sigmoid(MAX_LOGIT))
-        self.table = np.log(rate) - np.log1p(-rate)
+        logits = np.log(rate) - np.log1p(-rate)
+        self.table = np.clip(rising(logits, weights), -MAX_LOGIT, MAX_LOGIT)
+
+    def discount(self, weight: float) -> None:
+        """Keep only ``weight`` of the evidence so far (histograms, serving test)."""
+        w = min(max(float(weight), 0.0), 1.0)
+        self.accepted *= w
+        self.total *= w
+        self.loss *= w
+        self.spread *= w
 
     def export(self) -> tuple[FloatArray, FloatArray]:
         """``(knots, logits)`` of the served map, each ``[SLOTS]``: identity when inactive."""

@@ -214,7 +214,8 @@ class OnlineEstimator:
         self.round_stats = RoundStats.zeros(self.k)
         self.steps_in_round = 0
         if self._layer is not None:
-            self._layer.refit()
+            # A workload change the rule detected also ages the layer's evidence.
+            self._layer.refit(float(getattr(self.rule, "carried_weight", 1.0)))
         self._calibration_total.merge(self._calibration_round)
         self._calibration_recent.scale(self.recent_decay)
         self._calibration_recent.merge(self._calibration_round)

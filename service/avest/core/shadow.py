@@ -92,6 +92,12 @@ class ShadowedTracking:
         return self.tracking.warmup_rounds
 
     @property
+    def carried_weight(self) -> float:
+        """Share of its carried information the tracking step kept at the last refit
+        (its innovation test: well below 1 when the workload moved)."""
+        return float(self.tracking.last_weight)
+
+    @property
     def served(self) -> str:
         return "tracking" if self.serving == TRACKING else "vllm"
 

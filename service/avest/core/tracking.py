@@ -104,6 +104,11 @@ class TrackingRule:
         if self.warmup_rounds < 0:
             raise ValueError("warmup_rounds must be >= 0")
 
+    @property
+    def carried_weight(self) -> float:
+        """Share of the carried information the last refit kept (the innovation test)."""
+        return self.last_weight
+
     def reset(self, start: Coefficients) -> None:
         self._a = 0.0
         self._b = np.zeros(start.k)
