@@ -10,6 +10,8 @@
   serialized summary messages the summary shim produced over the same
   distinct steps, divided by the steps they cover (gRPC and HTTP/2 framing,
   about 14 bytes per message, not counted).
+* **Handler**: the server's work per summary without gRPC, in this process
+  (parse, ``summary_from_pb``, ``Pair.observe``), CPU µs per summary.
 * **Ingest**: ``avest serve`` in a subprocess on loopback, one pair per K,
   ``--workers`` workers multiplexed over ``--streams`` Observe streams, each
   worker sending one summary (100 steps, with a sketch) per round at an
@@ -285,6 +287,39 @@ async def ingest(address: str, pair_id: str, body: bytes, workers: int, streams:
     }
 
 
+def bench_handler(k: int, n: int = 1000, repeats: int = 3) -> dict[str, float]:
+    """The server's work per summary without gRPC, in this process: parse the message,
+    validate it (``summary_from_pb``), apply it (``Pair.observe``, a refit every 1,000
+    summaries as in the ingest runs). CPU microseconds per summary, best of ``repeats``."""
+    from avest.grpc.summaries import summary_from_pb
+    from avest.state.pairs import PairKey, Registry, RuleConfig
+
+    body = summary_body(k)
+    best: dict[str, float] = {}
+    for _ in range(repeats):
+        reg = Registry(RuleConfig())
+        pair, _ = reg.register(PairKey.of("t", "d", "m", k), "recursive", 1000 * ROUND_STEPS)
+        msgs = [
+            pb.ObserveRequest(
+                pair_id=pair.id, worker_id=f"w{i % 1000}", sequence=i // 1000 + 1
+            ).SerializeToString()
+            + body
+            for i in range(n)
+        ]
+        t0 = time.process_time()
+        reqs = [pb.ObserveRequest.FromString(m) for m in msgs]
+        t1 = time.process_time()
+        summaries = [summary_from_pb(r, pair) for r in reqs]
+        t2 = time.process_time()
+        for r, s in zip(reqs, summaries, strict=True):
+            pair.observe(r.worker_id, r.sequence, s)
+        t3 = time.process_time()
+        for key, v in (("parse_us", t1 - t0), ("validate_us", t2 - t1), ("apply_us", t3 - t2)):
+            best[key] = min(best.get(key, float("inf")), 1e6 * v / n)
+    best["total_us"] = best["parse_us"] + best["validate_us"] + best["apply_us"]
+    return best
+
+
 def bench_ingest_summaries(ks: list[int], workers: int, streams: int, rate: float,
                            seconds: float, flush_ms: int = 100) -> dict[str, Any]:  # fmt: skip
     tmp = tempfile.mkdtemp(prefix="avest-bench-summary-")
@@ -345,6 +380,7 @@ def main() -> None:
     }
     if not a.no_ingest:
         ks = [int(x) for x in a.ingest_k.split(",") if x]
+        res["handler"] = {f"K={k}": bench_handler(k) for k in ks}
         res["ingest"] = {
             f"flush {ms} ms": bench_ingest_summaries(
                 ks, a.workers, a.streams, a.rate, a.seconds, int(ms)
@@ -372,6 +408,12 @@ def main() -> None:
         f"{b['summary_bytes_per_step']:.1f} ({b['summary_bytes_per_message']:.0f} B per summary "
         f"of ~{ROUND_STEPS} steps): {b['ratio']:.0f}x fewer"
     )
+    for name, h in res.get("handler", {}).items():
+        print(
+            f"handler {name:<5} CPU per summary: parse {h['parse_us']:.0f} µs, validate "
+            f"{h['validate_us']:.0f} µs, apply {h['apply_us']:.0f} µs = {h['total_us']:.0f} µs "
+            f"({1e6 / h['total_us']:.0f} summaries/s per core, no gRPC)"
+        )
     for flush, runs in res.get("ingest", {}).items():
         for name, r in runs.items():
             print(
