@@ -10,6 +10,8 @@
   serialized summary messages the summary shim produced over the same
   distinct steps, divided by the steps they cover (gRPC and HTTP/2 framing,
   about 14 bytes per message, not counted).
+* **Handler**: the server's work per summary without gRPC, in this process
+  (parse, ``summary_from_pb``, ``Pair.observe``), CPU µs per summary.
 * **Ingest**: ``avest serve`` in a subprocess on loopback, one pair per K,
   ``--workers`` workers multiplexed over ``--streams`` Observe streams, each
   worker sending one summary (100 steps, with a sketch) per round at an
@@ -17,7 +19,10 @@
   the summaries acknowledged per second and the acknowledgement latency
   (from the write to the ack that covers it; acks wait for the group commit,
   ``--flush-interval-ms`` 100 by default), p50 / p99. Then the same flat out
-  (every worker's summaries written back to back) for the ceiling.
+  (five summaries per worker written back to back) for the ceiling. A run
+  that leaves summaries unacknowledged gives up 120 s after its last write and
+  reports them as ``unacked``. CPU seconds of the server process and of this
+  client per acknowledged summary show which side is the limit.
 
     python bench/bench_summary.py [--batch 256] [--k 8] [--ingest-k 8,64] [--rate 5000] [--json]
 """
@@ -45,7 +50,7 @@ for _path in (str(HERE.parents[1]), str(HERE.parent)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from bench_ingest import make_steps, start_server  # noqa: E402
+from bench_ingest import cpu_s, make_steps, start_server  # noqa: E402
 from bench_shim import _phase  # noqa: E402
 from shim_variants import CPU, BenchSink, StandinAcceptanceEstimator  # noqa: E402
 
@@ -201,8 +206,11 @@ def summary_body(k: int, batch: int = 256) -> bytes:
 
 
 async def ingest(address: str, pair_id: str, body: bytes, workers: int, streams: int,
-                 rate: float, seconds: float) -> dict[str, float]:  # fmt: skip
-    """Offered ``rate`` summaries/s (0: flat out) from ``workers`` over ``streams``."""
+                 rate: float, seconds: float, wait_s: float = 120.0) -> dict[str, float]:  # fmt: skip
+    """Offered ``rate`` summaries/s (0: flat out) from ``workers`` over ``streams``.
+
+    Gives up ``wait_s`` after the last write is due (reporting the summaries never
+    acknowledged as ``unacked``) rather than wait for ever."""
     per_stream = [list(range(s, workers, streams)) for s in range(streams)]
     lat: list[float] = []
     acked = [0]
@@ -215,7 +223,7 @@ async def ingest(address: str, pair_id: str, body: bytes, workers: int, streams:
             request_serializer=lambda b: b,
             response_deserializer=pb.ObserveResponse.FromString,
         )
-        total = int(rate * seconds) if rate else workers * 20
+        total = int(rate * seconds) if rate else workers * 5
         t0 = time.perf_counter()
 
         async def one(ws: list[int], share: int) -> None:
@@ -258,23 +266,64 @@ async def ingest(address: str, pair_id: str, body: bytes, workers: int, streams:
             call.cancel()
 
         shares = [total // streams + (1 if s < total % streams else 0) for s in range(streams)]
-        await asyncio.gather(*(one(ws, n) for ws, n in zip(per_stream, shares, strict=True)))
+        unacked = 0
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(one(ws, n) for ws, n in zip(per_stream, shares, strict=True))),
+                (total / rate if rate else 0.0) + wait_s,
+            )
+        except asyncio.TimeoutError:
+            unacked = total - acked[0]
         elapsed = time.perf_counter() - t0
-    ms = np.array(lat) * 1e3
+    ms = np.array(lat or [float("nan")]) * 1e3
     return {
         "offered_per_s": rate,
         "acked_per_s": acked[0] / elapsed,
         "ack_p50_ms": float(np.percentile(ms, 50)),
         "ack_p99_ms": float(np.percentile(ms, 99)),
         "summaries": acked[0],
+        "unacked": unacked,
         "bytes_per_summary": len(body) + 40,
     }
 
 
+def bench_handler(k: int, n: int = 1000, repeats: int = 3) -> dict[str, float]:
+    """The server's work per summary without gRPC, in this process: parse the message,
+    validate it (``summary_from_pb``), apply it (``Pair.observe``, a refit every 1,000
+    summaries as in the ingest runs). CPU microseconds per summary, best of ``repeats``."""
+    from avest.grpc.summaries import summary_from_pb
+    from avest.state.pairs import PairKey, Registry, RuleConfig
+
+    body = summary_body(k)
+    best: dict[str, float] = {}
+    for _ in range(repeats):
+        reg = Registry(RuleConfig())
+        pair, _ = reg.register(PairKey.of("t", "d", "m", k), "recursive", 1000 * ROUND_STEPS)
+        msgs = [
+            pb.ObserveRequest(
+                pair_id=pair.id, worker_id=f"w{i % 1000}", sequence=i // 1000 + 1
+            ).SerializeToString()
+            + body
+            for i in range(n)
+        ]
+        t0 = time.process_time()
+        reqs = [pb.ObserveRequest.FromString(m) for m in msgs]
+        t1 = time.process_time()
+        summaries = [summary_from_pb(r, pair) for r in reqs]
+        t2 = time.process_time()
+        for r, s in zip(reqs, summaries, strict=True):
+            pair.observe(r.worker_id, r.sequence, s)
+        t3 = time.process_time()
+        for key, v in (("parse_us", t1 - t0), ("validate_us", t2 - t1), ("apply_us", t3 - t2)):
+            best[key] = min(best.get(key, float("inf")), 1e6 * v / n)
+    best["total_us"] = best["parse_us"] + best["validate_us"] + best["apply_us"]
+    return best
+
+
 def bench_ingest_summaries(ks: list[int], workers: int, streams: int, rate: float,
-                           seconds: float) -> dict[str, Any]:  # fmt: skip
+                           seconds: float, flush_ms: int = 100) -> dict[str, Any]:  # fmt: skip
     tmp = tempfile.mkdtemp(prefix="avest-bench-summary-")
-    proc, address = start_server(tmp)
+    proc, address = start_server(tmp, ["--flush-interval-ms", str(flush_ms)])
     out: dict[str, Any] = {}
     try:
         with EstimatorClient(address, timeout=30) as client:
@@ -286,9 +335,13 @@ def bench_ingest_summaries(ks: list[int], workers: int, streams: int, rate: floa
                         "bench/target", "bench/draft", "bench", k, labels={"run": f"{k}-{label}"},
                         rule="recursive", refit_interval=min(1_000_000, workers * ROUND_STEPS),
                     )  # fmt: skip
+                    server0, client0 = cpu_s(proc.pid), time.process_time()
                     res = asyncio.run(
                         ingest(address, reg.pair_id, body, workers, streams, r, seconds)
                     )
+                    n = max(1, res["summaries"])
+                    res["server_cpu_us"] = 1e6 * (cpu_s(proc.pid) - server0) / n
+                    res["client_cpu_us"] = 1e6 * (time.process_time() - client0) / n
                     info = client.pair(reg.pair_id)
                     res["refits"] = info.coefficients.round
                     out[f"K={k} {label}"] = res
@@ -313,6 +366,9 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--rate", type=float, default=5000.0)
     ap.add_argument("--seconds", type=float, default=6.0)
+    ap.add_argument(
+        "--flush-interval-ms", default="100", help="group commit interval(s), e.g. 100,25"
+    )
     ap.add_argument("--no-ingest", action="store_true")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -324,7 +380,13 @@ def main() -> None:
     }
     if not a.no_ingest:
         ks = [int(x) for x in a.ingest_k.split(",") if x]
-        res["ingest"] = bench_ingest_summaries(ks, a.workers, a.streams, a.rate, a.seconds)
+        res["handler"] = {f"K={k}": bench_handler(k) for k in ks}
+        res["ingest"] = {
+            f"flush {ms} ms": bench_ingest_summaries(
+                ks, a.workers, a.streams, a.rate, a.seconds, int(ms)
+            )
+            for ms in a.flush_interval_ms.split(",")
+        }
     if a.json:
         print(json.dumps(res, indent=2))
         return
@@ -346,11 +408,20 @@ def main() -> None:
         f"{b['summary_bytes_per_step']:.1f} ({b['summary_bytes_per_message']:.0f} B per summary "
         f"of ~{ROUND_STEPS} steps): {b['ratio']:.0f}x fewer"
     )
-    for name, r in res.get("ingest", {}).items():
+    for name, h in res.get("handler", {}).items():
         print(
-            f"ingest {name:<16} acked {r['acked_per_s']:>8.0f}/s  ack p50 {r['ack_p50_ms']:>7.1f} ms"
-            f"  p99 {r['ack_p99_ms']:>7.1f} ms  ({r['summaries']} summaries, {r['refits']} refits)"
+            f"handler {name:<5} CPU per summary: parse {h['parse_us']:.0f} µs, validate "
+            f"{h['validate_us']:.0f} µs, apply {h['apply_us']:.0f} µs = {h['total_us']:.0f} µs "
+            f"({1e6 / h['total_us']:.0f} summaries/s per core, no gRPC)"
         )
+    for flush, runs in res.get("ingest", {}).items():
+        for name, r in runs.items():
+            print(
+                f"ingest {flush:<14} {name:<14} acked {r['acked_per_s']:>7.0f}/s  ack p50 "
+                f"{r['ack_p50_ms']:>7.1f} ms  p99 {r['ack_p99_ms']:>7.1f} ms  CPU per summary: "
+                f"server {r['server_cpu_us']:>5.0f} µs, client {r['client_cpu_us']:>5.0f} µs  "
+                f"({r['summaries']} summaries, {r['unacked']} unacked, {r['refits']} refits)"
+            )
 
 
 if __name__ == "__main__":

@@ -267,6 +267,18 @@ class Avest:
     # -- persistence --------------------------------------------------------
 
     async def flush(self, force: bool = False, deadline: float | None = None) -> None:
+        """Write every dirty pair, then mark its batches durable (:meth:`_flush`).
+
+        The write runs to its end even when the caller is cancelled (an Observe
+        stream whose client went away flushes as it ends): a snapshot taken
+        and abandoned half way would leave its workers' steps written but never
+        marked durable, and never acknowledged.
+        """
+        task = asyncio.ensure_future(self._flush(force, deadline))
+        task.add_done_callback(_retrieve)
+        await asyncio.shield(task)
+
+    async def _flush(self, force: bool = False, deadline: float | None = None) -> None:
         """Write every dirty pair, then mark its batches durable.
 
         Only pairs that changed are written, and of each only what changed: the
@@ -366,6 +378,13 @@ class Avest:
     def in_use(self, pair: Pair) -> bool:
         """Whether an open stream is sending steps for the pair (set by the gRPC adapter)."""
         return any(check(pair) for check in self.usage)
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    """Collect a flush's outcome when its caller was cancelled (the flush loop or the
+    next caller reports a failing store; nothing is logged as never retrieved)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _chunks(pairs: list[Pair]) -> list[list[Pair]]:
