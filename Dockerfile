@@ -67,7 +67,8 @@ VOLUME ["/data"]
 EXPOSE 50051 8000
 USER 10001:10001
 WORKDIR /data
-# Liveness over the admin HTTP port named by AVEST_HTTP_ADDRESS (no curl needed).
+# Liveness over the admin HTTP port (/healthz), with the service's own settings:
+# AVEST_HTTP_ADDRESS, and HTTPS (client certificate included) when AVEST_TLS_* is set.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; port = os.environ.get('AVEST_HTTP_ADDRESS', ':8000').rpartition(':')[2]; urllib.request.urlopen('http://127.0.0.1:' + port + '/healthz', timeout=4)"]
+    CMD ["avest", "health"]
 ENTRYPOINT ["avest", "serve"]

@@ -14,7 +14,10 @@ One run, one table:
   (tracemalloc, in this process: no allocator slack, no other traffic); and
   the snapshot bytes one pair writes per save.
 
-Usage: python bench/bench_scrape.py [--pairs 1024] [--calls 2000] [--json]
+``--baseline PATH`` repeats the scrape table with a server from another
+source tree (e.g. an export of main), in the same run, after this tree's.
+
+Usage: python bench/bench_scrape.py [--pairs 1024] [--calls 2000] [--baseline PATH] [--json]
 """
 
 from __future__ import annotations
@@ -76,9 +79,9 @@ def timed_calls(client: EstimatorClient, ids: list[str], calls: int) -> np.ndarr
     return np.array(out) * 1e3
 
 
-def scrape_table(pairs: int, calls: int) -> dict:
+def scrape_table(pairs: int, calls: int, tree: Path | None = None) -> dict:
     tmp = tempfile.mkdtemp(prefix="avest-bench-scrape-")
-    proc, address, http = start(tmp)
+    proc, address, http = start(tmp, tree)
     try:
         ids = feed(address, 8, pairs, steps_each=5)
         time.sleep(1.0)
@@ -96,7 +99,9 @@ def scrape_table(pairs: int, calls: int) -> dict:
             )
             assert scraper.stdout is not None
             first = scraper.stdout.readline()  # one scrape done: the loop is running
+            cpu0 = cpu_seconds(proc.pid)
             during = timed_calls(client, ids, calls)
+            cpu = cpu_seconds(proc.pid) - cpu0
             scraper.terminate()
             rest, _ = scraper.communicate(timeout=60)
             for line in (first + rest).splitlines():
@@ -111,12 +116,19 @@ def scrape_table(pairs: int, calls: int) -> dict:
     }
     return {
         "pairs": pairs,
+        "server_cpu_ms_per_scrape": cpu / max(len(durations) - 1, 1) * 1e3,
         "get_coefficients_ms": p,
         "p99_ratio": p["during scrape"][1] / p["idle"][1],
         "scrape_ms": float(np.median(durations) * 1e3),
         "scrapes": len(durations),
         "scrape_bytes": int(np.median(sizes)),
     }
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds a process has used (user + system, all threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def memory(k: int, pairs: int) -> dict:
@@ -163,8 +175,20 @@ def held_bytes(k: int, pairs: int, steps_each: int = 5) -> float:
     return (after - before) / pairs
 
 
-def start(data_dir: str) -> tuple:
-    proc, address = start_server(data_dir)
+def start(data_dir: str, tree: Path | None = None) -> tuple:
+    """``avest serve`` from this tree, or from ``tree`` (its ``service`` and ``wire``
+    first on the server's path)."""
+    saved = os.environ.get("PYTHONPATH")
+    if tree is not None:
+        paths = [str(tree / "service"), str(tree / "client"), str(tree / "wire")]
+        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, saved or ""])
+    try:
+        proc, address = start_server(data_dir)
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
     return proc, address, proc.avest_http  # type: ignore[attr-defined]
 
 
@@ -183,21 +207,33 @@ def main() -> None:
     parser.add_argument("--memory-pairs", type=int, default=200)
     parser.add_argument("--no-memory", action="store_true", help="skip the memory table")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--baseline", type=Path, help="also time a server from this source tree (after ours)"
+    )
     args = parser.parse_args()
     scrape = scrape_table(args.pairs, args.calls)
+    if args.baseline:
+        scrape["baseline"] = scrape_table(args.pairs, args.calls, args.baseline)
+    scrape["load"] = os.getloadavg()[0]
     mem = [] if args.no_memory else [memory(k, args.memory_pairs) for k in (8, 64)]
     if args.json:
         print(json.dumps({"scrape": scrape, "memory": mem, "cpus": os.cpu_count()}, indent=2))
         return
     print(f"GetCoefficients during /metrics scrapes, {scrape['pairs']} pairs (K=8)")
     print(f"{'':<16} {'p50 ms':>8} {'p99 ms':>8}")
-    for name, (p50, p99) in scrape["get_coefficients_ms"].items():
-        print(f"{name:<16} {p50:>8.3f} {p99:>8.3f}")
-    print(f"p99 during / idle: {scrape['p99_ratio']:.2f} (target <= 2)")
-    print(
-        f"scrape: median {scrape['scrape_ms']:.0f} ms, {scrape['scrape_bytes'] / 1e6:.1f} MB, "
-        f"{scrape['scrapes']} scrapes"
-    )
+    for label, sc in (("this tree", scrape), ("baseline", scrape.get("baseline"))):
+        if sc is None:
+            continue
+        print(f"-- {label}")
+        for name, (p50, p99) in sc["get_coefficients_ms"].items():
+            print(f"{name:<16} {p50:>8.3f} {p99:>8.3f}")
+        print(f"p99 during / idle: {sc['p99_ratio']:.2f} (target <= 2)")
+        print(
+            f"scrape: median {sc['scrape_ms']:.0f} ms, {sc['scrape_bytes'] / 1e6:.1f} MB, "
+            f"{sc['scrapes']} scrapes, server CPU {sc['server_cpu_ms_per_scrape']:.0f} ms "
+            "per scrape (GetCoefficients calls included)"
+        )
+    print(f"load average at the end: {scrape['load']:.1f}")
     print(f"\nmemory per pair ({args.memory_pairs} pairs, 5 steps of B={B} each)")
     for m in mem:
         print(

@@ -14,6 +14,8 @@
   serialized summary messages the summary shim produced over the same
   distinct steps, divided by the steps they cover (gRPC and HTTP/2 framing,
   about 14 bytes per message, not counted).
+* **Handler**: the server's work per summary without gRPC, in this process
+  (parse, ``summary_from_pb``, ``Pair.observe``), CPU µs per summary.
 * **Ingest**: ``avest serve`` in a subprocess on loopback, one pair per K,
   ``--workers`` workers multiplexed over ``--streams`` Observe streams, each
   worker sending one summary (100 steps, with a sketch) per round at an
@@ -21,7 +23,10 @@
   the summaries acknowledged per second and the acknowledgement latency
   (from the write to the ack that covers it; acks wait for the group commit,
   ``--flush-interval-ms`` 100 by default), p50 / p99. Then the same flat out
-  (every worker's summaries written back to back) for the ceiling.
+  (five summaries per worker written back to back) for the ceiling. A run
+  that leaves summaries unacknowledged gives up 120 s after its last write and
+  reports them as ``unacked``. CPU seconds of the server process and of this
+  client per acknowledged summary show which side is the limit.
 
     python bench/bench_summary.py [--batch 256] [--k 8] [--ingest-k 8,64] [--rate 5000] [--json]
 """
@@ -49,9 +54,15 @@ for _path in (str(HERE.parents[1]), str(HERE.parent)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from bench_ingest import make_steps, start_server  # noqa: E402
+from bench_ingest import cpu_s, make_steps, start_server  # noqa: E402
 from bench_shim import _phase  # noqa: E402
-from shim_costs import bench_overhead, bench_record, summary_shim  # noqa: E402
+from shim_costs import (  # noqa: E402
+    bench_overhead,
+    bench_record,
+    compare_trees,
+    print_shim_costs,
+    summary_shim,
+)
 from shim_variants import CPU, StandinAcceptanceEstimator  # noqa: E402
 
 from avest_client import EstimatorClient  # noqa: E402
@@ -61,10 +72,6 @@ from avest_wire.v1 import estimator_pb2 as pb  # noqa: E402
 
 PAIR_ID, WORKER_ID = "0123456789abcdef", "gpu-node-17:48213:9f3a1c2e"
 ROUND_STEPS = 100
-
-
-def shim(mode: str, batch: int, k: int, sketch: bool = True) -> tuple[Any, Any]:
-    return summary_shim(mode, batch, k, sketch)
 
 
 def torch_steps(batch: int, k: int, n: int, seed: int) -> tuple:
@@ -89,7 +96,7 @@ def bench_shim_steps(batch: int, k: int, steps: int, rounds: int) -> dict[str, d
         ("summary + sketch", "summary", True),
         ("summary, no sketch", "summary", False),
     ):
-        est, _ = shim(mode, batch, k, sketch)
+        est, _ = summary_shim(mode, batch, k, sketch)
         plain = StandinAcceptanceEstimator(batch, k, CPU)
         try:
             shim_t, plain_t = _phase(est, plain, inputs, steps, rounds, 0.0)
@@ -106,7 +113,7 @@ def bench_shim_steps(batch: int, k: int, steps: int, rounds: int) -> dict[str, d
 
 def bench_bytes(batch: int, k: int, steps: int) -> dict[str, float]:
     idxs, feats, sampled, rejected = torch_steps(batch, k, steps, seed=2)
-    est, sink = shim("summary", batch, k)
+    est, sink = summary_shim("summary", batch, k)
     raw_bytes = []
     for j in range(steps):
         idx = idxs[j]
@@ -155,8 +162,11 @@ def summary_body(k: int, batch: int = 256) -> bytes:
 
 
 async def ingest(address: str, pair_id: str, body: bytes, workers: int, streams: int,
-                 rate: float, seconds: float) -> dict[str, float]:  # fmt: skip
-    """Offered ``rate`` summaries/s (0: flat out) from ``workers`` over ``streams``."""
+                 rate: float, seconds: float, wait_s: float = 120.0) -> dict[str, float]:  # fmt: skip
+    """Offered ``rate`` summaries/s (0: flat out) from ``workers`` over ``streams``.
+
+    Gives up ``wait_s`` after the last write is due (reporting the summaries never
+    acknowledged as ``unacked``) rather than wait for ever."""
     per_stream = [list(range(s, workers, streams)) for s in range(streams)]
     lat: list[float] = []
     acked = [0]
@@ -169,7 +179,7 @@ async def ingest(address: str, pair_id: str, body: bytes, workers: int, streams:
             request_serializer=lambda b: b,
             response_deserializer=pb.ObserveResponse.FromString,
         )
-        total = int(rate * seconds) if rate else workers * 20
+        total = int(rate * seconds) if rate else workers * 5
         t0 = time.perf_counter()
 
         async def one(ws: list[int], share: int) -> None:
@@ -212,23 +222,64 @@ async def ingest(address: str, pair_id: str, body: bytes, workers: int, streams:
             call.cancel()
 
         shares = [total // streams + (1 if s < total % streams else 0) for s in range(streams)]
-        await asyncio.gather(*(one(ws, n) for ws, n in zip(per_stream, shares, strict=True)))
+        unacked = 0
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(one(ws, n) for ws, n in zip(per_stream, shares, strict=True))),
+                (total / rate if rate else 0.0) + wait_s,
+            )
+        except asyncio.TimeoutError:
+            unacked = total - acked[0]
         elapsed = time.perf_counter() - t0
-    ms = np.array(lat) * 1e3
+    ms = np.array(lat or [float("nan")]) * 1e3
     return {
         "offered_per_s": rate,
         "acked_per_s": acked[0] / elapsed,
         "ack_p50_ms": float(np.percentile(ms, 50)),
         "ack_p99_ms": float(np.percentile(ms, 99)),
         "summaries": acked[0],
+        "unacked": unacked,
         "bytes_per_summary": len(body) + 40,
     }
 
 
+def bench_handler(k: int, n: int = 1000, repeats: int = 3) -> dict[str, float]:
+    """The server's work per summary without gRPC, in this process: parse the message,
+    validate it (``summary_from_pb``), apply it (``Pair.observe``, a refit every 1,000
+    summaries as in the ingest runs). CPU microseconds per summary, best of ``repeats``."""
+    from avest.grpc.summaries import summary_from_pb
+    from avest.state.pairs import PairKey, Registry, RuleConfig
+
+    body = summary_body(k)
+    best: dict[str, float] = {}
+    for _ in range(repeats):
+        reg = Registry(RuleConfig())
+        pair, _ = reg.register(PairKey.of("t", "d", "m", k), "recursive", 1000 * ROUND_STEPS)
+        msgs = [
+            pb.ObserveRequest(
+                pair_id=pair.id, worker_id=f"w{i % 1000}", sequence=i // 1000 + 1
+            ).SerializeToString()
+            + body
+            for i in range(n)
+        ]
+        t0 = time.process_time()
+        reqs = [pb.ObserveRequest.FromString(m) for m in msgs]
+        t1 = time.process_time()
+        summaries = [summary_from_pb(r, pair) for r in reqs]
+        t2 = time.process_time()
+        for r, s in zip(reqs, summaries, strict=True):
+            pair.observe(r.worker_id, r.sequence, s)
+        t3 = time.process_time()
+        for key, v in (("parse_us", t1 - t0), ("validate_us", t2 - t1), ("apply_us", t3 - t2)):
+            best[key] = min(best.get(key, float("inf")), 1e6 * v / n)
+    best["total_us"] = best["parse_us"] + best["validate_us"] + best["apply_us"]
+    return best
+
+
 def bench_ingest_summaries(ks: list[int], workers: int, streams: int, rate: float,
-                           seconds: float) -> dict[str, Any]:  # fmt: skip
+                           seconds: float, flush_ms: int = 100) -> dict[str, Any]:  # fmt: skip
     tmp = tempfile.mkdtemp(prefix="avest-bench-summary-")
-    proc, address = start_server(tmp)
+    proc, address = start_server(tmp, ["--flush-interval-ms", str(flush_ms)])
     out: dict[str, Any] = {}
     try:
         with EstimatorClient(address, timeout=30) as client:
@@ -240,9 +291,13 @@ def bench_ingest_summaries(ks: list[int], workers: int, streams: int, rate: floa
                         "bench/target", "bench/draft", "bench", k, labels={"run": f"{k}-{label}"},
                         rule="recursive", refit_interval=min(1_000_000, workers * ROUND_STEPS),
                     )  # fmt: skip
+                    server0, client0 = cpu_s(proc.pid), time.process_time()
                     res = asyncio.run(
                         ingest(address, reg.pair_id, body, workers, streams, r, seconds)
                     )
+                    n = max(1, res["summaries"])
+                    res["server_cpu_us"] = 1e6 * (cpu_s(proc.pid) - server0) / n
+                    res["client_cpu_us"] = 1e6 * (time.process_time() - client0) / n
                     info = client.pair(reg.pair_id)
                     res["refits"] = info.coefficients.round
                     out[f"K={k} {label}"] = res
@@ -253,46 +308,6 @@ def bench_ingest_summaries(ks: list[int], workers: int, streams: int, rate: floa
         except Exception:  # noqa: BLE001
             proc.kill()
     return out
-
-
-def compare_trees(
-    baseline: Path, repeats: int, batch: int, k: int, gap_ms: float, steps: int
-) -> None:
-    """Before/after in one run: this file's shim-only section on the baseline tree's code
-    and on this tree's, alternately, each in a fresh process."""
-    import subprocess
-
-    trees = {"before": baseline.resolve(), "after": HERE.parents[1]}
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
-    for _ in range(repeats):
-        for name, root in trees.items():
-            path = os.pathsep.join(str(root / p) for p in ("service", "client", "wire"))
-            proc = subprocess.run(
-                [sys.executable, str(HERE), "--shim-only", "--json", "--batch", str(batch),
-                 "--k", str(k), "--gap-ms", str(gap_ms), "--overhead-steps", str(steps)],
-                env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True,
-            )  # fmt: skip
-            if proc.returncode:
-                raise SystemExit(f"{name} ({root}) failed:\n{proc.stderr[-3000:]}")
-            runs[name].append(json.loads(proc.stdout))
-    print(
-        f"B={batch}, K={k}, {gap_ms} ms after each step; added µs per step (median), "
-        "each run in turn; load at start"
-    )
-    for variant in runs["after"][0]["shim_overhead"]:
-        for name in trees:
-            cells = [
-                f"{r['shim_overhead'][variant]['added_median_us']:+7.2f} "
-                f"(load {r['load_average'][0]:.1f})"
-                for r in runs[name]
-            ]
-            print(f"{variant:<32} {name:<6} " + "  ".join(cells))
-    for name in trees:
-        cells = [
-            f"{r['record']['reference_median_us']:.2f} of a {r['record']['step_median_us']:.0f}"
-            for r in runs[name]
-        ]
-        print(f"record alone / stand-in step, µs  {name:<6} " + "  ".join(cells))
 
 
 def main() -> None:
@@ -307,25 +322,21 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--rate", type=float, default=5000.0)
     ap.add_argument("--seconds", type=float, default=6.0)
+    ap.add_argument(
+        "--flush-interval-ms", default="100", help="group commit interval(s), e.g. 100,25"
+    )
     ap.add_argument("--no-ingest", action="store_true")
-    ap.add_argument(
-        "--shim-only", action="store_true", help="only the shim's own work and record alone"
-    )
-    ap.add_argument(
-        "--baseline-tree",
-        type=Path,
-        help="a checkout of the code before (e.g. git archive REV | tar -x -C DIR): the "
-        "shim-only section runs alternately on it and on this tree, --repeats times each",
-    )
+    ap.add_argument("--shim-only", action="store_true", help="the shim's work and record")
+    # a checkout of the code before (git archive REV | tar -x -C DIR): the shim-only
+    # section runs alternately on it and on this tree, --repeats times each
+    ap.add_argument("--baseline-tree", type=Path)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument(
-        "--gap-ms", type=float, default=0.5, help="the shim's own work: the wait after each step"
-    )
+    ap.add_argument("--gap-ms", type=float, default=0.5, help="shim's work: wait per step")
     ap.add_argument("--overhead-steps", type=int, default=3000)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if a.baseline_tree is not None:
-        compare_trees(a.baseline_tree, a.repeats, a.batch, a.k, a.gap_ms, a.overhead_steps)
+        compare_trees(HERE, a.baseline_tree, a.repeats, a.batch, a.k, a.gap_ms, a.overhead_steps)
         return
     res: dict[str, Any] = {
         "cpus": os.cpu_count(),
@@ -338,31 +349,17 @@ def main() -> None:
         res["bytes"] = bench_bytes(a.batch, a.k, a.bytes_steps)
     if not (a.no_ingest or a.shim_only):
         ks = [int(x) for x in a.ingest_k.split(",") if x]
-        res["ingest"] = bench_ingest_summaries(ks, a.workers, a.streams, a.rate, a.seconds)
+        res["handler"] = {f"K={k}": bench_handler(k) for k in ks}
+        res["ingest"] = {
+            f"flush {ms} ms": bench_ingest_summaries(
+                ks, a.workers, a.streams, a.rate, a.seconds, int(ms)
+            )
+            for ms in a.flush_interval_ms.split(",")
+        }
     if a.json:
         print(json.dumps(res, indent=2))
         return
-    print(f"load average {res['load_average'][0]:.1f}; {res['cpus']} CPUs")
-    print(
-        f"shim's own work per step at B={a.batch}, K={a.k} (no-op base, fresh tensors, "
-        f"{a.gap_ms} ms after each step)"
-    )
-    print(
-        f"{'mode':<32} {'step µs':>8} {'plain µs':>9} {'added µs':>9} {'p5 added':>9} "
-        "sketches  sender ms/round"
-    )
-    for name, r in res["shim_overhead"].items():
-        print(
-            f"{name:<32} {r['median_us']:>8.2f} {r['plain_median_us']:>9.2f} "
-            f"{r['added_median_us']:>+9.2f} {r['added_p5_us']:>+9.2f} "
-            f"{r['sketches']:>4.0f}/{r['summaries']:<4.0f} {r['sender_ms_per_round']:>8.1f}"
-        )
-    r = res["record"]
-    print(
-        f"record alone (median of block means; p5): by reference {r['reference_median_us']:.2f} "
-        f"({r['reference_p5_us']:.2f}) µs, by copy {r['copy_median_us']:.2f} "
-        f"({r['copy_p5_us']:.2f}) µs; plain stand-in step {r['step_median_us']:.1f} µs"
-    )
+    print_shim_costs(res, a.batch, a.k, a.gap_ms)
     if a.shim_only:
         return
     print(f"\nshim step at B={a.batch}, K={a.k} (CPU stand-in, interleaved)")
@@ -378,11 +375,20 @@ def main() -> None:
         f"{b['summary_bytes_per_step']:.1f} ({b['summary_bytes_per_message']:.0f} B per summary "
         f"of ~{ROUND_STEPS} steps): {b['ratio']:.0f}x fewer"
     )
-    for name, r in res.get("ingest", {}).items():
+    for name, h in res.get("handler", {}).items():
         print(
-            f"ingest {name:<16} acked {r['acked_per_s']:>8.0f}/s  ack p50 {r['ack_p50_ms']:>7.1f} ms"
-            f"  p99 {r['ack_p99_ms']:>7.1f} ms  ({r['summaries']} summaries, {r['refits']} refits)"
+            f"handler {name:<5} CPU per summary: parse {h['parse_us']:.0f} µs, validate "
+            f"{h['validate_us']:.0f} µs, apply {h['apply_us']:.0f} µs = {h['total_us']:.0f} µs "
+            f"({1e6 / h['total_us']:.0f} summaries/s per core, no gRPC)"
         )
+    for flush, runs in res.get("ingest", {}).items():
+        for name, r in runs.items():
+            print(
+                f"ingest {flush:<14} {name:<14} acked {r['acked_per_s']:>7.0f}/s  ack p50 "
+                f"{r['ack_p50_ms']:>7.1f} ms  p99 {r['ack_p99_ms']:>7.1f} ms  CPU per summary: "
+                f"server {r['server_cpu_us']:>5.0f} µs, client {r['client_cpu_us']:>5.0f} µs  "
+                f"({r['summaries']} summaries, {r['unacked']} unacked, {r['refits']} refits)"
+            )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ Used by ``bench/bench_summary.py`` (its shim section).
   per-step vectors (the fallback for reused buffers: the per-step work of
   the previous version plus building three views), without the sketch,
   and raw mode.
+* :func:`compare_trees`: both, before and after, alternating processes on an
+  earlier checkout's code and this tree's.
 * :func:`bench_record`: ``SummaryRound.record`` alone in blocks of one
   round's steps (the round ended, untimed, between blocks), by reference and
   by copy, against one plain stand-in step.
@@ -23,8 +25,13 @@ Used by ``bench/bench_summary.py`` (its shim section).
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -185,3 +192,65 @@ def bench_record(batch: int, k: int, blocks: int = 200) -> dict[str, float]:
         out[f"{name}_median_us"] = float(np.median(v))
     out["sketches_skipped"] = float(sum(r.sketches_skipped for r in rounds.values()))
     return out
+
+
+def print_shim_costs(res: dict[str, Any], batch: int, k: int, gap_ms: float) -> None:
+    print(f"load average {res['load_average'][0]:.1f}; {res['cpus']} CPUs")
+    print(
+        f"shim's own work per step at B={batch}, K={k} (no-op base, fresh tensors, "
+        f"{gap_ms} ms after each step)"
+    )
+    print(
+        f"{'mode':<32} {'step µs':>8} {'plain µs':>9} {'added µs':>9} {'p5 added':>9} "
+        "sketches  sender ms/round"
+    )
+    for name, r in res["shim_overhead"].items():
+        print(
+            f"{name:<32} {r['median_us']:>8.2f} {r['plain_median_us']:>9.2f} "
+            f"{r['added_median_us']:>+9.2f} {r['added_p5_us']:>+9.2f} "
+            f"{r['sketches']:>4.0f}/{r['summaries']:<4.0f} {r['sender_ms_per_round']:>8.1f}"
+        )
+    r = res["record"]
+    print(
+        f"record alone (median of block means; p5): by reference {r['reference_median_us']:.2f} "
+        f"({r['reference_p5_us']:.2f}) µs, by copy {r['copy_median_us']:.2f} "
+        f"({r['copy_p5_us']:.2f}) µs; plain stand-in step {r['step_median_us']:.1f} µs"
+    )
+
+
+def compare_trees(
+    script: Path, baseline: Path, repeats: int, batch: int, k: int, gap_ms: float, steps: int
+) -> None:
+    """Before/after in one run: ``script``'s shim-only section (bench_summary.py) on the
+    baseline tree's code and on this tree's, alternately, each in a fresh process."""
+    trees = {"before": baseline.resolve(), "after": script.resolve().parents[1]}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+    for _ in range(repeats):
+        for name, root in trees.items():
+            path = os.pathsep.join(str(root / p) for p in ("service", "client", "wire"))
+            proc = subprocess.run(
+                [sys.executable, str(script), "--shim-only", "--json", "--batch", str(batch),
+                 "--k", str(k), "--gap-ms", str(gap_ms), "--overhead-steps", str(steps)],
+                env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True,
+            )  # fmt: skip
+            if proc.returncode:
+                raise SystemExit(f"{name} ({root}) failed:\n{proc.stderr[-3000:]}")
+            runs[name].append(json.loads(proc.stdout))
+    print(
+        f"B={batch}, K={k}, {gap_ms} ms after each step; added µs per step (median), "
+        "each run in turn; load at start"
+    )
+    for variant in runs["after"][0]["shim_overhead"]:
+        for name in trees:
+            cells = [
+                f"{r['shim_overhead'][variant]['added_median_us']:+7.2f} "
+                f"(load {r['load_average'][0]:.1f})"
+                for r in runs[name]
+            ]
+            print(f"{variant:<32} {name:<6} " + "  ".join(cells))
+    for name in trees:
+        cells = [
+            f"{r['record']['reference_median_us']:.2f} of a {r['record']['step_median_us']:.0f}"
+            for r in runs[name]
+        ]
+        print(f"record alone / stand-in step, µs  {name:<6} " + "  ".join(cells))

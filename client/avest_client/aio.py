@@ -272,6 +272,7 @@ class AsyncEstimatorClient:
         rule: str | None = None,
         min_per_request: int = 0,
         *,
+        from_features: bool = False,
         timeout: float | None = _DEFAULT,
     ) -> BudgetResult:
         with _local("Budget"):
@@ -285,6 +286,7 @@ class AsyncEstimatorClient:
                 hardware,
                 rule,
                 min_per_request,
+                from_features,
             )
         return codec.budget_result(await self._call("Budget", req, timeout))
 

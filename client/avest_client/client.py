@@ -208,9 +208,15 @@ class EstimatorClient:
         rule: str | None = None,
         min_per_request: int = 0,
         *,
+        from_features: bool = False,
         timeout: float | None = _DEFAULT,
     ) -> BudgetResult:
-        """Choose the drafts to verify (``rule`` None: the service's lossless default)."""
+        """Choose the drafts to verify (``rule`` None: the service's lossless default).
+
+        ``from_features``: ``confidences`` and ``stale_confidences`` hold features
+        ``logit(q_max)``; the service scores them as :meth:`score` does (the
+        pair's calibration layer while it is served) and budgets with those.
+        """
         with _local("Budget"):
             req = codec.budget_request(
                 pair_id,
@@ -222,6 +228,7 @@ class EstimatorClient:
                 hardware,
                 rule,
                 min_per_request,
+                from_features,
             )
         return codec.budget_result(self._call("Budget", req, timeout))
 

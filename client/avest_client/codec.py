@@ -133,6 +133,8 @@ def budget_result(msg: pb.BudgetResponse) -> BudgetResult:
         cost_ms=float(msg.cost_ms),
         rule=BUDGET_RULE_NAMES.get(msg.rule, str(msg.rule)),
         lossless=bool(msg.lossless),
+        coefficients_version=int(msg.coefficients_version),
+        calibration_layer_served=bool(msg.calibration_layer_served),
     )
 
 
@@ -173,24 +175,32 @@ def budget_request(
     hardware: str,
     rule: str | None,
     min_per_request: int,
+    from_features: bool = False,
 ) -> pb.BudgetRequest:
+    """``from_features``: the two matrices are features (``features``,
+    ``stale_features``), scored by the service, not confidences."""
+    current, stale_name = (
+        ("features", "stale_features")
+        if from_features
+        else (
+            "confidences",
+            "stale_confidences",
+        )
+    )
     conf, rows, k = wire.encode(confidences)
     stale = b""
     if stale_confidences is not None:
         stale, srows, sk = wire.encode(stale_confidences)
         if (srows, sk) != (rows, k):
-            raise ValueError(
-                f"stale_confidences has shape [{srows}, {sk}], confidences [{rows}, {k}]"
-            )
+            raise ValueError(f"{stale_name} has shape [{srows}, {sk}], {current} [{rows}, {k}]")
     sched = np.asarray(scheduled).reshape(-1)
     if sched.size and (np.any(sched < 0) or not np.all(sched == np.round(sched))):
         raise ValueError("scheduled must hold non-negative whole numbers")
     return pb.BudgetRequest(
         pair_id=pair_id,
-        confidences=conf,
         rows=rows,
         k=k,
-        stale_confidences=stale,
+        **{current: conf, stale_name: stale},
         scheduled_drafts=sched.astype(np.int64).tolist(),
         num_non_draft_tokens=int(num_non_draft_tokens),
         num_sampling_requests=int(num_sampling),

@@ -49,6 +49,10 @@ class BudgetResult:
     cost_ms: float
     rule: str
     lossless: bool
+    #: When sent as features: the coefficients' version they were scored at (else 0).
+    coefficients_version: int = 0
+    #: When sent as features: whether the calibration layer mapped them.
+    calibration_layer_served: bool = False
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from grpc_reflection.v1alpha import reflection
 from avest.grpc.gate import Gate
 from avest.grpc.interceptor import RpcInterceptor
 from avest.grpc.service import EstimatorService
+from avest.grpc.warden import Warden
 from avest.http.api import build_http
 from avest.http.metrics import Metrics
 from avest.http.protocol import guarded_protocol, quiet_loop_errors
@@ -70,6 +71,7 @@ class Server:
         self._grpc: grpc.aio.Server | None = None
         self._http: _EmbeddedUvicorn | None = None
         self._http_task: asyncio.Task[None] | None = None
+        self._warden: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
 
     @property
@@ -150,6 +152,10 @@ class Server:
         if self.grpc_port == 0:
             raise OSError(f"cannot bind gRPC to {self.settings.grpc_address}")
         await self._grpc.start()
+        # At the connection cap, the most idle connections make room for new ones.
+        self._warden = asyncio.create_task(
+            Warden(self.grpc_port, self.max_connections).run(), name="avest-grpc-warden"
+        )
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
 
@@ -213,6 +219,8 @@ class Server:
         except Exception:
             log.exception("final flush before draining failed")
         await self.service.drain()
+        if self._warden is not None:
+            self._warden.cancel()
         if self._grpc is not None:
             await self._grpc.stop(min(left(), 1.0))
         # A chunk under way when the deadline passes still finishes: leave it room.

@@ -88,6 +88,24 @@ class Settings(BaseSettings):
     rpc_rate: float = Field(
         1000.0, ge=0, description="unary calls per second per client address (0: no limit)"
     )
+    steps_per_turn: int = Field(
+        8,
+        ge=0,
+        description="Observe steps applied per event-loop iteration, all streams together; "
+        "streams served least recently go first (0: no limit, one step per stream per turn)",
+    )
+    fold_thread_cells: int = Field(
+        65536,
+        ge=0,
+        description="fold a raw step of at least this many draft cells (rows x K) on a worker "
+        "thread, so health and coefficients stay prompt (0: always on the event loop)",
+    )
+    pair_rate: float = Field(
+        20000.0,
+        ge=0,
+        description="calls and Observe steps per second naming one pair, all clients together, "
+        "then RESOURCE_EXHAUSTED (0: no limit)",
+    )
     stream_step_rate: float = Field(
         5000.0,
         ge=0,

@@ -218,3 +218,26 @@ def test_calibration_layer_learns_from_sketches_as_from_drafts():
     np.testing.assert_allclose(by_sketch.total, by_draft.total, rtol=0.02, atol=4.0)
     np.testing.assert_allclose(by_sketch.table, by_draft.table, atol=0.05)
     assert by_sketch.active == by_draft.active
+
+
+def test_sketches_feed_the_serving_test_as_drafts_do():
+    """The layer's serving test (loss and its spread) from sketches matches the
+    same drafts scored one by one, so summary mode serves on evidence, not by default."""
+    b = batches(synthetic_steps(40, rows=64))
+    at = Coefficients.of(0.3, [0.4] * K)
+    by_draft, by_sketch = Recalibrator(), Recalibrator()
+    for chunk in range(0, 40, 10):
+        part = [(x.features, x.observed, x.accepted) for x in b[chunk : chunk + 10]]
+        for x, obs, acc in part:
+            by_draft.observe(linear_predictor(at, x), obs, acc)
+        s = summarise(part, at, 0)
+        assert s.calibration is not None
+        observe_sketch(by_sketch, s.calibration)
+        by_draft.refit()
+        by_sketch.refit()
+    assert by_sketch.spread[1] == pytest.approx(by_draft.spread[1])
+    assert by_sketch.spread[0] > 0
+    assert by_sketch.spread[0] == pytest.approx(by_draft.spread[0], rel=0.1)
+    mapped, plain = by_sketch.recent_logloss
+    assert np.isfinite(mapped) and np.isfinite(plain)
+    assert mapped == pytest.approx(by_draft.recent_logloss[0], abs=0.01)

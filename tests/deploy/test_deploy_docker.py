@@ -278,15 +278,21 @@ def test_the_service_image_runs_avest_serve_on_all_interfaces_with_a_data_volume
     assert json.loads(by_word["ENTRYPOINT"][-1]) == ["avest", "serve"]
     assert json.loads(by_word["VOLUME"][-1]) == ["/data"]
     assert set(by_word["EXPOSE"][-1].split()) == {"50051", "8000"}
-    assert len(by_word["HEALTHCHECK"]) == 1 and "/healthz" in by_word["HEALTHCHECK"][0]
+    assert len(by_word["HEALTHCHECK"]) == 1 and "health" in by_word["HEALTHCHECK"][0]
 
 
 def healthcheck_command() -> list[str]:
     hc = [rest for word, rest in stages(DOCKERFILE)[-1] if word == "HEALTHCHECK"][0]
     _, _, cmd = hc.partition("CMD ")
     argv = json.loads(cmd)
-    assert argv[0] == "python" and "curl" not in hc
-    return [sys.executable, *argv[1:]]
+    # `avest health`: /healthz with the service's own settings, TLS included.
+    assert argv == ["avest", "health"] and "curl" not in hc
+    return [
+        sys.executable,
+        "-c",
+        "import sys; from avest.commands.cli import main; sys.exit(main())",
+        *argv[1:],
+    ]
 
 
 def test_the_healthcheck_passes_against_a_live_avest_and_fails_without_one(live_avest: Any) -> None:

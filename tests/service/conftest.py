@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -48,6 +49,10 @@ class ServerHandle:
             target=self._run_loop, name="avest-test-server", daemon=True
         )
         self._thread.start()
+        # The loop runs once the thread gets to it (late on a loaded machine).
+        started = time.monotonic()
+        while not self.loop.is_running() and time.monotonic() - started < START_TIMEOUT_S:
+            time.sleep(0.001)
         self._stopped = False
         self.server: Server = self.call(self._build, timeout=START_TIMEOUT_S)
         try:

@@ -41,6 +41,20 @@ def _grpc_health(address: str, timeout: float = 1.0) -> bool:
         return False
 
 
+def _fresh_health(address: str, timeout: float = 2.0) -> bool:
+    """The gRPC health check on a connection of its own (channels in one process
+    otherwise share a connection to the same address)."""
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    try:
+        with grpc.insecure_channel(address, options=options) as channel:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout
+            )
+        return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+    except grpc.RpcError:
+        return False
+
+
 def test_idle_sockets_are_closed_and_probes_still_answer(start_server, tmp_path) -> None:  # noqa: ANN001
     # Found: sockets that connect and send nothing were kept forever; enough of
     # them stopped both gRPC and HTTP.
@@ -122,3 +136,39 @@ def test_a_busy_stream_does_not_starve_a_light_one(server) -> None:  # noqa: ANN
         heavy.cancel()
     # The light worker finished while the heavy stream still had steps to send.
     assert heavy_done < heavy_total, (heavy_done, light_s)
+
+
+def test_at_the_grpc_cap_idle_sockets_make_room_for_a_new_client(start_server, tmp_path) -> None:  # noqa: ANN001
+    # Found: at the connection cap a new gRPC client waited for the handshake
+    # timeout of the sockets that hold the places and send nothing.
+    handle = start_server(
+        tmp_path / "data", max_connections=16, handshake_timeout_s=60.0, idle_timeout_s=300.0
+    )
+    host, gport = handle.grpc_address.rsplit(":", 1)
+    # A real client, connected before, that keeps working.
+    worker = grpc.insecure_channel(handle.grpc_address)
+    stub = pb_grpc.EstimatorServiceStub(worker)
+    stub.ListPairs(pb.ListPairsRequest(), timeout=10)
+    idle = [socket.create_connection((host, int(gport)), timeout=5) for _ in range(30)]
+    try:
+        time.sleep(1.5)  # they have been silent for longer than a fresh client ever is
+        # Well within the 60 s handshake timeout: answered because silent sockets
+        # were closed to make room (a few sweeps of the warden at most).
+        answered = False
+        for _ in range(10):
+            answered = _fresh_health(handle.grpc_address)
+            if answered:
+                break
+            time.sleep(0.3)
+        assert answered
+        closed = sum(_closed_by_peer(s) for s in idle)
+        assert closed >= 30 - 16, closed
+        # The client that was working still is (it has sent data, it is not idle
+        # as long as the silent ones).
+        stub.ListPairs(pb.ListPairsRequest(), timeout=10)
+        assert handle.server._warden is not None
+    finally:
+        worker.close()
+        for s in idle:
+            with contextlib.suppress(OSError):
+                s.close()

@@ -29,7 +29,18 @@ SERVER_DEPENDENCIES = {
 }
 
 #: Subcommand modules, in the order ``avest --help`` lists them.
-COMMANDS = ("serve", "demo", "replay", "record", "pairs", "evaluate", "fleet", "simulate", "audit")
+COMMANDS = (
+    "serve",
+    "health",
+    "demo",
+    "replay",
+    "record",
+    "pairs",
+    "evaluate",
+    "fleet",
+    "simulate",
+    "audit",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

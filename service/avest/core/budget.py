@@ -18,6 +18,7 @@ Each rule in ``RULES`` states whether it is lossless; ``DEFAULT_RULE`` is.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -46,7 +47,7 @@ def _matrix(values: npt.ArrayLike, name: str) -> FloatArray:
     x = np.asarray(values, dtype=np.float64)
     if x.ndim != 2:
         raise InvalidInput(name, f"must be [requests, positions], got shape {x.shape}")
-    if x.size and not (np.all(np.isfinite(x)) and x.min() >= 0.0 and x.max() <= 1.0):
+    if x.size and not bool(((x >= 0.0) & (x <= 1.0)).all()):  # NaN fails both
         raise InvalidInput(name, "must be finite and in [0, 1]")
     return x
 
@@ -70,15 +71,24 @@ def _check_survival(s: FloatArray, scheduled: IntArray) -> None:
         raise InvalidInput("survival", "must not increase along a request's drafts")
 
 
-def _eligible(s: FloatArray, sched: IntArray, forced: IntArray) -> IntArray:
-    """Flat indices of scheduled, not forced, slots in row-major order."""
-    pos = np.arange(s.shape[1])[None, :]
-    return np.flatnonzero((pos < sched[:, None]) & (pos >= forced[:, None]))
+#: Scheduled, not forced, slots ``[R, K]``; ``None`` when that is every slot
+#: (all K drafts scheduled and none forced: the common step, no mask needed).
+Eligible = npt.NDArray[np.bool_] | None
 
 
-def _best_first(survival: FloatArray, idx: IntArray) -> FloatArray:
-    """Survival of the slots ``idx``, sorted best first."""
-    return np.sort(survival.reshape(-1)[idx])[::-1]
+def _eligible(s: FloatArray, sched: IntArray, forced: IntArray) -> Eligible:
+    """Which slots are scheduled and not forced (``None``: all of them)."""
+    k = s.shape[1]
+    if not sched.size or (int(sched.min()) == k and not forced.any()):
+        return None
+    pos = np.arange(k)[None, :]
+    return np.asarray((pos < sched[:, None]) & (pos >= forced[:, None]))
+
+
+def _best_first(survival: FloatArray, eligible: Eligible) -> FloatArray:
+    """Survival of the eligible slots, sorted best first."""
+    values = survival.reshape(-1) if eligible is None else survival[eligible]
+    return np.sort(values)[::-1]
 
 
 def goodput_curve(scores: FloatArray, s: float, r: int, t0: int, costs: CostTable) -> FloatArray:
@@ -223,18 +233,27 @@ def _fill(
     i.e. the first ``extra`` slots of the ranking. ``best_first`` is
     the eligible values already sorted descending, when the caller has them.
     """
-    idx = _eligible(s, sched, forced)
-    extra = min(max(budget - int(forced.sum()), 0), idx.size)
+    eligible = _eligible(s, sched, forced)
+    size = s.size if eligible is None else int(np.count_nonzero(eligible))
+    extra = min(max(budget - int(forced.sum()), 0), size)
     if extra == 0:
         return forced.copy()
-    values, low = s.reshape(-1)[idx], idx.size - extra
-    best = np.partition(values, low)[low] if best_first is None else best_first[extra - 1]
+    if best_first is None:
+        values = s.reshape(-1) if eligible is None else s[eligible]
+        best = np.partition(values, size - extra)[size - extra]
+    else:
+        best = best_first[extra - 1]
     threshold = float(best)
-    take = values > threshold
-    ties = np.flatnonzero(values == threshold)[: extra - int(take.sum())]
-    take[ties] = True
-    rows = idx[take] // s.shape[1]
-    return np.asarray(forced + np.bincount(rows, minlength=s.shape[0]), dtype=np.int64)
+    take = s > threshold
+    if eligible is not None:
+        take &= eligible
+    missing = extra - int(np.count_nonzero(take))
+    if missing > 0:  # ties at the threshold: the first ones in request, position order
+        tied = s == threshold
+        if eligible is not None:
+            tied &= eligible
+        take.reshape(-1)[np.flatnonzero(tied)[:missing]] = True
+    return np.asarray(forced + np.count_nonzero(take, axis=1), dtype=np.int64)
 
 
 @dataclass(frozen=True, eq=False)
@@ -276,7 +295,7 @@ class BudgetStep:
     def num_requests(self) -> int:
         return int(self.survival.shape[0])
 
-    @property
+    @functools.cached_property
     def forced(self) -> IntArray:
         return np.asarray(np.minimum(self.scheduled, self.min_per_request), dtype=np.int64)
 
@@ -285,6 +304,8 @@ def _after_forced(step: BudgetStep, survival: FloatArray) -> tuple[FloatArray, f
     """Ranked free slots, expected gain and ``T0`` once the forced minimum is verified."""
     forced = step.forced
     scores = _best_first(survival, _eligible(survival, step.scheduled, forced))
+    if not forced.any():
+        return scores, float(step.num_sampling), step.num_non_draft_tokens
     gain = step.num_sampling + float(
         survival[np.arange(survival.shape[1])[None, :] < forced[:, None]].sum()
     )

@@ -198,6 +198,8 @@ class CostTable:
         curve: tuple[FloatArray, FloatArray],
         floor: float,
     ) -> float | FloatArray:
+        if type(values) is int and 0 <= values < table.size:  # the hot path: one size, tabled
+            return float(table[values])
         sizes = _sizes(values, name)
         flat = sizes.reshape(-1)
         out = table[np.minimum(flat, table.size - 1)]

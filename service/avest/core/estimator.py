@@ -23,9 +23,10 @@ from avest.core.features import check_features
 from avest.core.labels import check_counts, check_exclude, labels
 from avest.core.metrics import CalibrationState
 from avest.core.model import Coefficients, check_k, linear_predictor
+from avest.core.pooling import PendingSketches
 from avest.core.rules import REJECTED, Refit, UpdateRule, VllmRule
 from avest.core.stats import RoundStats, fold
-from avest.core.summary import RoundSummary, observe_sketch, rebase
+from avest.core.summary import RoundSummary, rebase
 from avest.core.tracking import round_steps
 
 FloatArray = npt.NDArray[np.float64]
@@ -78,8 +79,11 @@ class OnlineEstimator:
         calibrate: bool = False,
     ) -> None:
         check_k(k)
-        #: The monotone calibration layer over the linear predictor, if enabled.
-        self.recalibrator: Recalibrator | None = Recalibrator() if calibrate else None
+        #: The monotone calibration layer over the linear predictor, if enabled
+        #: (read it as :attr:`recalibrator`, which folds pending sketches first).
+        self._layer: Recalibrator | None = Recalibrator() if calibrate else None
+        #: Round summaries' sketches not yet folded into the open round.
+        self._pending = PendingSketches(k)
         if not 0.0 <= recent_decay <= 1.0:
             raise ValueError("recent_decay must lie in [0, 1]")
         self.recent_decay = recent_decay
@@ -109,8 +113,9 @@ class OnlineEstimator:
         self._calibration_round = CalibrationState.empty(self.k)
         self._calibration_total = CalibrationState.empty(self.k)
         self._calibration_recent = CalibrationState.empty(self.k)
-        if self.recalibrator is not None:
-            self.recalibrator = Recalibrator(self.recalibrator.decay)
+        self._pending.clear()
+        if self._layer is not None:
+            self._layer = Recalibrator(self._layer.decay)
         self.version += 1
         self.round = 0
         self.steps = 0
@@ -136,10 +141,11 @@ class OnlineEstimator:
         # The IRLS sums stay on the logistic prediction; the calibration
         # measures score what was served (the layer's map while it is served).
         self.round_stats.add_(fold(batch.features, eta, batch.observed, batch.accepted))
-        served = eta if self.recalibrator is None else self.recalibrator.apply(eta)
+        layer = self.recalibrator
+        served = eta if layer is None else layer.apply(eta)
         self._calibration_round.update(served, batch.observed, batch.accepted)
-        if self.recalibrator is not None:
-            self.recalibrator.observe(eta, batch.observed, batch.accepted)
+        if layer is not None:
+            layer.observe(eta, batch.observed, batch.accepted)
         self.drafts += batch.labelled
         self.steps += 1
         self.steps_in_round += 1
@@ -160,15 +166,36 @@ class OnlineEstimator:
             stats = rebase(stats, summary.at, self.coefficients)
         self.round_stats.add_(stats)
         if summary.calibration is not None:
-            summary.calibration.add_to(self._calibration_round)
-            if self.recalibrator is not None:
-                observe_sketch(self.recalibrator, summary.calibration)
+            # Folded when something reads the round (avest.core.pooling).
+            self._pending.add(summary.calibration)
+            if self._pending.full:
+                self.settle()
         self.drafts += summary.drafts
         self.steps += summary.steps
         self.steps_in_round += summary.steps
         if self.steps_in_round >= self.round_length:
             return self.refit()
         return None
+
+    def settle(self) -> None:
+        """Fold the pending summaries' sketches into the open round and the layer.
+
+        Every reader of the round's calibration or of the layer calls it first,
+        so what they see is as if each sketch had been folded on arrival.
+        """
+        if len(self._pending):
+            self._pending.settle(self._calibration_round, self._layer)
+
+    @property
+    def recalibrator(self) -> Recalibrator | None:
+        """The calibration layer (pending sketches folded into it first)."""
+        self.settle()
+        return self._layer
+
+    @recalibrator.setter
+    def recalibrator(self, layer: Recalibrator | None) -> None:
+        self.settle()
+        self._layer = layer
 
     @property
     def round_length(self) -> int:
@@ -177,6 +204,7 @@ class OnlineEstimator:
 
     def refit(self) -> Refit:
         """Close the round now: one update-rule step, then a fresh round."""
+        self.settle()
         result = self.rule.refit(self.coefficients, self.round_stats)
         self.round += 1
         self.last_outcome = result.outcome
@@ -185,9 +213,9 @@ class OnlineEstimator:
             self.version += 1
         self.round_stats = RoundStats.zeros(self.k)
         self.steps_in_round = 0
-        if self.recalibrator is not None:
+        if self._layer is not None:
             # A workload change the rule detected also ages the layer's evidence.
-            self.recalibrator.refit(float(getattr(self.rule, "carried_weight", 1.0)))
+            self._layer.refit(float(getattr(self.rule, "carried_weight", 1.0)))
         self._calibration_total.merge(self._calibration_round)
         self._calibration_recent.scale(self.recent_decay)
         self._calibration_recent.merge(self._calibration_round)
@@ -201,11 +229,13 @@ class OnlineEstimator:
         Each draft is scored by the served prediction: the calibration
         layer's while it was served, the logistic's otherwise.
         """
+        self.settle()
         return self._calibration_total + self._calibration_round
 
     @property
     def recent_calibration(self) -> CalibrationState:
         """Calibration with older rounds down-weighted by ``recent_decay`` per round."""
+        self.settle()
         return self._calibration_recent + self._calibration_round
 
     # -- scoring ----------------------------------------------------------
@@ -221,6 +251,11 @@ class OnlineEstimator:
         eta = linear_predictor(self.coefficients, check_features(features, self.k))
         return eta if self.recalibrator is None else self.recalibrator.apply(eta)
 
+    @property
+    def layer_served(self) -> bool:
+        """Whether the calibration layer's map is served now."""
+        return self.recalibrator is not None and self.recalibrator.active
+
     def predict_served(self, features: npt.ArrayLike) -> FloatArray:
         """Served acceptance probabilities ``[R, K]`` (calibration layer included)."""
         from avest.core.numeric import sigmoid
@@ -231,6 +266,7 @@ class OnlineEstimator:
 
     def snapshot(self) -> dict[str, FloatArray]:
         """Everything needed to resume exactly, as named float64 arrays."""
+        self.settle()
         out: dict[str, FloatArray] = {
             "coefficients": self.coefficients.as_vector(),
             "start": self.start.as_vector(),
@@ -247,8 +283,8 @@ class OnlineEstimator:
         ):
             out.update({f"{name}.{n}": v for n, v in state.to_arrays().items()})
         out.update({f"rule.{n}": v for n, v in self.rule.state().items()})
-        if self.recalibrator is not None:
-            out.update({f"recal.{n}": v for n, v in self.recalibrator.to_arrays().items()})
+        if self._layer is not None:
+            out.update({f"recal.{n}": v for n, v in self._layer.to_arrays().items()})
         return out
 
     def restore(self, arrays: dict[str, FloatArray]) -> None:
@@ -268,8 +304,9 @@ class OnlineEstimator:
         self._calibration_total = CalibrationState.from_arrays(part("calibration."))
         self._calibration_recent = CalibrationState.from_arrays(part("calibration_recent."))
         self._calibration_round = CalibrationState.from_arrays(part("calibration_round."))
+        self._pending.clear()
         self.rule.reset(self.start)
         self.rule.load_state(part("rule."))
-        if self.recalibrator is not None:
-            self.recalibrator = Recalibrator(self.recalibrator.decay)
-            self.recalibrator.load_arrays(part("recal."))
+        if self._layer is not None:
+            self._layer = Recalibrator(self._layer.decay)
+            self._layer.load_arrays(part("recal."))

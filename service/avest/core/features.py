@@ -86,8 +86,8 @@ def check_features(features: npt.ArrayLike, k: int | None = None) -> FloatArray:
         raise InvalidInput("features", f"has K={x.shape[1]}, the pair has K={k}")
     if not np.issubdtype(x.dtype, np.floating):
         x = x.astype(np.float64)
-    if not np.all(np.isfinite(x)):
-        raise InvalidInput("features", "contains NaN or infinite values")
-    if x.size and float(np.max(np.abs(x))) > MAX_LOG_ODDS:
+    if x.size and not bool((np.abs(x) <= MAX_LOG_ODDS).all()):  # one pass; NaN fails too
+        if not np.all(np.isfinite(x)):
+            raise InvalidInput("features", "contains NaN or infinite values")
         raise InvalidInput("features", f"values must lie in [-{MAX_LOG_ODDS}, {MAX_LOG_ODDS}]")
     return np.asarray(x, dtype=np.float64)

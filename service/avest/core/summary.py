@@ -42,6 +42,7 @@ taken at slot centres (a draft moves by at most half an AUC slot, 0.012 in
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -94,31 +95,29 @@ def make_summary(
 ) -> RoundSummary:
     """Validate one summary (``info`` [K, 3], ``grad`` [K, 2], ``counts`` [K]) completely.
 
-    Ingest cost matters here (thousands of summaries a second): the checks
-    are few, vectorised numpy calls over all the parts at once.
+    Ingest cost matters here (thousands of summaries a second): the parts are
+    checked together, in one buffer, with a handful of numpy calls.
     """
     check_k(k)
     if version < 0:
         raise InvalidInput("coefficients_version", "must be >= 0")
-    parts = {
-        "intercepts": np.asarray(intercepts, dtype=np.float64).reshape(-1),
-        "info": np.asarray(info, dtype=np.float64).reshape(-1),
-        "grad": np.asarray(grad, dtype=np.float64).reshape(-1),
-        "counts": np.asarray(counts, dtype=np.float64).reshape(-1),
-    }
-    for name, size in (("intercepts", k), ("info", 3 * k), ("grad", 2 * k), ("counts", k)):
-        if parts[name].size != size:
-            raise InvalidInput(name, f"must have {size} entries, got {parts[name].size}")
+    sizes = (("intercepts", k), ("info", 3 * k), ("grad", 2 * k), ("counts", k))
+    given = (intercepts, info, grad, counts)
+    parts = [np.asarray(v, dtype=np.float64).reshape(-1) for v in given]
+    for (name, size), part in zip(sizes, parts, strict=True):
+        if part.size != size:
+            raise InvalidInput(name, f"must have {size} entries, got {part.size}")
     w = float(slope)
     if not (math.isfinite(w) and w >= 0.0):
         raise InvalidInput("slope", f"must be finite and >= 0, got {w}")
-    every = np.concatenate(list(parts.values()))
+    # one fresh buffer [intercepts | info | grad | counts]: the statistics view it
+    every = np.concatenate(parts)
     if not np.isfinite(every).all():
-        bad = next(n for n, v in parts.items() if not np.isfinite(v).all())
+        bad = next(n for (n, _), v in zip(sizes, parts, strict=True) if not np.isfinite(v).all())
         raise InvalidInput(bad, "must be finite")
-    inf = parts["info"].reshape(k, 3)
-    g = parts["grad"].reshape(k, 2)
-    n = parts["counts"]
+    inf = every[k : 4 * k].reshape(k, 3)
+    g = every[4 * k : 6 * k].reshape(k, 2)
+    n = every[6 * k :]
     if inf[:, 0::2].min() < 0:
         raise InvalidInput("info", "a_k and c_k must be >= 0")
     if n.min() < 0 or (n != np.rint(n)).any():
@@ -133,9 +132,8 @@ def make_summary(
             raise InvalidInput("sketch", f"has K={calibration.k}, expected {k}")
         if not np.array_equal(calibration.drafts_per_position(), n):
             raise InvalidInput("sketch", "its drafts per position differ from counts")
-    # fresh arrays (converted above): the statistics may view them
     stats = RoundStats(a=inf[:, 0], b=inf[:, 1], c=inf[:, 2], g0=g[:, 0], g1=g[:, 1], n=n)
-    at = Coefficients(w, tuple(parts["intercepts"].tolist()))
+    at = Coefficients(w, tuple(every[:k].tolist()))
     return RoundSummary(int(version), at, stats, int(steps), total, calibration)
 
 
@@ -184,6 +182,10 @@ class Sketch:
     nll: FloatArray
 
     def drafts_per_position(self) -> FloatArray:
+        return self._per_position
+
+    @functools.cached_property
+    def _per_position(self) -> FloatArray:
         per = np.bincount(self.cells // CELLS_PER_POSITION, weights=self.counts, minlength=self.k)
         return np.asarray(per, dtype=np.float64)
 
@@ -245,35 +247,35 @@ def make_sketch(
         raise InvalidInput("cell_counts", f"has {cnt.size} entries, cell_deltas {idx.size}")
     if idx.size and (idx[0] < 0 or idx[-1] >= k * CELLS_PER_POSITION):
         raise InvalidInput("cell_deltas", f"cells must lie in [0, {k * CELLS_PER_POSITION})")
-    if idx.size > 1 and (np.diff(idx) < 1).any():
+    if idx.size > 1 and (idx[1:] <= idx[:-1]).any():
         raise InvalidInput("cell_deltas", "cells must ascend (gaps >= 1)")
-    if idx.size and not (np.isfinite(cnt).all() and cnt.min() >= 1):
+    if idx.size and not (cnt.min() >= 1 and np.isfinite(cnt).all()):
         raise InvalidInput("cell_counts", "must be >= 1")
-    shape = (k, ECE_BINS)
-    rej = _grid(ece_rejected, "ece_rejected", shape)
-    acc = _grid(ece_accepted, "ece_accepted", shape)
-    psum = _grid(ece_sum_predicted, "ece_sum_predicted", shape)
-    nll = _grid(logloss_sum, "logloss_sum", (k,))
-    every = np.concatenate((rej.reshape(-1), acc.reshape(-1), psum.reshape(-1), nll))
-    if not (np.isfinite(every).all() and every.min(initial=0.0) >= 0):
+    grid = k * ECE_BINS
+    sizes = [("ece_rejected", grid), ("ece_accepted", grid), ("ece_sum_predicted", grid)]
+    sizes.append(("logloss_sum", k))
+    given = (ece_rejected, ece_accepted, ece_sum_predicted, logloss_sum)
+    parts = [np.asarray(v, dtype=np.float64).reshape(-1) for v in given]
+    for (field, size), part in zip(sizes, parts, strict=True):
+        if part.size != size:
+            raise InvalidInput(field, f"must have {size} entries, got {part.size}")
+    every = np.concatenate(parts)
+    if not (every.min(initial=0.0) >= 0 and np.isfinite(every).all()):
         raise InvalidInput("ece_rejected", "the ECE and log-loss sums must be finite and >= 0")
-    ece = np.stack([rej, acc], axis=2)
-    if (psum > rej + acc + 1e-3).any():
+    rej = every[:grid].reshape(k, ECE_BINS)
+    acc = every[grid : 2 * grid].reshape(k, ECE_BINS)
+    psum = every[2 * grid : 3 * grid].reshape(k, ECE_BINS)
+    nll = every[3 * grid :]
+    both = rej + acc
+    if (psum > both + 1e-3).any():
         raise InvalidInput("ece_sum_predicted", "a bin's predictions exceed its drafts")
+    ece = np.stack([rej, acc], axis=2)
     sketch = Sketch(k, idx, cnt, ece, psum, nll)
-    if not np.array_equal(sketch.drafts_per_position(), ece.sum(axis=(1, 2))):
+    if not np.array_equal(sketch.drafts_per_position(), both.sum(axis=1)):
         raise InvalidInput(
             "cell_counts", "the eta histogram and the ECE bins count different drafts"
         )
     return sketch
-
-
-def _grid(value: npt.ArrayLike, field: str, shape: tuple[int, ...]) -> FloatArray:
-    v = np.asarray(value, dtype=np.float64).reshape(-1)
-    size = int(np.prod(shape))
-    if v.size != size:
-        raise InvalidInput(field, f"must have {size} entries, got {v.size}")
-    return v.reshape(shape)
 
 
 #: Centre of each AUC slot in ``eta`` (the edge slots at the grid's ends).
@@ -292,6 +294,14 @@ def observe_sketch(recal: Recalibrator, sketch: Sketch) -> None:
     accepted = (sketch.cells // AUC_SLOTS) % 2 == 1
     acc = np.bincount(slots[accepted], weights=sketch.counts[accepted], minlength=AUC_SLOTS)
     rej = np.bincount(slots[~accepted], weights=sketch.counts[~accepted], minlength=AUC_SLOTS)
+    observe_counts(recal, rej, acc)
+
+
+def observe_counts(recal: Recalibrator, rej: npt.ArrayLike, acc: npt.ArrayLike) -> None:
+    """Feed the layer rejected and accepted drafts per AUC slot (``[AUC_SLOTS]`` each,
+    every position together): scored at slot centres with the map in force."""
+    rej = np.asarray(rej, dtype=np.float64)
+    acc = np.asarray(acc, dtype=np.float64)
     tot = rej + acc
     live = tot > 0
     if not live.any():
@@ -300,8 +310,13 @@ def observe_sketch(recal: Recalibrator, sketch: Sketch) -> None:
     m = recal.mapped(e)
     n_acc, n_rej = acc[live], rej[live]
     ones, zeros = np.ones(e.size, dtype=bool), np.zeros(e.size, dtype=bool)
-    recal.loss[0] += float(n_acc @ bernoulli_nll(m, ones) + n_rej @ bernoulli_nll(m, zeros))
-    recal.loss[1] += float(n_acc @ bernoulli_nll(e, ones) + n_rej @ bernoulli_nll(e, zeros))
+    map_acc, map_rej = bernoulli_nll(m, ones), bernoulli_nll(m, zeros)
+    lin_acc, lin_rej = bernoulli_nll(e, ones), bernoulli_nll(e, zeros)
+    recal.loss[0] += float(n_acc @ map_acc + n_rej @ map_rej)
+    recal.loss[1] += float(n_acc @ lin_acc + n_rej @ lin_rej)
+    # The serving test's spread, as Recalibrator.observe keeps it per draft.
+    recal.spread[0] += float(n_acc @ (lin_acc - map_acc) ** 2 + n_rej @ (lin_rej - map_rej) ** 2)
+    recal.spread[1] += float(n_acc.sum() + n_rej.sum())
     recal.round_total += tot @ _TO_RECAL_SLOTS
     recal.round_accepted += acc @ _TO_RECAL_SLOTS
 

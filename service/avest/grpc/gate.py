@@ -31,6 +31,8 @@ from avest.state.throttle import LogLimiter, TokenBucket
 MALFORMED: Any = type("Malformed", (), {"__repr__": lambda self: "<malformed message>"})()
 
 _MAX_CLIENTS = 10_000
+#: Gated handlers kept (one per method of the services served).
+_MAX_METHODS = 256
 
 
 def malformed_reply() -> tuple[grpc.StatusCode, str]:
@@ -50,6 +52,8 @@ class Gate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self.rpc_rate = rpc_rate
         self.logs = logs or LogLimiter()
         self._buckets: OrderedDict[str, TokenBucket] = OrderedDict()
+        #: Per method: the gated handler, built once (the access check runs per call).
+        self._handlers: dict[str, grpc.RpcMethodHandler] = {}
 
     # -- pieces ---------------------------------------------------------------
 
@@ -89,10 +93,11 @@ class Gate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
+        full = details.method
+        cached = self._handlers.get(full)
+        handler = cached if cached is not None else await continuation(details)
         if handler is None:
             return handler
-        full = details.method
         method = method_label(full)
         role = grpc_role(full)
         authorization = None
@@ -109,6 +114,17 @@ class Gate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             self.on_refused(method, code.name.lower())
             self.logs.warning("denied", "%s refused: %s", method, denied.message)
             return _refusing(handler, code, denied.message)
+        if cached is not None:
+            return cached
+        gated = self._gated(full, method, role, handler)
+        if len(self._handlers) < _MAX_METHODS:
+            self._handlers[full] = gated
+        return gated
+
+    def _gated(
+        self, full: str, method: str, role: Role, handler: grpc.RpcMethodHandler
+    ) -> grpc.RpcMethodHandler:
+        """The handler with the rate limit and malformed-message refusal around it."""
         if role == Role.OPEN or not full.startswith("/avest."):
             return handler
         kw = {
@@ -132,8 +148,7 @@ class Gate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             if request is MALFORMED:
                 self.malformed(method)
                 await context.abort(*malformed_reply())
-            peer = context.peer()
-            if not self._rate_ok(peer):
+            if self.rpc_rate > 0 and not self._rate_ok(peer := context.peer()):
                 self.on_refused(method, "resource_exhausted")
                 self.logs.warning("rate", "%s: client %s over its call rate", method, peer)
                 await context.abort(

@@ -58,12 +58,19 @@ def status_name(context: Any, exc: BaseException | None) -> str:
     return "UNKNOWN"
 
 
+#: Timed handlers kept before the cache starts over.
+_MAX_TIMED = 512
+
+
 class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Times every call (streams: start to end) by method and final status."""
 
     def __init__(self, histogram: Histogram) -> None:
         self._histogram = histogram
         self._children: dict[tuple[str, str], Any] = {}
+        #: Timed handlers by the handler they wrap (the gate returns the same
+        #: handler object for every call of a method): wrapped once, not per call.
+        self._timed: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     def _observe(self, method: str, code: str, seconds: float) -> None:
         child = self._children.get((method, code))
@@ -79,7 +86,16 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         handler = await continuation(handler_call_details)
         if handler is None:  # unknown method: UNIMPLEMENTED, never labelled
             return handler
-        method = method_label(handler_call_details.method)
+        known = self._timed.get(id(handler))
+        if known is not None and known[0] is handler:
+            return known[1]
+        timed = self._wrap(method_label(handler_call_details.method), handler)
+        if len(self._timed) >= _MAX_TIMED:  # per-call handlers (refusals) do not pile up
+            self._timed.clear()
+        self._timed[id(handler)] = (handler, timed)
+        return timed
+
+    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         kw = {
             "request_deserializer": handler.request_deserializer,
             "response_serializer": handler.response_serializer,

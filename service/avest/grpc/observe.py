@@ -12,6 +12,7 @@ import grpc
 
 from avest.grpc.gate import MALFORMED, malformed_reply
 from avest.grpc.refusals import Refused
+from avest.grpc.turns import Turns
 from avest.state.app import Avest
 from avest.state.pairs import Pair
 from avest.state.throttle import TokenBucket
@@ -31,6 +32,8 @@ class StreamHost(Protocol):
     on_refused: Callable[[str, str], None]
     #: (pair_id, worker_id) -> the open stream sending as that worker.
     owners: dict[tuple[str, str], ObserveStream]
+    #: Who applies the next step (fair turns between streams).
+    turns: Turns
 
     def step_rate(self) -> TokenBucket | None: ...
 
@@ -51,19 +54,27 @@ class ObserveStream:
         self.service = service
         self.requests = requests
         self.context = context
-        self.out: asyncio.Queue[pb.ObserveResponse | None] = asyncio.Queue()
+        #: What to send, in order; a pair id stands for its latest unsent
+        #: coefficients and a (pair id, worker id) for its latest unsent ack, so a
+        #: stream whose client reads slowly (or never) holds one of each, not one
+        #: per refit or flush.
+        self.out: asyncio.Queue[pb.ObserveResponse | str | tuple[str, str] | None] = asyncio.Queue()
+        self._coefficients: dict[str, pb.Coefficients] = {}
+        self._acks: dict[tuple[str, str], int] = {}
         #: (pair_id, worker_id) -> highest sequence acknowledged on this stream.
         self.acked: dict[tuple[str, str], int] = {}
         self.pairs: set[str] = set()
         #: Worker ids this stream holds (no other stream may send as them meanwhile).
         self.claimed: set[tuple[str, str]] = set()
         self.error: Refused | None = None
+        #: When this stream was last given a turn (:class:`Turns`).
+        self.served = 0
 
     def coefficients(self, pair_id: str, msg: pb.Coefficients) -> None:
         if pair_id in self.pairs:
-            self.out.put_nowait(
-                pb.ObserveResponse(coefficients_update=pb.CoefficientsUpdate(coefficients=msg))
-            )
+            if pair_id not in self._coefficients:
+                self.out.put_nowait(pair_id)
+            self._coefficients[pair_id] = msg
 
     def durable(self, pair_ids: set[str]) -> None:
         registry = self.service.app.registry
@@ -72,12 +83,24 @@ class ObserveStream:
                 continue
             level = registry.pairs[pair_id].durable.get(worker, 0)
             if level > sent:
-                self.acked[(pair_id, worker)] = level
-                self.out.put_nowait(
-                    pb.ObserveResponse(
-                        ack=pb.Ack(pair_id=pair_id, worker_id=worker, acked_sequence=level)
-                    )
-                )
+                key = (pair_id, worker)
+                self.acked[key] = level
+                if key not in self._acks:
+                    self.out.put_nowait(key)
+                self._acks[key] = level
+
+    def _response(self, msg: pb.ObserveResponse | str | tuple[str, str]) -> pb.ObserveResponse:
+        if isinstance(msg, str):
+            coefficients = self._coefficients.pop(msg)
+            return pb.ObserveResponse(
+                coefficients_update=pb.CoefficientsUpdate(coefficients=coefficients)
+            )
+        if isinstance(msg, tuple):
+            level = self._acks.pop(msg)
+            return pb.ObserveResponse(
+                ack=pb.Ack(pair_id=msg[0], worker_id=msg[1], acked_sequence=level)
+            )
+        return msg
 
     def close(self) -> None:
         self.out.put_nowait(None)
@@ -113,6 +136,10 @@ class ObserveStream:
                     service.malformed("Observe")
                     self.error = Refused(*malformed_reply())
                     break
+                # Wait for a turn: streams that sent least recently go first.
+                self.served = await service.turns.take(self.served)
+                if service.draining:
+                    break
                 try:
                     pair, batch = service.validate_observe(req)
                     self._claim(pair.id, req.worker_id)
@@ -127,7 +154,7 @@ class ObserveStream:
                 key = (pair.id, req.worker_id)
                 self.pairs.add(pair.id)
                 self.acked.setdefault(key, 0)
-                if not service.app.observe(pair, req.worker_id, req.sequence, batch):
+                if not await service.app.observe_soon(pair, req.worker_id, req.sequence, batch):
                     # A duplicate: acknowledge again once what covers it is durable.
                     level = pair.durable.get(req.worker_id, 0)
                     if level >= req.sequence:
@@ -164,7 +191,7 @@ class ObserveStream:
                 msg = await self.out.get()
                 if msg is None:
                     break
-                yield msg
+                yield self._response(msg)
             if self.error is not None:
                 await self.context.abort(self.error.code, self.error.message)
         finally:

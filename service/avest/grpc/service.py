@@ -19,8 +19,8 @@ import numpy as np
 from avest.core import budget as budget_rules
 from avest.core.errors import InvalidInput
 from avest.core.estimator import make_batch
-from avest.core.features import check_features
 from avest.core.model import survival
+from avest.grpc.budgets import budget_confidences
 from avest.grpc.convert import (
     BUDGET_FROM_PB,
     BUDGET_TO_PB,
@@ -32,10 +32,11 @@ from avest.grpc.convert import (
 from avest.grpc.observe import ObserveStream
 from avest.grpc.refusals import Refused, refusals
 from avest.grpc.summaries import summary_from_pb
+from avest.grpc.turns import Turns
 from avest.state.access import Access, may_replace_costs
 from avest.state.app import Avest
 from avest.state.pairs import CostCurves, Exhausted, NotFound, Pair, PairKey, check_sequence
-from avest.state.throttle import LogLimiter, TokenBucket
+from avest.state.throttle import KeyedRates, LogLimiter, TokenBucket
 from avest_wire import limits
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
@@ -60,6 +61,9 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         self.watchers: dict[str, set[asyncio.Queue[pb.Coefficients | None]]] = {}
         self.open_streams = 0
         self.owners: dict[tuple[str, str], ObserveStream] = {}
+        self.turns = Turns(app.settings.steps_per_turn)
+        #: Calls and steps per pair, whoever sends them (``pair_rate``).
+        self.pair_rates = KeyedRates(app.settings.pair_rate)
         self._logs = LogLimiter("avest.grpc")
         #: Set when the server drains: streams stop applying steps, so the
         #: final snapshot covers (and acknowledges) everything applied.
@@ -80,12 +84,22 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         self.on_refused(method, "malformed")
         self._logs.warning("malformed", "malformed %s message(s) refused", method)
 
-    def _pair(self, pair_id: str) -> Pair:
+    def _pair(self, pair_id: str, rated: bool = True) -> Pair:
+        """The pair named, counted against its rate (``pair_rate``) unless not ``rated``
+        (deleting an abused pair is never refused for its rate)."""
         if not pair_id:
             raise InvalidInput("pair_id", "must not be empty")
         if len(pair_id) > limits.MAX_PAIR_ID_BYTES:
             raise NotFound(f"unknown pair_id {limits.echo(pair_id)}")
-        return self.app.registry.get(pair_id)
+        pair = self.app.registry.get(pair_id)
+        if rated and not self.pair_rates.take(pair.id):
+            self._logs.warning("pair_rate", "pair %s over its call rate", pair.id)
+            raise Exhausted(
+                "pair_id",
+                f"more than {self.pair_rates.rate:g} calls and steps per second for pair "
+                f"{pair.id}; retry later",
+            )
+        return pair
 
     async def _unary(
         self, method: str, context: grpc.aio.ServicerContext, fn: Callable[[], Any]
@@ -171,8 +185,8 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         def run() -> pb.ScoreResponse:
             pair = self._pair(request.pair_id)
             self._check_shape(pair, request.rows, request.k)
-            x = check_features(wire.decode(request.features, request.rows, request.k), pair.k)
-            p = pair.estimator.predict_served(x)  # the calibration layer while served
+            x = wire.decode(request.features, request.rows, request.k)
+            p = pair.estimator.predict_served(x)  # validated; the calibration layer while served
             return pb.ScoreResponse(
                 confidences=wire.encode(p)[0],
                 survival=wire.encode(survival(p))[0],
@@ -189,12 +203,7 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
             self._check_shape(pair, request.rows, request.k)
             if request.rule not in BUDGET_FROM_PB:
                 raise InvalidInput("rule", f"unknown budget rule {request.rule}")
-            conf = wire.decode(request.confidences, request.rows, request.k, "confidences")
-            stale = (
-                wire.decode(request.stale_confidences, request.rows, request.k, "stale_confidences")
-                if request.stale_confidences
-                else None
-            )
+            conf, stale, scored = budget_confidences(pair, request)
             try:
                 table = pair.cost_table(request.hardware)
             except NotFound as exc:
@@ -214,11 +223,13 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
             )
             return pb.BudgetResponse(
                 budget=int(decision.budget),
-                verify_lengths=[int(v) for v in decision.verify_lengths],
+                verify_lengths=decision.verify_lengths.tolist(),
                 expected_tokens=float(decision.expected_tokens),
                 cost_ms=float(decision.cost_ms),
                 rule=BUDGET_TO_PB[decision.rule],
                 lossless=bool(decision.lossless),
+                coefficients_version=pair.estimator.version if scored else 0,
+                calibration_layer_served=scored and pair.estimator.layer_served,
             )
 
         try:
@@ -263,7 +274,9 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
     async def DeletePair(
         self, request: pb.DeletePairRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeletePairResponse:
-        pair = await self._unary("DeletePair", context, lambda: self._pair(request.pair_id))
+        pair = await self._unary(
+            "DeletePair", context, lambda: self._pair(request.pair_id, rated=False)
+        )
         last = pair_pb(pair)
         try:
             await self.app.remove(pair)

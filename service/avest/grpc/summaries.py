@@ -25,17 +25,18 @@ def summary_from_pb(req: pb.ObserveRequest, pair: Pair) -> RoundSummary:
     sk = s.sketch
     if s.HasField("sketch") and (len(sk.cell_deltas) or len(sk.logloss_sum)):
         deltas = np.asarray(sk.cell_deltas, dtype=np.int64)
-        if deltas.size > 1 and (deltas[1:] < 1).any():
+        if deltas.size > 1 and deltas[1:].min() < 1:
             raise InvalidInput("sketch.cell_deltas", "gaps after the first cell must be >= 1")
+        # the other repeated fields go to numpy as they are (one conversion each)
         try:
             calibration = make_sketch(
                 pair.k,
-                np.cumsum(deltas),
-                np.asarray(sk.cell_counts, dtype=np.float64),
-                np.asarray(sk.ece_rejected, dtype=np.float64),
-                np.asarray(sk.ece_accepted, dtype=np.float64),
-                np.asarray(sk.ece_sum_predicted, dtype=np.float64),
-                np.asarray(sk.logloss_sum, dtype=np.float64),
+                deltas.cumsum(),
+                sk.cell_counts,
+                sk.ece_rejected,
+                sk.ece_accepted,
+                sk.ece_sum_predicted,
+                sk.logloss_sum,
             )
         except InvalidInput as exc:
             raise InvalidInput(f"sketch.{exc.field}", exc.problem) from None
@@ -44,10 +45,10 @@ def summary_from_pb(req: pb.ObserveRequest, pair: Pair) -> RoundSummary:
             pair.k,
             version=int(s.coefficients_version),
             slope=float(s.slope),
-            intercepts=np.asarray(s.intercepts, dtype=np.float64),
-            info=np.asarray(s.info, dtype=np.float64),
-            grad=np.asarray(s.grad, dtype=np.float64),
-            counts=np.asarray(s.counts, dtype=np.float64),
+            intercepts=s.intercepts,
+            info=s.info,
+            grad=s.grad,
+            counts=s.counts,
             steps=int(s.steps),
             drafts=int(s.drafts),
             calibration=calibration,

@@ -44,13 +44,15 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.exception_handlers import http_exception_handler
-from fastapi.responses import JSONResponse, RedirectResponse
+from fastapi.responses import JSONResponse, RedirectResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from avest import __version__
+from avest.http.deflate import accepts_gzip
+from avest.http.exposition import pieces
 from avest.http.models import (
     ErrorOut,
     HistoryEntryOut,
@@ -173,11 +175,17 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
         response_class=Response,
         responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text"}},
     )
-    async def metrics_endpoint() -> Response:
+    async def metrics_endpoint(request: Request) -> Response:
         """Prometheus metrics (text exposition format), rendered in slices that let
-        the RPCs sharing the event loop run in between."""
-        body, ctype = await metrics.exposition_async()
-        return Response(body, media_type=ctype, headers={"Cache-Control": "no-store"})
+        the RPCs sharing the event loop run in between; gzip when accepted."""
+        gzip = accepts_gzip(request.headers.get("accept-encoding", ""))
+        parts, ctype = await metrics.exposition_async(gzip=gzip)
+        headers = {"Cache-Control": "no-store", "Content-Length": str(sum(map(len, parts)))}
+        headers["Vary"] = "Accept-Encoding"
+        if gzip:
+            headers["Content-Encoding"] = "gzip"
+        # Sent in pieces: one write of megabytes would hold the loop while it is copied.
+        return StreamingResponse(pieces(parts), media_type=ctype, headers=headers)
 
     @api.get("/v1/pairs", response_model=PairsOut, tags=["pairs"])
     async def list_pairs() -> PairsOut:

@@ -117,7 +117,8 @@ class PairCollector:
     ``collect()`` renders every pair at once (prometheus_client's path, and
     ``registry.get_sample_value``); :mod:`avest.http.exposition` renders the
     same families a few pairs at a time through :meth:`families`,
-    :meth:`add_globals` and :meth:`add_pair`, with ``collect()`` paused.
+    :meth:`add_globals` and :meth:`add_pair`, with ``collect()`` paused, and
+    keeps each pair's text until its :meth:`stamp` moves.
     """
 
     def __init__(self, metrics: PairSource) -> None:
@@ -148,13 +149,18 @@ class PairCollector:
             return []
         f = self.families()
         pairs = self.pairs()
-        self.add_globals(f, pairs)
+        self.add_globals(f, pairs, sum(map(self.tally, pairs)))
         for pair in pairs:
             self.add_pair(f, pair)
         return list(f.values())
 
-    def add_globals(self, f: Families, pairs: list[Any]) -> None:
-        """The samples that are not per pair."""
+    def tally(self, pair: Any) -> float:
+        """A pair's share of the global series, read on every scrape (its stamp
+        does not move when its steps become durable): its queue depth."""
+        return float(queue_depth(pair.applied, pair.durable))
+
+    def add_globals(self, f: Families, pairs: list[Any], tallied: float) -> None:
+        """The samples that are not per pair (``tallied``: the pairs' tallies summed)."""
         m = self._metrics
         f[INFO].add_metric([__version__], 1.0)
         f[OPEN_STREAMS].add_metric([], float(m.open_streams()))
@@ -164,8 +170,24 @@ class PairCollector:
         f[STORE_WRITABLE].add_metric([], 0.0 if getattr(app, "store_error", "") else 1.0)
         f[QUARANTINED_PAIRS].add_metric([], float(len(getattr(app, "quarantined", {}))))
         f[PAIRS].add_metric([], float(len(pairs)))
-        depth = sum(queue_depth(pair.applied, pair.durable) for pair in pairs)
-        f[QUEUE_DEPTH].add_metric([], float(depth))
+        f[QUEUE_DEPTH].add_metric([], tallied)
+
+    def stamp(self, pair: Any) -> tuple[Any, ...]:
+        """What moves whenever anything :meth:`add_pair` reads changes: a step or
+        summary applied (steps, drafts, last update, the calibration layer's
+        losses), a refit (round, version, refit counts), a reset (version)."""
+        est = pair.estimator
+        refits = sum(self._metrics.refit_counts(pair.id).values())
+        return (
+            id(est),
+            est.version,
+            est.round,
+            est.steps,
+            est.drafts,
+            pair.updated,
+            pair.rule_name,
+            refits,
+        )
 
     def add_pair(self, f: Families, pair: Any) -> None:
         """One pair's samples."""

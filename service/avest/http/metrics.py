@@ -30,7 +30,7 @@ from prometheus_client import (
 from avest.core.metrics import CalibrationState, CalibrationSummary, Reliability
 from avest.core.rules import Refit
 from avest.http.collector import PairCollector, queue_depth
-from avest.http.exposition import render_async, render_now
+from avest.http.exposition import Exposition
 from avest.http.names import (
     AUC,
     CALIBRATION_DRAFTS,
@@ -169,9 +169,12 @@ class Metrics:
             self.rpc_duration.labels(method, "OK")
             for reason in REFUSAL_REASONS:
                 self._refused_child(method, reason)
-        self.registry.register(WorkerCollector(app))
+        self._workers = WorkerCollector(app)
+        self.registry.register(self._workers)
         self._pairs = PairCollector(self)
         self.registry.register(self._pairs)
+        #: Each pair's rendered text, kept until the pair changes (scrapes join it).
+        self.text = Exposition(self.registry, [self._pairs, self._workers])
         try:
             ProcessCollector(registry=self.registry)
         except Exception:  # pragma: no cover - platforms without /proc
@@ -192,12 +195,14 @@ class Metrics:
 
     def exposition(self) -> tuple[bytes, str]:
         """The text exposition of every metric, and its content type, in one go."""
-        return render_now(self.registry, self._pairs), CONTENT_TYPE_LATEST
+        return self.text.render_now(), CONTENT_TYPE_LATEST
 
-    async def exposition_async(self) -> tuple[bytes, str]:
-        """The same exposition, rendered in slices that give the event loop back
-        (:mod:`avest.http.exposition`): RPCs are served during a scrape."""
-        return await render_async(self.registry, self._pairs), CONTENT_TYPE_LATEST
+    async def exposition_async(self, gzip: bool = False) -> tuple[list[bytes], str]:
+        """The same exposition as parts (joined, the text), rendered in slices that
+        give the event loop back (:mod:`avest.http.exposition`): RPCs are served
+        during a scrape, and a pair that did not change since the last scrape is
+        not rendered again; ``gzip``: the parts of its gzip encoding."""
+        return await self.text.render_async(gzip=gzip), CONTENT_TYPE_LATEST
 
     # -- state shared with the HTTP API -------------------------------------
 
@@ -245,6 +250,7 @@ class Metrics:
     def _on_removed(self, pair: Any, why: str) -> None:
         """A deleted pair's series go with it (the collector reads the registry)."""
         self._refits.pop(pair.id, None)
+        self.text.forget(pair.id)
         for kind in ("all", "recent"):
             self._summaries.pop((pair.id, kind), None)
 

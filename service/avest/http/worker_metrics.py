@@ -31,12 +31,17 @@ from avest.http.names import (
 
 
 class WorkerCollector:
-    """Reads every pair's :class:`~avest.state.workers.WorkerTable` on a scrape."""
+    """Reads every pair's :class:`~avest.state.workers.WorkerTable` on a scrape.
+
+    Sliced and cached per pair by :mod:`avest.http.exposition` like the pair
+    collector (``collect()`` paused meanwhile).
+    """
 
     def __init__(self, app: Any) -> None:
         self._app = app
+        self.paused = False
 
-    def _families(self) -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
+    def families(self) -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
         out: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
             WORKERS: GaugeMetricFamily(WORKERS, SPECS[WORKERS].help, labels=["pair"]),
             WORKERS_FORGOTTEN: CounterMetricFamily(
@@ -48,20 +53,40 @@ class WorkerCollector:
         return out
 
     def describe(self) -> Iterable[Metric]:
-        return list(self._families().values())
+        return list(self.families().values())
+
+    def pairs(self) -> list[Any]:
+        return list(self._app.registry.pairs.values())
+
+    def tally(self, pair: Any) -> float:
+        return 0.0
+
+    def add_globals(self, f: Any, pairs: list[Any], tallied: float) -> None:
+        """No series that are not per pair."""
+
+    def stamp(self, pair: Any) -> tuple[Any, ...]:
+        """Moves whenever the pair's table can have changed: a worker's step or
+        summary applied (steps, last update), a worker forgotten."""
+        table = pair.workers
+        return (id(table), pair.updated, pair.estimator.steps, len(table), table.forgotten)
+
+    def add_pair(self, f: Any, pair: Any) -> None:
+        pid = pair.id
+        table = pair.workers
+        f[WORKERS].add_metric([pid], float(len(table)))
+        f[WORKERS_FORGOTTEN].add_metric([pid], float(table.forgotten))
+        for row in table.top(WORKER_SERIES):
+            labels = [pid, row.worker_id]
+            f[WORKER_DRAFTS].add_metric(labels, float(row.drafts))
+            f[WORKER_STEPS].add_metric(labels, float(row.steps))
+            f[WORKER_SUMMARIES].add_metric(labels, float(row.summaries))
+            f[WORKER_LAG].add_metric(labels, float(row.lag))
+            f[WORKER_LAST_SEEN].add_metric(labels, float(row.last_seen))
 
     def collect(self) -> Iterable[Metric]:
-        f = self._families()
-        for pair in list(self._app.registry.pairs.values()):
-            pid = pair.id
-            table = pair.workers
-            f[WORKERS].add_metric([pid], float(len(table)))
-            f[WORKERS_FORGOTTEN].add_metric([pid], float(table.forgotten))
-            for row in table.top(WORKER_SERIES):
-                labels = [pid, row.worker_id]
-                f[WORKER_DRAFTS].add_metric(labels, float(row.drafts))
-                f[WORKER_STEPS].add_metric(labels, float(row.steps))
-                f[WORKER_SUMMARIES].add_metric(labels, float(row.summaries))
-                f[WORKER_LAG].add_metric(labels, float(row.lag))
-                f[WORKER_LAST_SEEN].add_metric(labels, float(row.last_seen))
+        if self.paused:
+            return []
+        f = self.families()
+        for pair in self.pairs():
+            self.add_pair(f, pair)
         return list(f.values())

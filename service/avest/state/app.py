@@ -21,10 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from avest.core.estimator import Batch
+from avest.core.estimator import Batch, OnlineEstimator
 from avest.core.rules import Refit
 from avest.core.summary import RoundSummary
 from avest.settings import Settings
+from avest.state.folds import Folds
 from avest.state.guard import StateFile
 from avest.state.pairs import Pair, PairKey, Registry, RuleConfig
 from avest.state.recording import Recording
@@ -81,6 +82,8 @@ class Avest:
         #: Store errors by operation (write, delete), for the metrics.
         self.store_errors: dict[str, int] = {"write": 0, "delete": 0}
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="avest-store")
+        #: Heavy steps, folded on worker threads.
+        self.folds = Folds(settings.fold_thread_cells)
         self._flush_now = asyncio.Event()
         #: One write at a time: a caller waiting on flush() also waits for the
         #: write already under way, so "after flush" means "durable".
@@ -165,6 +168,7 @@ class Avest:
             log.exception("final snapshot failed; unacknowledged steps will be resent")
         await asyncio.get_running_loop().run_in_executor(self._writer, self.store.close)
         self._writer.shutdown(wait=True)
+        self.folds.close()
 
     # -- operations ---------------------------------------------------------
 
@@ -175,10 +179,42 @@ class Avest:
             self._flush_now.set()
         return pair, created
 
-    def observe(self, pair: Pair, worker: str, seq: int, batch: Batch | RoundSummary) -> bool:
+    async def observe_soon(
+        self, pair: Pair, worker: str, seq: int, batch: Batch | RoundSummary
+    ) -> bool:
+        """:meth:`observe`, with a heavy step folded off the event loop
+        (:mod:`avest.state.folds`). A step folded while its pair was reset is
+        folded again; one folded while the pair was deleted or the service began
+        draining is dropped (never acknowledged: its worker resends it)."""
+        if not self.folds.heavy(batch):
+            busy = self.folds.busy(pair.id)
+            if busy is None:
+                return self.observe(pair, worker, seq, batch)
+            async with busy:
+                return self.observe(pair, worker, seq, batch)
+        async with self.folds.lock(pair.id):
+            if seq <= pair.applied.get(worker, -1) or not isinstance(batch, Batch):
+                return self.observe(pair, worker, seq, batch)  # a duplicate
+            before = pair.estimator
+            mark = (before.version, before.steps)
+            folded = await self.folds.fold(before, batch)
+            if self.draining or self.registry.pairs.get(pair.id) is not pair:
+                return False
+            if pair.estimator is not before or (before.version, before.steps) != mark:
+                return self.observe(pair, worker, seq, batch)  # reset meanwhile: fold again
+            return self.observe(pair, worker, seq, batch, folded)
+
+    def observe(
+        self,
+        pair: Pair,
+        worker: str,
+        seq: int,
+        batch: Batch | RoundSummary,
+        folded: tuple[OnlineEstimator, Refit | None] | None = None,
+    ) -> bool:
         """Apply one validated step or round summary; returns whether it was new."""
         t0 = time.perf_counter()
-        applied, refit = pair.observe(worker, seq, batch)
+        applied, refit = pair.observe(worker, seq, batch, folded)
         if not applied:
             return False
         if isinstance(batch, Batch):
@@ -212,6 +248,7 @@ class Avest:
                 self._store_failed("delete", exc)
                 raise
             self.registry.remove(pair)
+            self.folds.forget(pair.id)
             pair.watchers.clear()
             for hook in self.hooks.removed:
                 hook(pair, why)
@@ -230,6 +267,18 @@ class Avest:
     # -- persistence --------------------------------------------------------
 
     async def flush(self, force: bool = False, deadline: float | None = None) -> None:
+        """Write every dirty pair, then mark its batches durable (:meth:`_flush`).
+
+        The write runs to its end even when the caller is cancelled (an Observe
+        stream whose client went away flushes as it ends): a snapshot taken
+        and abandoned half way would leave its workers' steps written but never
+        marked durable, and never acknowledged.
+        """
+        task = asyncio.ensure_future(self._flush(force, deadline))
+        task.add_done_callback(_retrieve)
+        await asyncio.shield(task)
+
+    async def _flush(self, force: bool = False, deadline: float | None = None) -> None:
         """Write every dirty pair, then mark its batches durable.
 
         Only pairs that changed are written, and of each only what changed: the
@@ -329,6 +378,13 @@ class Avest:
     def in_use(self, pair: Pair) -> bool:
         """Whether an open stream is sending steps for the pair (set by the gRPC adapter)."""
         return any(check(pair) for check in self.usage)
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    """Collect a flush's outcome when its caller was cancelled (the flush loop or the
+    next caller reports a failing store; nothing is logged as never retrieved)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _chunks(pairs: list[Pair]) -> list[list[Pair]]:

@@ -23,28 +23,9 @@ from avest.core.rule_factory import DEFAULT_RULE, RULE_NAMES, make_rule, rule_op
 from avest.core.rules import Refit
 from avest.core.summary import RoundSummary
 from avest.state.costs import CostCurves, check_costs  # noqa: F401 (re-exported)
+from avest.state.errors import Conflict, Exhausted, NotFound  # noqa: F401 (re-exported)
 from avest.state.workers import WorkerTable
 from avest_wire import limits
-
-
-class NotFound(LookupError):
-    """No pair with that id."""
-
-
-class Conflict(RuntimeError):
-    """A request that contradicts the pair's settled configuration."""
-
-    def __init__(self, field_name: str, problem: str) -> None:
-        super().__init__(f"{field_name}: {problem}")
-        self.field = field_name
-
-
-class Exhausted(RuntimeError):
-    """A configured limit (pairs, rows, message size) would be exceeded."""
-
-    def __init__(self, field_name: str, problem: str) -> None:
-        super().__init__(f"{field_name}: {problem}")
-        self.field = field_name
 
 
 @dataclass(frozen=True)
@@ -175,15 +156,24 @@ class Pair:
         self.dirty = True
 
     def observe(
-        self, worker: str, seq: int, batch: Batch | RoundSummary
+        self,
+        worker: str,
+        seq: int,
+        batch: Batch | RoundSummary,
+        folded: tuple[OnlineEstimator, Refit | None] | None = None,
     ) -> tuple[bool, Refit | None]:
         """Apply a validated batch or round summary unless ``(worker, seq)`` was applied already.
 
+        ``folded``: the batch was already folded into a copy of this pair's
+        estimator (on a worker thread), which takes the estimator's place.
         Returns ``(applied, refit)``.
         """
         if seq <= self.applied.get(worker, -1):
             return False, None
-        if isinstance(batch, RoundSummary):
+        if folded is not None and isinstance(batch, Batch):
+            self.estimator, refit = folded
+            self.workers.raw(worker, batch.labelled)
+        elif isinstance(batch, RoundSummary):
             lag = self.estimator.version - batch.version
             refit = self.estimator.apply_summary(batch)
             self.workers.summary(worker, batch, lag)

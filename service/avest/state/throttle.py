@@ -42,6 +42,31 @@ class TokenBucket:
         return 0.0 if self.tokens >= 0 else -self.tokens / self.rate
 
 
+class KeyedRates:
+    """One :class:`TokenBucket` per key (a client address, a pair), at most
+    ``max_keys`` of them (the least recently used is forgotten first).
+
+    ``rate`` per second with a burst of one second's worth; ``rate <= 0``: no limit.
+    """
+
+    def __init__(self, rate: float, max_keys: int = 10_000) -> None:
+        self.rate = float(rate)
+        self.max_keys = max_keys
+        self._buckets: OrderedDict[str, TokenBucket] = OrderedDict()
+
+    def take(self, key: str) -> bool:
+        if self.rate <= 0:
+            return True
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = TokenBucket(self.rate, self.rate)
+            if len(self._buckets) > self.max_keys:
+                self._buckets.popitem(last=False)
+        else:
+            self._buckets.move_to_end(key)
+        return bucket.take()
+
+
 class LogLimiter:
     """At most one log line per key per ``interval_s``, with the count held back."""
 

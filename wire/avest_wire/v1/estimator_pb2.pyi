@@ -200,7 +200,7 @@ class ScoreResponse(_message.Message):
     def __init__(self, confidences: _Optional[bytes] = ..., survival: _Optional[bytes] = ..., coefficients_version: _Optional[int] = ...) -> None: ...
 
 class BudgetRequest(_message.Message):
-    __slots__ = ("pair_id", "confidences", "rows", "k", "stale_confidences", "scheduled_drafts", "num_non_draft_tokens", "num_sampling_requests", "hardware", "rule", "min_drafts_per_request")
+    __slots__ = ("pair_id", "confidences", "rows", "k", "stale_confidences", "scheduled_drafts", "num_non_draft_tokens", "num_sampling_requests", "hardware", "rule", "min_drafts_per_request", "features", "stale_features")
     PAIR_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +212,8 @@ class BudgetRequest(_message.Message):
     HARDWARE_FIELD_NUMBER: _ClassVar[int]
     RULE_FIELD_NUMBER: _ClassVar[int]
     MIN_DRAFTS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    STALE_FEATURES_FIELD_NUMBER: _ClassVar[int]
     pair_id: str
     confidences: bytes
     rows: int
@@ -223,23 +225,29 @@ class BudgetRequest(_message.Message):
     hardware: str
     rule: BudgetRule
     min_drafts_per_request: int
-    def __init__(self, pair_id: _Optional[str] = ..., confidences: _Optional[bytes] = ..., rows: _Optional[int] = ..., k: _Optional[int] = ..., stale_confidences: _Optional[bytes] = ..., scheduled_drafts: _Optional[_Iterable[int]] = ..., num_non_draft_tokens: _Optional[int] = ..., num_sampling_requests: _Optional[int] = ..., hardware: _Optional[str] = ..., rule: _Optional[_Union[BudgetRule, str]] = ..., min_drafts_per_request: _Optional[int] = ...) -> None: ...
+    features: bytes
+    stale_features: bytes
+    def __init__(self, pair_id: _Optional[str] = ..., confidences: _Optional[bytes] = ..., rows: _Optional[int] = ..., k: _Optional[int] = ..., stale_confidences: _Optional[bytes] = ..., scheduled_drafts: _Optional[_Iterable[int]] = ..., num_non_draft_tokens: _Optional[int] = ..., num_sampling_requests: _Optional[int] = ..., hardware: _Optional[str] = ..., rule: _Optional[_Union[BudgetRule, str]] = ..., min_drafts_per_request: _Optional[int] = ..., features: _Optional[bytes] = ..., stale_features: _Optional[bytes] = ...) -> None: ...
 
 class BudgetResponse(_message.Message):
-    __slots__ = ("budget", "verify_lengths", "expected_tokens", "cost_ms", "rule", "lossless")
+    __slots__ = ("budget", "verify_lengths", "expected_tokens", "cost_ms", "rule", "lossless", "coefficients_version", "calibration_layer_served")
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     VERIFY_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COST_MS_FIELD_NUMBER: _ClassVar[int]
     RULE_FIELD_NUMBER: _ClassVar[int]
     LOSSLESS_FIELD_NUMBER: _ClassVar[int]
+    COEFFICIENTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_LAYER_SERVED_FIELD_NUMBER: _ClassVar[int]
     budget: int
     verify_lengths: _containers.RepeatedScalarFieldContainer[int]
     expected_tokens: float
     cost_ms: float
     rule: BudgetRule
     lossless: bool
-    def __init__(self, budget: _Optional[int] = ..., verify_lengths: _Optional[_Iterable[int]] = ..., expected_tokens: _Optional[float] = ..., cost_ms: _Optional[float] = ..., rule: _Optional[_Union[BudgetRule, str]] = ..., lossless: _Optional[bool] = ...) -> None: ...
+    coefficients_version: int
+    calibration_layer_served: bool
+    def __init__(self, budget: _Optional[int] = ..., verify_lengths: _Optional[_Iterable[int]] = ..., expected_tokens: _Optional[float] = ..., cost_ms: _Optional[float] = ..., rule: _Optional[_Union[BudgetRule, str]] = ..., lossless: _Optional[bool] = ..., coefficients_version: _Optional[int] = ..., calibration_layer_served: _Optional[bool] = ...) -> None: ...
 
 class CostPoint(_message.Message):
     __slots__ = ("size", "ms")

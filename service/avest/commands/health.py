@@ -1,0 +1,107 @@
+"""``avest health``: probe a running service's ``/healthz`` the way it is served.
+
+Reads the same settings as ``avest serve`` (flags or ``AVEST_*``): the HTTP
+address (a wildcard bind is probed on loopback) and TLS. With TLS on it speaks
+HTTPS; the probe checks that the service answers, not who it is, so the
+certificate is not verified unless ``--ca`` is given. With mutual TLS it
+presents a client certificate: ``--client-cert``/``--client-key``
+(``AVEST_HEALTH_CERT``/``AVEST_HEALTH_KEY``), by default the service's own
+certificate and key (which pass when one CA signs both). Exit status 0 when
+healthy, 1 when not (the reason on stderr), 2 on bad settings: what a
+container's HEALTHCHECK wants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+HEALTH_CERT_ENV = "AVEST_HEALTH_CERT"
+HEALTH_KEY_ENV = "AVEST_HEALTH_KEY"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser(
+        "health",
+        help="probe a running service's /healthz (exit 0 when healthy), with or without TLS",
+        description="Probe /healthz (or /readyz) of the service that `avest serve` with the "
+        "same flags or AVEST_* environment runs: HTTPS when AVEST_TLS_CERT is set.",
+    )
+    p.add_argument("--http-address", default=None, help="HOST:PORT [env AVEST_HTTP_ADDRESS]")
+    p.add_argument("--ready", action="store_true", help="probe /readyz instead of /healthz")
+    p.add_argument("--ca", default=None, help="PEM CA: verify the service's certificate with it")
+    p.add_argument(
+        "--client-cert",
+        default=None,
+        help=f"PEM client certificate for mutual TLS [env {HEALTH_CERT_ENV}; default: the "
+        "service's own --tls-cert]",
+    )
+    p.add_argument("--client-key", default=None, help=f"its key [env {HEALTH_KEY_ENV}]")
+    p.add_argument("--timeout", type=float, default=4.0, help="seconds (default 4)")
+    p.set_defaults(func=run)
+
+
+def probe_url(http_address: str, tls: bool, path: str = "/healthz") -> str:
+    """The URL to probe: a wildcard bind (0.0.0.0, ::, empty) on loopback."""
+    from avest.settings import split_address
+
+    host, port = split_address(http_address)
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{'https' if tls else 'http'}://{host}:{port}{path}"
+
+
+def run(args: argparse.Namespace) -> int:
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    from avest.settings import Settings
+
+    try:
+        s = Settings()
+    except Exception as exc:
+        print(f"avest health: settings: {exc}", file=sys.stderr)
+        return 2
+    tls = bool(s.tls_cert)
+    try:
+        url = probe_url(
+            args.http_address or s.http_address, tls, "/readyz" if args.ready else "/healthz"
+        )
+    except ValueError as exc:
+        print(f"avest health: {exc}", file=sys.stderr)
+        return 2
+    context = None
+    if tls:
+        context = ssl.create_default_context(cafile=args.ca)
+        if args.ca is None:
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        if s.tls_client_ca:
+            cert = args.client_cert or os.environ.get(HEALTH_CERT_ENV) or s.tls_cert
+            key = args.client_key or os.environ.get(HEALTH_KEY_ENV) or s.tls_key
+            try:
+                context.load_cert_chain(cert, key)
+            except (OSError, ssl.SSLError) as exc:
+                print(f"avest health: client certificate {cert}: {exc}", file=sys.stderr)
+                return 2
+    try:
+        with urllib.request.urlopen(url, timeout=args.timeout, context=context) as resp:
+            status = resp.status
+            body = resp.read(200).decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        print(f"avest health: {url}: HTTP {exc.code}", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, OSError, ssl.SSLError) as exc:
+        print(f"avest health: {url}: {exc}", file=sys.stderr)
+        return 1
+    if status != 200:
+        print(f"avest health: {url}: HTTP {status}", file=sys.stderr)
+        return 1
+    print(f"{url}: {body.strip()}")
+    return 0

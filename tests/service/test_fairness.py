@@ -1,0 +1,128 @@
+"""Fair turns: a light worker next to many busy streams is not starved.
+
+Counted, not timed: how many busy-stream steps the service applies between the
+light worker's send and the moment its step is applied (wall time on a loaded
+machine says little; the count says how many turns the busy streams got first).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+
+import grpc
+import numpy as np
+
+from avest_wire import matrix as wire
+from avest_wire.v1 import estimator_pb2 as pb
+from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
+
+K, ROWS = 4, 8
+BUSY_STREAMS = 50
+LIGHT_STEPS = 20
+#: Settings of the server under test (``steps_per_turn=0`` shows the old behaviour).
+TURNS: dict[str, int] = {}
+
+
+def _step(pid: str, worker: str, seq: int) -> pb.ObserveRequest:
+    return pb.ObserveRequest(
+        pair_id=pid,
+        worker_id=worker,
+        sequence=seq,
+        features=wire.encode(np.zeros((ROWS, K)))[0],
+        rows=ROWS,
+        k=K,
+        num_verified=[K] * ROWS,
+        num_accepted=[1] * ROWS,
+    )
+
+
+def _busy(address: str, pid: str, streams: int, seconds: float) -> None:
+    """``streams`` Observe streams sending as fast as flow control lets them."""
+    import asyncio
+
+    async def one(w: int) -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = pb_grpc.EstimatorServiceStub(channel)
+            msg = _step(pid, f"busy-{w}", 1)
+            deadline = time.monotonic() + seconds
+
+            async def gen():  # noqa: ANN202
+                seq = 0
+                while time.monotonic() < deadline:
+                    seq += 1
+                    msg.sequence = seq
+                    yield msg
+
+            try:
+                async for _ in stub.Observe(gen(), timeout=seconds + 30):
+                    pass
+            except grpc.aio.AioRpcError:
+                pass
+
+    async def main() -> None:
+        await asyncio.gather(*(one(w) for w in range(streams)))
+
+    asyncio.run(main())
+
+
+def test_a_light_worker_next_to_fifty_busy_streams_is_not_starved(start_server, tmp_path) -> None:  # noqa: ANN001
+    handle = start_server(tmp_path / "data", flush_interval_ms=10, **TURNS)
+    registry = handle.server.app.registry
+    with grpc.insecure_channel(handle.grpc_address) as channel:
+        stub = pb_grpc.EstimatorServiceStub(channel)
+
+        def register(name: str) -> str:
+            key = pb.PairKey(
+                target_model=name, draft_model="d", method="m", num_speculative_tokens=K
+            )
+            return str(stub.RegisterPair(pb.RegisterPairRequest(key=key)).pair_id)
+
+        busy_pid, light_pid = register("busy"), register("light")
+        busy_pair = registry.pairs[busy_pid]
+        # When the light worker's step is applied: the busy steps applied by then.
+        applied_at: dict[int, int] = {}
+
+        def on_observed(pair, rows, labelled) -> None:  # noqa: ANN001
+            if pair.id == light_pid:
+                applied_at[pair.applied["light"]] = busy_pair.estimator.steps
+
+        handle.server.app.hooks.observed.append(on_observed)
+        proc = mp.get_context("spawn").Process(
+            target=_busy, args=(handle.grpc_address, busy_pid, BUSY_STREAMS, 60.0), daemon=True
+        )
+        proc.start()
+        try:
+            # Every busy stream under way.
+            deadline = time.monotonic() + 30
+            while len(busy_pair.applied) < BUSY_STREAMS and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert len(busy_pair.applied) == BUSY_STREAMS
+            sends: queue.Queue[pb.ObserveRequest | None] = queue.Queue()
+            acks = stub.Observe(iter(sends.get, None), timeout=60)
+            to_apply, to_ack = [], []
+            for seq in range(1, LIGHT_STEPS + 1):
+                before = busy_pair.estimator.steps
+                sends.put(_step(light_pid, "light", seq))
+                while True:
+                    resp = next(acks)
+                    if resp.HasField("ack") and resp.ack.acked_sequence >= seq:
+                        break
+                to_ack.append(busy_pair.estimator.steps - before)
+                to_apply.append(applied_at[seq] - before)
+            sends.put(None)
+            for _ in acks:
+                pass
+        finally:
+            proc.terminate()
+            proc.join(10)
+    # Without fair turns every busy stream applies one step per loop iteration,
+    # so the light step waits a whole round of them (50 here, plus what is
+    # applied while its message travels); with them it goes ahead of the
+    # streams served more recently and waits about two turns of 8.
+    waited = sorted(to_apply[1:])  # the first also waited for its stream to open
+    median = waited[len(waited) // 2]
+    assert median < BUSY_STREAMS * 3 // 4, (to_apply, to_ack)
+    # And it is acknowledged: nothing refused, nothing lost.
+    assert len(to_ack) == LIGHT_STEPS

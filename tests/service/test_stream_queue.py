@@ -1,0 +1,54 @@
+"""An Observe stream's outgoing queue holds one coefficients update per pair and
+one ack per worker, however many refits and flushes happen before its client reads."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from avest.grpc.observe import ObserveStream
+from avest_wire.v1 import estimator_pb2 as pb
+
+
+def _stream(durable: dict[str, int]) -> ObserveStream:
+    pair = SimpleNamespace(durable=durable)
+    host = SimpleNamespace(app=SimpleNamespace(registry=SimpleNamespace(pairs={"p": pair})))
+    return ObserveStream(host, None, None)  # type: ignore[arg-type]
+
+
+def _drain(stream: ObserveStream) -> list[pb.ObserveResponse]:
+    out = []
+    while not stream.out.empty():
+        msg = stream.out.get_nowait()
+        assert msg is not None
+        out.append(stream._response(msg))
+    return out
+
+
+def test_unsent_updates_and_acks_are_replaced_by_newer_ones() -> None:
+    async def run() -> None:
+        durable = {"w": 0}
+        stream = _stream(durable)
+        stream.pairs.add("p")
+        stream.acked[("p", "w")] = 0
+        for version in range(1, 1001):
+            stream.coefficients("p", pb.Coefficients(pair_id="p", version=version))
+            durable["w"] = version
+            stream.durable({"p"})
+        assert stream.out.qsize() == 2
+        sent = _drain(stream)
+        assert sent[0].coefficients_update.coefficients.version == 1000
+        assert sent[1].ack.acked_sequence == 1000
+        # Once sent, the next ones queue again, in order.
+        stream.coefficients("p", pb.Coefficients(pair_id="p", version=1001))
+        durable["w"] = 1001
+        stream.durable({"p"})
+        again = _drain(stream)
+        assert [r.WhichOneof("event") for r in again] == ["coefficients_update", "ack"]
+        assert again[0].coefficients_update.coefficients.version == 1001
+        assert again[1].ack.acked_sequence == 1001
+        # A pair the stream does not send for gets nothing.
+        stream.coefficients("q", pb.Coefficients(pair_id="q", version=1))
+        assert stream.out.empty()
+
+    asyncio.run(run())
