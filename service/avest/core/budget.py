@@ -29,66 +29,32 @@ import numpy.typing as npt
 from avest.core.costs import CostTable
 from avest.core.errors import InvalidInput
 from avest.core.model import survival as running_survival
+from avest.core.selection import (
+    allocate,
+    as_count,
+    as_matrix,
+    as_scheduled,
+    best_first_values,
+    check_survival,
+    eligible_slots,
+    fill,
+)
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
-
-def _int(value: object, name: str, low: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise InvalidInput(name, f"must be an integer, got {value!r}")
-    if value < low:
-        raise InvalidInput(name, f"must be >= {low}, got {value}")
-    return int(value)
-
-
-def _matrix(values: npt.ArrayLike, name: str) -> FloatArray:
-    """A finite ``[R, K]`` matrix with entries in [0, 1]."""
-    x = np.asarray(values, dtype=np.float64)
-    if x.ndim != 2:
-        raise InvalidInput(name, f"must be [requests, positions], got shape {x.shape}")
-    if x.size and not bool(((x >= 0.0) & (x <= 1.0)).all()):  # NaN fails both
-        raise InvalidInput(name, "must be finite and in [0, 1]")
-    return x
-
-
-def _scheduled(scheduled: npt.ArrayLike | None, r: int, k: int) -> IntArray:
-    if scheduled is None:
-        return np.full(r, k, dtype=np.int64)
-    raw = np.asarray(scheduled)
-    if raw.shape != (r,) or (raw.size and raw.dtype.kind not in "iu"):
-        raise InvalidInput("scheduled", f"must be {r} integers (one per request)")
-    s = raw.astype(np.int64)
-    if s.size and (s.min() < 0 or s.max() > k):
-        raise InvalidInput("scheduled", f"drafts per request must be in [0, {k}]")
-    return s
-
-
-def _check_survival(s: FloatArray, scheduled: IntArray) -> None:
-    """Survival must not increase along a request's scheduled drafts."""
-    inside = np.arange(1, s.shape[1])[None, :] < scheduled[:, None]
-    if np.any((np.diff(s, axis=1) > 0) & inside):
-        raise InvalidInput("survival", "must not increase along a request's drafts")
-
-
-#: Scheduled, not forced, slots ``[R, K]``; ``None`` when that is every slot
-#: (all K drafts scheduled and none forced: the common step, no mask needed).
-Eligible = npt.NDArray[np.bool_] | None
-
-
-def _eligible(s: FloatArray, sched: IntArray, forced: IntArray) -> Eligible:
-    """Which slots are scheduled and not forced (``None``: all of them)."""
-    k = s.shape[1]
-    if not sched.size or (int(sched.min()) == k and not forced.any()):
-        return None
-    pos = np.arange(k)[None, :]
-    return np.asarray((pos < sched[:, None]) & (pos >= forced[:, None]))
-
-
-def _best_first(survival: FloatArray, eligible: Eligible) -> FloatArray:
-    """Survival of the eligible slots, sorted best first."""
-    values = survival.reshape(-1) if eligible is None else survival[eligible]
-    return np.sort(values)[::-1]
+__all__ = [
+    "DEFAULT_RULE",
+    "RULES",
+    "BudgetDecision",
+    "BudgetStep",
+    "Rule",
+    "allocate",
+    "budget_size",
+    "decide",
+    "goodput_curve",
+    "lossless_walk_size",
+]
 
 
 def goodput_curve(scores: FloatArray, s: float, r: int, t0: int, costs: CostTable) -> FloatArray:
@@ -107,25 +73,25 @@ def _sorted_scores(
     """Scores best first from a sorted vector or a ``[R, K]`` survival matrix."""
     s = np.asarray(survival, dtype=np.float64)
     if s.ndim == 1:
-        if np.any(np.diff(_matrix(s[None, :], "survival")[0]) > 0):
+        if np.any(np.diff(as_matrix(s[None, :], "survival")[0]) > 0):
             raise InvalidInput("survival", "a vector of scores must be sorted descending")
         return s, None
-    m = _matrix(s, "survival")
-    sched = _scheduled(scheduled, m.shape[0], m.shape[1])
-    _check_survival(m, sched)
-    return _best_first(m, _eligible(m, sched, np.zeros_like(sched))), m.shape[0]
+    m = as_matrix(s, "survival")
+    sched = as_scheduled(scheduled, m.shape[0], m.shape[1])
+    check_survival(m, sched)
+    return best_first_values(m, eligible_slots(m, sched, np.zeros_like(sched))), m.shape[0]
 
 
 def _common(
     num_sampling: int, num_requests: int, num_non_draft_tokens: int, rows: int | None
 ) -> tuple[int, int, int]:
-    s = _int(num_sampling, "num_sampling")
-    r = _int(num_requests, "num_requests")
+    s = as_count(num_sampling, "num_sampling")
+    r = as_count(num_requests, "num_requests")
     if rows is not None and r != rows:
         raise InvalidInput("num_requests", f"survival has {rows} requests, got {r}")
     if s > r:
         raise InvalidInput("num_sampling", f"at most num_requests ({r}), got {s}")
-    return s, r, _int(num_non_draft_tokens, "num_non_draft_tokens")
+    return s, r, as_count(num_non_draft_tokens, "num_non_draft_tokens")
 
 
 def budget_size(
@@ -194,68 +160,6 @@ def _walk(scores: FloatArray, s: float, r: int, t0: int, costs: CostTable) -> in
     return n if bool(include.all()) else int(np.argmin(include))
 
 
-def allocate(
-    survival: npt.ArrayLike,
-    scheduled: npt.ArrayLike,
-    budget: int,
-    min_per_request: int = 0,
-) -> IntArray:
-    """Verify lengths ``[R]``: the top-``budget`` scheduled slots by survival.
-
-    Each request keeps a prefix of its drafts. The first
-    ``min(min_per_request, scheduled[r])`` drafts of every request are always
-    kept and count toward ``budget``; when they alone exceed it they are
-    verified anyway (the minimum wins). A budget above the number of
-    scheduled slots verifies them all.
-
-    Lossless whatever the budget, provided the budget itself does not depend
-    on this step's drafted tokens: the rank of slot ``(r, i)`` against the
-    slots above it reads no token drawn at ``i`` or later.
-    """
-    s = _matrix(survival, "survival")
-    sched = _scheduled(scheduled, s.shape[0], s.shape[1])
-    _check_survival(s, sched)
-    forced = np.minimum(sched, _int(min_per_request, "min_per_request"))
-    return _fill(s, sched, forced, _int(budget, "budget"))
-
-
-def _fill(
-    s: FloatArray,
-    sched: IntArray,
-    forced: IntArray,
-    budget: int,
-    best_first: FloatArray | None = None,
-) -> IntArray:
-    """Forced drafts plus the top ``budget - Σ forced`` other slots, as lengths.
-
-    Selects by threshold instead of a full ranking: every slot above the
-    ``extra``-th best value, then the tied ones in request, position order,
-    i.e. the first ``extra`` slots of the ranking. ``best_first`` is
-    the eligible values already sorted descending, when the caller has them.
-    """
-    eligible = _eligible(s, sched, forced)
-    size = s.size if eligible is None else int(np.count_nonzero(eligible))
-    extra = min(max(budget - int(forced.sum()), 0), size)
-    if extra == 0:
-        return forced.copy()
-    if best_first is None:
-        values = s.reshape(-1) if eligible is None else s[eligible]
-        best = np.partition(values, size - extra)[size - extra]
-    else:
-        best = best_first[extra - 1]
-    threshold = float(best)
-    take = s > threshold
-    if eligible is not None:
-        take &= eligible
-    missing = extra - int(np.count_nonzero(take))
-    if missing > 0:  # ties at the threshold: the first ones in request, position order
-        tied = s == threshold
-        if eligible is not None:
-            tied &= eligible
-        take.reshape(-1)[np.flatnonzero(tied)[:missing]] = True
-    return np.asarray(forced + np.count_nonzero(take, axis=1), dtype=np.int64)
-
-
 @dataclass(frozen=True, eq=False)
 class BudgetStep:
     """One step's validated inputs, shared by every rule."""
@@ -279,16 +183,16 @@ class BudgetStep:
         stale_confidences: npt.ArrayLike | None = None,
         min_per_request: int = 0,
     ) -> BudgetStep:
-        c = _matrix(confidences, "confidences")
-        sched = _scheduled(scheduled, c.shape[0], c.shape[1])
+        c = as_matrix(confidences, "confidences")
+        sched = as_scheduled(scheduled, c.shape[0], c.shape[1])
         stale = None
         if stale_confidences is not None:
-            st = _matrix(stale_confidences, "stale_confidences")
+            st = as_matrix(stale_confidences, "stale_confidences")
             if st.shape != c.shape:
                 raise InvalidInput("stale_confidences", f"must have shape {c.shape}")
             stale = running_survival(st)
         s, _, t0 = _common(num_sampling, c.shape[0], num_non_draft_tokens, None)
-        m = _int(min_per_request, "min_per_request")
+        m = as_count(min_per_request, "min_per_request")
         return cls(running_survival(c), sched, costs, t0, s, stale, m)
 
     @property
@@ -303,7 +207,7 @@ class BudgetStep:
 def _after_forced(step: BudgetStep, survival: FloatArray) -> tuple[FloatArray, float, int]:
     """Ranked free slots, expected gain and ``T0`` once the forced minimum is verified."""
     forced = step.forced
-    scores = _best_first(survival, _eligible(survival, step.scheduled, forced))
+    scores = best_first_values(survival, eligible_slots(survival, step.scheduled, forced))
     if not forced.any():
         return scores, float(step.num_sampling), step.num_non_draft_tokens
     gain = step.num_sampling + float(
@@ -317,7 +221,7 @@ def _top(step: BudgetStep, survival: FloatArray) -> IntArray:
     scores, gain, t0 = _after_forced(step, survival)
     size = int(np.argmax(goodput_curve(scores, gain, step.num_requests, t0, step.costs)))
     reuse = scores if survival is step.survival and not step.forced.any() else None
-    return _fill(step.survival, step.scheduled, step.forced, int(step.forced.sum()) + size, reuse)
+    return fill(step.survival, step.scheduled, step.forced, int(step.forced.sum()) + size, reuse)
 
 
 def stale_rule(step: BudgetStep) -> IntArray:
@@ -346,7 +250,7 @@ def lossless_walk_rule(step: BudgetStep) -> IntArray:
     """
     scores, gain, t0 = _after_forced(step, step.survival)
     size = _walk(scores, gain, step.num_requests, t0, step.costs)
-    return _fill(step.survival, step.scheduled, step.forced, int(step.forced.sum()) + size, scores)
+    return fill(step.survival, step.scheduled, step.forced, int(step.forced.sum()) + size, scores)
 
 
 def full_rule(step: BudgetStep) -> IntArray:
