@@ -77,6 +77,9 @@ def test_summary_mode_counters_reach_the_multiprocess_directory(tmp_path):
     assert m["avest_shim_steps_forwarded_total"][()] == 0  # nothing per step
     assert m["avest_shim_local_refits_total"][()] == 1  # after the loss
     assert m["avest_shim_skipped_refits_total"][()] == 2
+    # fresh tensors every step: kept by reference, every round with its sketch
+    assert m["avest_shim_copy_mode"][()] == 0
+    assert m["avest_shim_sketches_skipped_total"][()] == 0
 
 
 def test_raw_mode_counts_forwarded_steps(tmp_path):

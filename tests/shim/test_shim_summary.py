@@ -95,6 +95,8 @@ def test_reused_step_buffers_are_caught_and_copied_from_then_on():
     # made while the first was checked, goes without a sketch as well
     skipped = [s.sketch is None for s in sink.summaries]
     assert skipped[0] and not skipped[2] and rounds.sketches_skipped == sum(skipped)
+    stats = est._avest.stats()  # what the worker's metrics export
+    assert stats["copy_mode"] is True and stats["sketches_skipped"] == sum(skipped)
     got, want = sink.summaries[2], _reference(trace[201:301], POOLED)
     _assert_sketches_agree(got, want)
     est.avest_close()

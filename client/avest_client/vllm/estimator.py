@@ -167,6 +167,8 @@ class _Runtime:
             "mode": self.mode,
             "summaries": rounds.summaries if rounds else 0,
             "summary_errors": rounds.send_errors if rounds else 0,
+            "sketches_skipped": rounds.sketches_skipped if rounds else 0,
+            "copy_mode": rounds.copy_mode if rounds else False,
             "local_refits": None,  # filled by the estimator (vLLM's own refit counter)
             "governed": self.governor.governed,
             "version": self.governor.applied_version,

@@ -21,12 +21,15 @@ metric                                     type     meaning
                                                     (-1: none yet, vLLM's own)
 ``avest_shim_pooled``                      gauge    1 while pooled coefficients govern
 ``avest_shim_sidecar_connected``           gauge    1 while the sidecar is reachable
+``avest_shim_copy_mode``                   gauge    1 once the shim copies each step's vectors
+                                                    (the caller reuses its buffers)
 ``avest_shim_steps_forwarded_total``       counter  raw steps handed to the sidecar's queue
 ``avest_shim_summaries_total``             counter  round summaries handed to it
 ``avest_shim_dropped_total``               counter  steps or summaries dropped unsent
 ``avest_shim_stalls_total``                counter  times the sidecar stopped acknowledging
 ``avest_shim_local_refits_total``          counter  vLLM's own refits (sidecar absent)
 ``avest_shim_skipped_refits_total``        counter  local refits skipped while pooled
+``avest_shim_sketches_skipped_total``      counter  round summaries sent without a sketch
 =========================================  =======  ========================================
 """
 
@@ -49,6 +52,7 @@ COUNTERS: dict[str, Callable[[dict[str, Any]], int]] = {
     "avest_shim_stalls": lambda s: int((s.get("sink") or {}).get("stalls") or 0),
     "avest_shim_local_refits": lambda s: int(s.get("local_refits") or 0),
     "avest_shim_skipped_refits": lambda s: int(s.get("skipped_refits") or 0),
+    "avest_shim_sketches_skipped": lambda s: int(s.get("sketches_skipped") or 0),
 }
 _HELP = {
     "avest_shim_steps_forwarded": "Raw decode steps the avest shim handed to the sidecar's queue.",
@@ -57,6 +61,7 @@ _HELP = {
     "avest_shim_stalls": "Times the sidecar stopped acknowledging while work was outstanding.",
     "avest_shim_local_refits": "vLLM's own estimator refits (pooled coefficients not governing).",
     "avest_shim_skipped_refits": "Local refits skipped because pooled coefficients govern.",
+    "avest_shim_sketches_skipped": "Round summaries sent without a calibration sketch.",
 }
 
 _lock = threading.Lock()
@@ -86,6 +91,11 @@ def _build() -> dict[str, Any] | None:
             ),
             "connected": Gauge(
                 "avest_shim_sidecar_connected", "1 while the avest sidecar is reachable.", **g
+            ),
+            "copy_mode": Gauge(
+                "avest_shim_copy_mode",
+                "1 once the avest shim copies each step's vectors (the caller reuses them).",
+                **g,
             ),
         }
         for name in COUNTERS:
@@ -130,6 +140,7 @@ class Exporter:
         m["pooled"].set(1 if s.get("governed") else 0)
         sink = s.get("sink") or {}
         m["connected"].set(1 if sink.get("connected") else 0)
+        m["copy_mode"].set(1 if s.get("copy_mode") else 0)
         for name, read in COUNTERS.items():
             now = read(s)
             if now > self._last[name]:
