@@ -202,7 +202,9 @@ def test_sketch_round_trips_through_its_sparse_cells():
     assert err.value.field == "ece_sum_predicted"
 
 
-def test_calibration_layer_learns_from_sketches_as_from_drafts():
+def _layers_fed_by_drafts_and_by_sketches() -> tuple[Recalibrator, Recalibrator]:
+    """Two calibration layers fed the same 40 steps, four rounds: one draft by draft,
+    one from the rounds' sketches."""
     b = batches(synthetic_steps(40, rows=64))
     at = Coefficients.of(0.3, [0.4] * K)  # miscalibrated on purpose
     by_draft, by_sketch = Recalibrator(), Recalibrator()
@@ -215,6 +217,11 @@ def test_calibration_layer_learns_from_sketches_as_from_drafts():
         observe_sketch(by_sketch, s.calibration)
         by_draft.refit()
         by_sketch.refit()
+    return by_draft, by_sketch
+
+
+def test_calibration_layer_learns_from_sketches_as_from_drafts():
+    by_draft, by_sketch = _layers_fed_by_drafts_and_by_sketches()
     np.testing.assert_allclose(by_sketch.total, by_draft.total, rtol=0.02, atol=4.0)
     np.testing.assert_allclose(by_sketch.table, by_draft.table, atol=0.05)
     assert by_sketch.active == by_draft.active
@@ -223,18 +230,7 @@ def test_calibration_layer_learns_from_sketches_as_from_drafts():
 def test_sketches_feed_the_serving_test_as_drafts_do():
     """The layer's serving test (loss and its spread) from sketches matches the
     same drafts scored one by one, so summary mode serves on evidence, not by default."""
-    b = batches(synthetic_steps(40, rows=64))
-    at = Coefficients.of(0.3, [0.4] * K)
-    by_draft, by_sketch = Recalibrator(), Recalibrator()
-    for chunk in range(0, 40, 10):
-        part = [(x.features, x.observed, x.accepted) for x in b[chunk : chunk + 10]]
-        for x, obs, acc in part:
-            by_draft.observe(linear_predictor(at, x), obs, acc)
-        s = summarise(part, at, 0)
-        assert s.calibration is not None
-        observe_sketch(by_sketch, s.calibration)
-        by_draft.refit()
-        by_sketch.refit()
+    by_draft, by_sketch = _layers_fed_by_drafts_and_by_sketches()
     assert by_sketch.spread[1] == pytest.approx(by_draft.spread[1])
     assert by_sketch.spread[0] > 0
     assert by_sketch.spread[0] == pytest.approx(by_draft.spread[0], rel=0.1)
