@@ -361,7 +361,7 @@ def main() -> None:
     if not (a.no_ingest or a.shim_only):
         ks = [int(x) for x in a.ingest_k.split(",") if x]
         res["handler"] = {f"K={k}": bench_handler(k) for k in ks}
-        res["grpc_floor"] = grpc_floor(len(summary_body(ks[0])) + 40, a.streams)
+        res["grpc_floor"] = grpc_floor(len(summary_body(ks[0])) + 40, min(a.streams, 16))
         res["ingest"] = {}
         # with a baseline, the two servers take turns, --repeats times each
         trees = (
