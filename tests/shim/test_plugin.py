@@ -41,7 +41,11 @@ def test_config_from_env():
     )
     assert cfg == ShimConfig("10.0.0.5:7070", 2.5, 128, (("domain", "code"), ("temp", "0.7")), 32)
     assert cfg.enabled
+    assert ShimConfig.from_env({"AVEST_ROUND_STEPS": "500"}).round_steps == 500
     for bad in (
+        {"AVEST_ROUND_STEPS": "-1"},
+        {"AVEST_ROUND_STEPS": "10001"},
+        {"AVEST_ROUND_STEPS": "1.5"},
         {"AVEST_QUEUE_SIZE": "0"},
         {"AVEST_QUEUE_SIZE": "many"},
         {"AVEST_TIMEOUT_S": "-1"},

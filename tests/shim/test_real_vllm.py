@@ -91,7 +91,9 @@ def start_sidecar():
     yield from sidecar_servers()
 
 
-def drive(python: Path, address: str, mode: str, out: Path, steps: int = STEPS) -> dict:
+def drive(
+    python: Path, address: str, mode: str, out: Path, steps: int = STEPS, **extra: str
+) -> dict:
     env = {
         **os.environ,
         "TRITON_INTERPRET": "1",
@@ -102,6 +104,7 @@ def drive(python: Path, address: str, mode: str, out: Path, steps: int = STEPS) 
         "AVEST_QUEUE_SIZE": "4096",
         "AVEST_TIMEOUT_S": "20",
         "PYTHONPATH": "",  # the venv's own avest (editable), not this suite's path
+        **extra,
     }
     args = [str(python), str(DRIVER), str(out), str(steps), str(REQUESTS), str(K)]
     proc = subprocess.run(
@@ -208,6 +211,25 @@ def _check_summary_mode(got: dict, pair) -> None:  # noqa: ANN001
     st = got["stats"]
     assert st["governed"] and got["local_refits"] == 0
     assert st["summaries"] >= 1
+
+
+def test_summary_rounds_longer_than_vllms_interval(python, start_sidecar, tmp_path):
+    """AVEST_ROUND_STEPS above vLLM's REFIT_INTERVAL: vLLM's real step keeps summing
+    across its own refit points (each one skipped, none run), and the worker sends one
+    summary per long round (the sidecar does not refit meanwhile, so no update cuts a
+    round short)."""
+    live = start_sidecar(tmp_path / "live", refit_interval=100 * STEPS, default_rule="vllm")
+    long_round = 3 * LOCAL_REFIT
+    got = drive(python, live.grpc_address, "summary", tmp_path, AVEST_ROUND_STEPS=str(long_round))
+    with EstimatorClient(live.grpc_address) as client:
+        pair = client.pair(got["pair_id"])
+    st = got["stats"]
+    assert st["governed"] and got["local_refits"] == 0
+    assert st["skipped_refits"] >= STEPS // LOCAL_REFIT - 1
+    # whole long rounds, plus the open one sent at close
+    assert 1 <= st["summaries"] <= STEPS // long_round + 1
+    assert STEPS - LOCAL_REFIT < pair.steps_observed <= STEPS
+    assert pair.drafts_observed > 0 and pair.coefficients.version == 0
 
 
 def prime_served_layer(address: str) -> tuple[str, tuple]:

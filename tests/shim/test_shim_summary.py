@@ -72,6 +72,31 @@ def test_device_sums_and_sketch_equal_the_host_reference():
     est.avest_close()
 
 
+@pytest.mark.parametrize("round_steps,lengths", [(250, [250]), (40, [40] * 6)])
+def test_rounds_of_a_chosen_length_carry_the_same_sums(round_steps, lengths):
+    """AVEST_ROUND_STEPS: one summary per that many steps, longer or shorter than vLLM's
+    REFIT_INTERVAL, each equal to the host reference over its steps; vLLM's own refits
+    stay skipped while pooled coefficients govern."""
+    sink = FakeSink()
+    sink.push(*POOLED)
+    est = _shim(sink, round_steps=round_steps)
+    trace = _trace(260)
+    for s in trace:
+        drive(est, s)
+    est._avest.rounds.flush(10)
+    assert [s.steps for s in sink.summaries] == lengths
+    start = 1  # step 0 ran under vLLM's own coefficients
+    for got, n in zip(sink.summaries, lengths, strict=True):
+        want = _reference(trace[start : start + n], POOLED)
+        start += n
+        np.testing.assert_array_equal(got.counts, want.counts)
+        np.testing.assert_allclose(got.info, want.info, rtol=2e-4, atol=1e-3)
+        np.testing.assert_allclose(got.grad, want.grad, rtol=2e-4, atol=1e-3)
+        _assert_sketches_agree(got, want)
+    assert est._refits == 0
+    est.avest_close()
+
+
 def test_reused_step_buffers_are_caught_and_copied_from_then_on():
     """A caller that writes every step into the same buffers: the round that held them
     goes without a sketch, and later rounds copy the vectors and equal the reference."""

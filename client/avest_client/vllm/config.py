@@ -19,6 +19,11 @@ variable               default     meaning
 ``AVEST_RAW_SAMPLE``   ``0``       summary mode: also send this fraction of steps raw
                                    (0 to 1; e.g. for ``avest record``)
 ``AVEST_SKETCH``       ``1``       summary mode: keep the calibration sketch (0 = off)
+``AVEST_ROUND_STEPS``  ``0``       summary mode: steps per summary; 0 = vLLM's
+                                   ``REFIT_INTERVAL`` (100). Longer rounds send
+                                   fewer summaries (a sidecar's load is workers /
+                                   round seconds); the sketch keeps this many steps'
+                                   features on the device (two sets). At most 10,000
 =====================  ==========  ===================================================
 """
 
@@ -39,6 +44,9 @@ ENV_HARDWARE = "AVEST_HARDWARE"
 ENV_MODE = "AVEST_MODE"
 ENV_RAW_SAMPLE = "AVEST_RAW_SAMPLE"
 ENV_SKETCH = "AVEST_SKETCH"
+ENV_ROUND_STEPS = "AVEST_ROUND_STEPS"
+#: Most steps one summary may cover (the sketch keeps each step's features until then).
+MAX_ROUND_STEPS = 10_000
 MODES = ("summary", "raw")
 
 _LABEL_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
@@ -59,6 +67,7 @@ class ShimConfig:
     mode: str = "summary"
     raw_sample: float = 0.0
     sketch: bool = True
+    round_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -71,6 +80,10 @@ class ShimConfig:
             raise ConfigError(f"{ENV_QUEUE} must be >= 1, got {self.queue_size}")
         if self.sync_steps < 1:
             raise ConfigError(f"{ENV_SYNC} must be >= 1, got {self.sync_steps}")
+        if not 0 <= self.round_steps <= MAX_ROUND_STEPS:
+            raise ConfigError(
+                f"{ENV_ROUND_STEPS} must lie in [0, {MAX_ROUND_STEPS}], got {self.round_steps}"
+            )
         if len(self.hardware.encode()) > 128:
             raise ConfigError(f"{ENV_HARDWARE} must be at most 128 bytes")
 
@@ -92,6 +105,7 @@ class ShimConfig:
             mode=env.get(ENV_MODE, "").strip().lower() or "summary",
             raw_sample=_number(env, ENV_RAW_SAMPLE, 0.0, float),
             sketch=env.get(ENV_SKETCH, "1").strip().lower() not in ("0", "false", "no", "off"),
+            round_steps=_number(env, ENV_ROUND_STEPS, 0, int),
         )
 
 

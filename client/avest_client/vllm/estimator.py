@@ -86,7 +86,8 @@ class _Runtime:
                 try:
                     self.rounds = SummaryRound(
                         self.sink, k, est.features.device, opts.config.sketch,
-                        max_num_reqs=max_num_reqs, round_steps=int(est.REFIT_INTERVAL),
+                        max_num_reqs=max_num_reqs,
+                        round_steps=opts.config.round_steps or int(est.REFIT_INTERVAL),
                     )  # fmt: skip
                 except Exception:  # noqa: BLE001
                     logger.exception("avest: summary mode setup failed; not forwarding")
@@ -147,7 +148,7 @@ class _Runtime:
             base_step(idx_mapping, num_sampled, num_rejected)
         if recording:
             steps = rounds.steps = rounds.steps + 1
-            if update is not None or not governed or steps >= est.REFIT_INTERVAL:
+            if update is not None or not governed or steps >= rounds.round_steps:
                 rounds.end(est, zero=governed)
                 if not governed:
                     rounds.stop()

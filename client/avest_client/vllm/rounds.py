@@ -25,8 +25,8 @@ on the first such round it sends that round without a sketch and switches to
 copying the three vectors too (three more copies per step into a
 preallocated ring, counted in ``copy_mode``).
 
-At a round boundary (``REFIT_INTERVAL`` steps, a coefficient update, or the
-sidecar lost) :meth:`SummaryRound.end`, on the step, copies vLLM's sums (one
+At a round boundary (``REFIT_INTERVAL`` steps, or ``AVEST_ROUND_STEPS``; a
+coefficient update; the sidecar lost) :meth:`SummaryRound.end`, on the step, copies vLLM's sums (one
 small device op), zeroes them, and hands the round to a sender thread with
 its set of kept steps; the next round fills the other set. The sender builds
 the round's calibration sketch (:mod:`avest_client.vllm.sketch`) on the
@@ -35,7 +35,7 @@ copies sums and sketch to the host in one transfer, gives the set back (and
 drops the round's references), and hands the sink a
 :class:`~avest_client.summary.RoundSummaryData`. Should the sender still hold
 both sets when a round starts, that round goes without a sketch (counted in
-``sketches_skipped``). The kept steps cost ``2 x REFIT_INTERVAL x
+``sketches_skipped``). The kept steps cost ``2 x round steps x
 max_num_reqs x K x 4`` bytes of device memory (1.6 MiB at 256 requests and
 K = 8; 52 MiB at 1024 and K = 64) plus the held per-step vectors;
 ``AVEST_SKETCH=0`` drops them and the sketch.
