@@ -56,7 +56,18 @@ REFIT_INTERVAL = 100
 ADMIN_TOKEN = "bench-admin-token"
 
 
-def start_server(data_dir: str, extra: Sequence[str] = ()) -> tuple[subprocess.Popen[str], str]:
+def start_server(
+    data_dir: str, extra: Sequence[str] = (), tree: Path | None = None
+) -> tuple[subprocess.Popen[str], str]:
+    """``avest serve`` from this checkout, or from the source ``tree`` given (its
+    ``service``, ``client`` and ``wire`` first on the server's path)."""
+    env = None
+    if tree is not None:
+        paths = [str(tree / "service"), str(tree / "client"), str(tree / "wire")]
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")]),
+        }
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -86,6 +97,7 @@ def start_server(data_dir: str, extra: Sequence[str] = ()) -> tuple[subprocess.P
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
+        env=env,
     )
     assert proc.stdout is not None
     deadline = time.monotonic() + 60

@@ -28,6 +28,13 @@
   reports them as ``unacked``. CPU seconds of the server process and of this
   client per acknowledged summary show which side is the limit.
 
+``--baseline-server TREE`` (a checkout of the code before) runs the ingest
+section on TREE's server and this tree's in turn, ``--repeats`` times each, so
+the two are compared in one run. ``--ingest-only`` skips the shim sections.
+The ingest section also times a bare gRPC server on this machine
+(``bench/grpc_floor.py``: one stream message in, one ack out, nothing done):
+the floor under any server's CPU per summary here.
+
     python bench/bench_summary.py [--batch 256] [--k 8] [--ingest-k 8,64] [--rate 5000] [--json]
 """
 
@@ -56,6 +63,7 @@ for _path in (str(HERE.parents[1]), str(HERE.parent)):
 
 from bench_ingest import cpu_s, make_steps, start_server  # noqa: E402
 from bench_shim import _phase  # noqa: E402
+from grpc_floor import grpc_floor  # noqa: E402
 from shim_costs import (  # noqa: E402
     bench_overhead,
     bench_record,
@@ -277,9 +285,10 @@ def bench_handler(k: int, n: int = 1000, repeats: int = 3) -> dict[str, float]:
 
 
 def bench_ingest_summaries(ks: list[int], workers: int, streams: int, rate: float,
-                           seconds: float, flush_ms: int = 100) -> dict[str, Any]:  # fmt: skip
+                           seconds: float, flush_ms: int = 100,
+                           tree: Path | None = None) -> dict[str, Any]:  # fmt: skip
     tmp = tempfile.mkdtemp(prefix="avest-bench-summary-")
-    proc, address = start_server(tmp, ["--flush-interval-ms", str(flush_ms)])
+    proc, address = start_server(tmp, ["--flush-interval-ms", str(flush_ms)], tree)
     out: dict[str, Any] = {}
     try:
         with EstimatorClient(address, timeout=30) as client:
@@ -326,11 +335,15 @@ def main() -> None:
         "--flush-interval-ms", default="100", help="group commit interval(s), e.g. 100,25"
     )
     ap.add_argument("--no-ingest", action="store_true")
+    ap.add_argument("--ingest-only", action="store_true", help="the handler and ingest sections")
     ap.add_argument("--shim-only", action="store_true", help="the shim's work and record")
     # a checkout of the code before (git archive REV | tar -x -C DIR): the shim-only
     # section runs alternately on it and on this tree, --repeats times each
     ap.add_argument("--baseline-tree", type=Path)
     ap.add_argument("--repeats", type=int, default=2)
+    # a checkout of the server before: the ingest section runs its server and this
+    # tree's in turn, --repeats times each
+    ap.add_argument("--baseline-server", type=Path)
     ap.add_argument("--gap-ms", type=float, default=0.5, help="shim's work: wait per step")
     ap.add_argument("--overhead-steps", type=int, default=3000)
     ap.add_argument("--json", action="store_true")
@@ -338,26 +351,34 @@ def main() -> None:
     if a.baseline_tree is not None:
         compare_trees(HERE, a.baseline_tree, a.repeats, a.batch, a.k, a.gap_ms, a.overhead_steps)
         return
-    res: dict[str, Any] = {
-        "cpus": os.cpu_count(),
-        "load_average": os.getloadavg(),
-        "shim_overhead": bench_overhead(a.batch, a.k, a.overhead_steps, gap_s=a.gap_ms / 1e3),
-        "record": bench_record(a.batch, a.k),
-    }
-    if not a.shim_only:
+    res: dict[str, Any] = {"cpus": os.cpu_count(), "load_average": os.getloadavg()}
+    if not a.ingest_only:
+        res["shim_overhead"] = bench_overhead(a.batch, a.k, a.overhead_steps, gap_s=a.gap_ms / 1e3)
+        res["record"] = bench_record(a.batch, a.k)
+    if not (a.shim_only or a.ingest_only):
         res["shim"] = bench_shim_steps(a.batch, a.k, a.steps, a.rounds)
         res["bytes"] = bench_bytes(a.batch, a.k, a.bytes_steps)
     if not (a.no_ingest or a.shim_only):
         ks = [int(x) for x in a.ingest_k.split(",") if x]
         res["handler"] = {f"K={k}": bench_handler(k) for k in ks}
-        res["ingest"] = {
-            f"flush {ms} ms": bench_ingest_summaries(
-                ks, a.workers, a.streams, a.rate, a.seconds, int(ms)
-            )
-            for ms in a.flush_interval_ms.split(",")
-        }
+        res["grpc_floor"] = grpc_floor(len(summary_body(ks[0])) + 40, a.streams)
+        res["ingest"] = {}
+        # with a baseline, the two servers take turns, --repeats times each
+        trees = (
+            [(" baseline", a.baseline_server), ("", None)] if a.baseline_server else [("", None)]
+        )
+        for rep in range(a.repeats if a.baseline_server else 1):
+            for tag, tree in trees:
+                for ms in a.flush_interval_ms.split(","):
+                    name = f"flush {ms} ms{tag}" + (f" #{rep + 1}" if a.baseline_server else "")
+                    res["ingest"][name] = bench_ingest_summaries(
+                        ks, a.workers, a.streams, a.rate, a.seconds, int(ms), tree
+                    )
     if a.json:
         print(json.dumps(res, indent=2))
+        return
+    if a.ingest_only:
+        print_ingest(res)
         return
     print_shim_costs(res, a.batch, a.k, a.gap_ms)
     if a.shim_only:
@@ -375,6 +396,10 @@ def main() -> None:
         f"{b['summary_bytes_per_step']:.1f} ({b['summary_bytes_per_message']:.0f} B per summary "
         f"of ~{ROUND_STEPS} steps): {b['ratio']:.0f}x fewer"
     )
+    print_ingest(res)
+
+
+def print_ingest(res: dict[str, Any]) -> None:
     for name, h in res.get("handler", {}).items():
         print(
             f"handler {name:<5} CPU per summary: parse {h['parse_us']:.0f} µs, validate "
@@ -384,11 +409,18 @@ def main() -> None:
     for flush, runs in res.get("ingest", {}).items():
         for name, r in runs.items():
             print(
-                f"ingest {flush:<14} {name:<14} acked {r['acked_per_s']:>7.0f}/s  ack p50 "
+                f"ingest {flush:<24} {name:<14} acked {r['acked_per_s']:>7.0f}/s  ack p50 "
                 f"{r['ack_p50_ms']:>7.1f} ms  p99 {r['ack_p99_ms']:>7.1f} ms  CPU per summary: "
                 f"server {r['server_cpu_us']:>5.0f} µs, client {r['client_cpu_us']:>5.0f} µs  "
                 f"({r['summaries']} summaries, {r['unacked']} unacked, {r['refits']} refits)"
             )
+    if "grpc_floor" in res:
+        f = res["grpc_floor"]
+        print(
+            f"bare gRPC floor (one {f['bytes']}-byte message in, one ack out, nothing done): "
+            f"server {f['server_cpu_us']:.0f} µs, client {f['client_cpu_us']:.0f} µs CPU per "
+            f"message, {f['per_s']:.0f} messages/s"
+        )
 
 
 if __name__ == "__main__":

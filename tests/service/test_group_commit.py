@@ -51,7 +51,7 @@ async def _run(tmp_path) -> None:  # noqa: ANN001
     store = HeldStore(settings.database)
     app = Avest(settings, store)
     await app.start()
-    durable_calls: list[set[str]] = []
+    durable_calls: list[list[tuple[str, str, int]]] = []
     app.hooks.durable.append(durable_calls.append)
     pair, _ = app.register(PairKey.of("t", "d", "eagle", K))
     # Let the group-commit loop's own flush (woken by the registration) pass,
@@ -75,7 +75,8 @@ async def _run(tmp_path) -> None:  # noqa: ANN001
     # The next flush waits for the one under way: after it, everything is durable.
     await app.flush()
     assert pair.durable == {"other-worker": 3, "leaving": 1}
-    assert any(pair.id in ids for ids in durable_calls[1:])
+    raised = [r for call in durable_calls for r in call]
+    assert (pair.id, "other-worker", 3) in raised and (pair.id, "leaving", 1) in raised
     assert not pair.dirty and not pair.changed_workers
     await app.close()
 

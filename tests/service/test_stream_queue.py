@@ -34,7 +34,7 @@ def test_unsent_updates_and_acks_are_replaced_by_newer_ones() -> None:
         for version in range(1, 1001):
             stream.coefficients("p", pb.Coefficients(pair_id="p", version=version))
             durable["w"] = version
-            stream.durable({"p"})
+            stream.durable("p", "w", version)
         assert stream.out.qsize() == 2
         sent = _drain(stream)
         assert sent[0].coefficients_update.coefficients.version == 1000
@@ -42,7 +42,7 @@ def test_unsent_updates_and_acks_are_replaced_by_newer_ones() -> None:
         # Once sent, the next ones queue again, in order.
         stream.coefficients("p", pb.Coefficients(pair_id="p", version=1001))
         durable["w"] = 1001
-        stream.durable({"p"})
+        stream.durable("p", "w", 1001)
         again = _drain(stream)
         assert [r.WhichOneof("event") for r in again] == ["coefficients_update", "ack"]
         assert again[0].coefficients_update.coefficients.version == 1001

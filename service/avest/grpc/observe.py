@@ -76,18 +76,16 @@ class ObserveStream:
                 self.out.put_nowait(pair_id)
             self._coefficients[pair_id] = msg
 
-    def durable(self, pair_ids: set[str]) -> None:
-        registry = self.service.app.registry
-        for (pair_id, worker), sent in list(self.acked.items()):
-            if pair_id not in pair_ids or pair_id not in registry.pairs:
-                continue
-            level = registry.pairs[pair_id].durable.get(worker, 0)
-            if level > sent:
-                key = (pair_id, worker)
-                self.acked[key] = level
-                if key not in self._acks:
-                    self.out.put_nowait(key)
-                self._acks[key] = level
+    def durable(self, pair_id: str, worker: str, level: int) -> None:
+        """``worker``'s steps of ``pair_id`` are durable up to ``level``: queue its ack."""
+        key = (pair_id, worker)
+        sent = self.acked.get(key)
+        if sent is None or level <= sent:
+            return
+        self.acked[key] = level
+        if key not in self._acks:
+            self.out.put_nowait(key)
+        self._acks[key] = level
 
     def _response(self, msg: pb.ObserveResponse | str | tuple[str, str]) -> pb.ObserveResponse:
         if isinstance(msg, str):
@@ -128,6 +126,7 @@ class ObserveStream:
     async def _consume(self) -> None:
         service = self.service
         rate = service.step_rate()
+        turns = service.turns
         try:
             async for req in self.requests:
                 if service.draining:
@@ -137,7 +136,7 @@ class ObserveStream:
                     self.error = Refused(*malformed_reply())
                     break
                 # Wait for a turn: streams that sent least recently go first.
-                self.served = await service.turns.take(self.served)
+                self.served = await turns.take(self.served)
                 if service.draining:
                     break
                 try:
@@ -166,10 +165,14 @@ class ObserveStream:
                                 )
                             )
                         )
-                # Fair turns: let other streams, health and pushes run between
-                # messages; a stream over its step rate waits (backpressure
-                # through gRPC flow control, nothing refused or lost).
-                await asyncio.sleep(min(rate.wait_s(), 1.0) if rate is not None else 0)
+                # A stream over its step rate waits (backpressure through gRPC
+                # flow control, nothing refused or lost). Without turns, each
+                # stream yields after each step so that health and pushes run
+                # between; with them, the turn's cap does that already.
+                if rate is not None:
+                    await asyncio.sleep(min(rate.wait_s(), 1.0))
+                elif turns.per_turn <= 0:
+                    await asyncio.sleep(0)
         finally:
             # Let the last applied steps become durable and be acknowledged
             # before the stream ends.

@@ -124,9 +124,14 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         for q in self.watchers.pop(pair.id, set()):
             q.put_nowait(None)
 
-    def _durable(self, pair_ids: set[str]) -> None:
-        for stream in list(self.streams):
-            stream.durable(pair_ids)
+    def _durable(self, raised: list[tuple[str, str, int]]) -> None:
+        # Each worker's watermark goes to the stream that sends as it (O(workers
+        # made durable), not O(streams x their workers) per flush).
+        owners, pairs = self.owners, self.app.registry.pairs
+        for pair_id, worker, level in raised:
+            stream = owners.get((pair_id, worker))
+            if stream is not None and pair_id in pairs:
+                stream.durable(pair_id, worker, level)
 
     # -- RPCs -------------------------------------------------------------------
 

@@ -52,8 +52,9 @@ class Hooks:
     refit: list[Callable[[Pair, Refit, float], None]] = field(default_factory=list)
     #: ``(pair)`` whenever a pair's coefficients change (refit, reset, restore).
     coefficients: list[Callable[[Pair], None]] = field(default_factory=list)
-    #: ``(pair_ids)`` after a snapshot covering those pairs is durable.
-    durable: list[Callable[[set[str]], None]] = field(default_factory=list)
+    #: ``([(pair_id, worker, sequence), ...])`` after a snapshot is durable: the
+    #: workers whose acknowledged watermark it raised, and the new watermarks.
+    durable: list[Callable[[list[tuple[str, str, int]]], None]] = field(default_factory=list)
     #: ``(pair, rows, labelled)`` after each applied batch.
     observed: list[Callable[[Pair, int, int], None]] = field(default_factory=list)
     #: ``(pair, why)`` after a pair is removed ("deleted", "retired").
@@ -325,15 +326,17 @@ class Avest:
         if self.store_error:
             log.warning("store writes resumed after: %s", self.store_error)
         self.store_error = ""
+        raised: list[tuple[str, str, int]] = []
         for pair, record in zip(pairs, records, strict=True):
             pair.saved(record)
             for worker, (seq, _) in record["workers"].items():
                 if seq > pair.durable.get(worker, 0):
                     pair.durable[worker] = seq
+                    raised.append((pair.id, worker, seq))
         self.state_file.record(len(self.registry.pairs))
-        ids = {p.id for p in pairs}
-        for hook in self.hooks.durable:
-            hook(ids)
+        if raised:
+            for hook in self.hooks.durable:
+                hook(raised)
 
     def _store_failed(self, operation: str, exc: BaseException) -> None:
         self.store_errors[operation] = self.store_errors.get(operation, 0) + 1
