@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from avest.core.estimator import OnlineEstimator
 from avest.core.labels import labels
@@ -10,7 +11,7 @@ from avest.core.model import Coefficients, linear_predictor
 from avest.core.numeric import bernoulli_nll
 from avest.core.rule_factory import DEFAULT_RULE, make_rule
 from avest.core.rules import VllmRule
-from avest.core.shadow import VLLM, ShadowedTracking, loss_change, shifted
+from avest.core.shadow import TRACKING, VLLM, ShadowedTracking, loss_change, shifted
 from avest.core.stats import fold
 from avest.core.tracking import TrackingRule
 
@@ -84,3 +85,51 @@ def test_the_default_resumes_exactly_from_a_snapshot():
     assert a.coefficients == b.coefficients
     np.testing.assert_array_equal(a.rule.theta, b.rule.theta)
     assert a.rule.loss_difference == b.rule.loss_difference
+
+
+def test_the_served_coefficients_mix_both_trajectories_by_recent_loss():
+    """One linear-logistic model between the trajectories: ``w`` from the decayed
+    loss difference, each keeping a share of 0.2 that fades once one is far behind."""
+    k = 4
+    rng = np.random.default_rng(3)
+    est = OnlineEstimator(k, make_rule(DEFAULT_RULE), refit_interval=20)
+    for i in range(200):
+        est.observe(*draw_step(rng, 16, k, 0.9 if i < 100 else 0.5, np.zeros(k)))
+    rule = est.rule
+    assert isinstance(rule, ShadowedTracking)
+    w = rule.tracking_weight
+    expected = w * rule.theta[TRACKING] + (1 - w) * rule.theta[VLLM]
+    np.testing.assert_allclose(est.coefficients.as_vector(), expected, rtol=0, atol=1e-12)
+    assert not np.allclose(rule.theta[TRACKING], rule.theta[VLLM])
+    weights = {}
+    for d in (0.0, 3.0, -3.0, 500.0, -1e6):
+        rule.loss_difference = d
+        weights[d] = rule.tracking_weight
+    assert weights[0.0] == 0.5
+    assert weights[3.0] == 0.8 and weights[-3.0] == pytest.approx(0.2)
+    assert weights[500.0] == pytest.approx(0.98)
+    assert weights[-1e6] == pytest.approx(1e-5)
+
+
+@pytest.mark.parametrize(
+    ("slope", "shift", "seed"), [(0.6, -0.5, 7), (0.5, 0.0, 6)], ids=["1.2-to-0.6", "1.0-to-0.5"]
+)
+def test_after_a_fall_of_the_slope_the_default_is_not_behind_vllms_rule(slope, shift, seed):
+    """The fitted slope falls mid-trace (drafter or prompts changed): both rules'
+    Newton steps overshoot the new slope, and the old default was 2.2 % (1.2 to
+    0.6) and 0.9 % (1.0 to 0.5) behind vLLM's rule in the second half's log
+    loss. With the tracking step's fall bounded and a share of it in the served
+    coefficients it is ahead, and its ECE within 0.002."""
+    k, n = 5, 400
+    base = np.linspace(1.5, -0.5, k)
+    before = 1.2 if seed == 7 else 1.0
+    rng = np.random.default_rng(seed)
+    steps = [
+        draw_step(rng, 24, k, before if i < n // 2 else slope, base + (shift if i >= n // 2 else 0))
+        for i in range(n)
+    ]
+    vllm = replay(OnlineEstimator(k, VllmRule(), 50), steps, n // 2)
+    default = replay(OnlineEstimator(k, make_rule(DEFAULT_RULE), 50), steps, n // 2)
+    assert default[1].logloss < vllm[1].logloss
+    assert default[1].ece <= vllm[1].ece + 0.002
+    assert default[0].logloss < vllm[0].logloss * 0.97

@@ -14,21 +14,37 @@ those same sums by expanding the log loss to second order around ``theta``
 
 Both stay mergeable sums, so the rule works on rounds pooled from many
 workers or sent as round summaries. The loss differences are decayed by
-``decay`` per round; the served trajectory switches when the other one's
-recent predictive log loss is lower. Where accumulated information wins
-(stationary traffic, thinly labelled positions) ``tracking`` is served;
-while the workload moves faster than its forgetting follows, vLLM's one-
-round step is, so the default is never behind vLLM's rule for long.
+``decay`` per round into ``D`` (vLLM's trajectory's recent loss minus
+tracking's, nats). The served coefficients are one linear-logistic model,
+a point between the two trajectories (a fixed-share mixture in parameter
+space):
+
+    theta = w * theta_tracking + (1 - w) * theta_vllm,
+    w = clip(sigmoid(D), f, 1 - f),   f = share * min(1, SHARE_FADE / |D|)
+
+The trajectory with the lower recent loss carries most of the weight and
+the other keeps ``share`` of it, so right after a switch the served point
+is already part of the way toward the trajectory that turns out better
+(the tracking step's bounded fall of the slope, while vLLM's overshoots),
+and where the two scatter around the same fit their average is served
+rather than one of them. A trajectory that is behind by far more than a
+round's noise (vLLM's at the +40 feature clamp: thousands of nats) loses
+its share. Where accumulated information wins ``tracking``
+dominates; while the workload moves faster than its forgetting follows,
+vLLM's one-round step does, so the default is never behind vLLM's rule for
+long.
 """
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 import numpy as np
 import numpy.typing as npt
 
 from avest.core.model import Coefficients
+from avest.core.numeric import sigmoid
 from avest.core.rules import Refit, VllmRule
 from avest.core.stats import RoundStats
 from avest.core.tracking import TrackingRule
@@ -37,6 +53,11 @@ FloatArray = npt.NDArray[np.float64]
 
 #: Weight the loss comparison keeps per round.
 DEFAULT_SHADOW_DECAY = 0.7
+#: Least weight either trajectory keeps in the served coefficients ...
+DEFAULT_SHADOW_SHARE = 0.2
+#: ... while the decayed loss difference is within this many nats (beyond,
+#: the share fades as ``SHARE_FADE / |D|``).
+SHARE_FADE = 50.0
 #: Trajectories: 0 the tracking rule's, 1 vLLM's.
 TRACKING, VLLM = 0, 1
 
@@ -63,7 +84,7 @@ def loss_change(stats: RoundStats, d: FloatArray) -> float:
 
 
 class ShadowedTracking:
-    """``tracking`` served while its recent predictive loss is no worse than vLLM's rule's."""
+    """``tracking`` and vLLM's rule, served mixed by their recent predictive losses."""
 
     name: ClassVar[str] = "tracking"
 
@@ -74,14 +95,18 @@ class ShadowedTracking:
         l2: float = 1e-3,
         warmup_rounds: int = 4,
         decay: float = DEFAULT_SHADOW_DECAY,
+        share: float = DEFAULT_SHADOW_SHARE,
     ) -> None:
         if not 0.0 <= decay <= 1.0:
             raise ValueError("decay must lie in [0, 1]")
+        if not 0.0 <= share <= 0.5:
+            raise ValueError("share must lie in [0, 0.5]")
         self.tracking = TrackingRule(
             forgetting=forgetting, damping=damping, l2=l2, warmup_rounds=warmup_rounds
         )
         self.shadow = VllmRule(l2=l2, damping=damping)
         self.decay = decay
+        self.share = share
         self.theta = np.zeros((2, 0))
         #: Decayed (vLLM's trajectory - tracking's) predictive log loss, nats.
         self.loss_difference = 0.0
@@ -99,7 +124,22 @@ class ShadowedTracking:
 
     @property
     def served(self) -> str:
+        """The trajectory with the larger weight in the served coefficients."""
         return "tracking" if self.serving == TRACKING else "vllm"
+
+    @property
+    def tracking_weight(self) -> float:
+        """``w``: the tracking trajectory's weight in the served coefficients."""
+        d = self.loss_difference
+        if not math.isfinite(d):
+            return 1.0
+        floor = self.share * min(1.0, SHARE_FADE / abs(d)) if d else self.share
+        return min(max(float(sigmoid(d)), floor), 1.0 - floor)
+
+    def served_vector(self) -> FloatArray:
+        """The served coefficients as a vector: the trajectories mixed by their weights."""
+        w = self.tracking_weight
+        return np.asarray(w * self.theta[TRACKING] + (1.0 - w) * self.theta[VLLM])
 
     def reset(self, start: Coefficients) -> None:
         self.tracking.reset(start)
@@ -111,9 +151,13 @@ class ShadowedTracking:
     def refit(self, coef: Coefficients, stats: RoundStats) -> Refit:
         if self.theta.shape[1] != coef.k + 1:
             self.reset(coef)
-        # The served trajectory is what the workers scored: re-anchor it there.
-        self.theta[self.serving] = coef.as_vector()
-        d = self.theta - coef.as_vector()
+        # The round's sums were taken at ``coef``; where it is not the mixture
+        # (coefficients set from outside), both trajectories move with it.
+        v = coef.as_vector()
+        offset = v - self.served_vector()
+        if np.any(offset):
+            self.theta = self.theta + offset
+        d = self.theta - v
         change = [loss_change(stats, d[j]) for j in (TRACKING, VLLM)]
         if all(np.isfinite(change)):
             self.loss_difference = self.decay * self.loss_difference + (
@@ -125,13 +169,8 @@ class ShadowedTracking:
             result = rule.refit(Coefficients.from_vector(self.theta[j]), round_j)
             self.theta[j] = result.coefficients.as_vector()
             results.append(result)
-        if self.serving == TRACKING and self.loss_difference < 0.0:
-            self.serving = VLLM
-        elif self.serving == VLLM and self.loss_difference > 0.0:
-            self.serving = TRACKING
-        return Refit(
-            Coefficients.from_vector(self.theta[self.serving]), results[self.serving].outcome
-        )
+        self.serving = TRACKING if self.tracking_weight >= 0.5 else VLLM
+        return Refit(Coefficients.from_vector(self.served_vector()), results[self.serving].outcome)
 
     def state(self) -> dict[str, FloatArray]:
         out = {f"tracking.{n}": v for n, v in self.tracking.state().items()}

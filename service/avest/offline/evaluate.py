@@ -33,7 +33,7 @@ METHODS: dict[str, tuple[bool, str]] = {
     "tracking": (
         True,
         "online, the default rule: tracking Newton steps with vLLM's rule as a shadow, "
-        "the better by recent predictive loss served",
+        "the two mixed by recent predictive loss",
     ),
     "calibrated": (
         True,
