@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -102,8 +103,29 @@ def test_snapshot_is_taken_inside_step_before_propose_overwrites():
     est.step(idx, torch.tensor([2, 1]), torch.tensor([1, 1]))
     est.features.fill_(99.0)  # the next propose overwrites every slot
     sink.gate.set()
-    est._avest.forwarder.flush(5)
+    assert est._avest.forwarder.flush(30)
     assert sink.snapshot()[0].features.tolist() == [[1.0, 2.0], [3.0, 4.0]]
+
+
+def test_flush_waits_until_the_sink_has_the_step():
+    """flush() returns once the step is with the sink, not once the consumer has read it:
+    a sink still inside submit keeps flush waiting."""
+    sink = FakeSink(gate=threading.Event())  # submit blocks until the gate opens
+    cls, _ = _shim(sink)
+    est = cls(4, 2, CPU)
+    idx = torch.tensor([1, 2])
+    est.load_features(idx, torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+    est.step(idx, torch.tensor([2, 1]), torch.tensor([1, 1]))
+    fwd = est._avest.forwarder
+    deadline = time.monotonic() + 30
+    while fwd.queue.delivered < 1:  # the consumer took the step; it waits in submit
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert not fwd.flush(0.3)
+    assert sink.snapshot() == []
+    sink.gate.set()
+    assert fwd.flush(30)
+    assert len(sink.snapshot()) == 1
 
 
 def test_exclusion_flags_follow_the_request_slots():

@@ -24,7 +24,7 @@ class SlotQueue(Generic[T]):
         self.capacity = capacity
         self._free: deque[T] = deque(make_slot() for _ in range(capacity + 2))
         self._queued: deque[T] = deque()
-        self._busy = 0  # slots handed to the consumer, not yet released
+        self._busy = 0  # steps handed to the consumer, not yet done with
         self._cond = threading.Condition(threading.Lock())
         self._closed = False
         self.published = 0
@@ -64,10 +64,15 @@ class SlotQueue(Generic[T]):
     def get_nowait(self) -> T | None:
         return self.get(0)
 
-    def release(self, slot: T) -> None:
+    def recycle(self, slot: T) -> None:
+        """The consumer has read ``slot``: the producer may fill it again. The step
+        still counts as being consumed until :meth:`done`."""
+        self._free.append(slot)  # deque.append is atomic
+
+    def done(self) -> None:
+        """The consumer has finished with the step it took last (handed on or failed)."""
         with self._cond:
             self._busy -= 1
-            self._free.append(slot)
             self._cond.notify_all()
 
     # both ------------------------------------------------------------------

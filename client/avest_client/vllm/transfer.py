@@ -134,22 +134,25 @@ class Forwarder:
                 time.sleep(POLL_S)
                 continue
             try:
-                rows = self._unpack(slot)
-            except Exception:  # noqa: BLE001
-                logger.exception("avest: reading a captured step failed")
-                rows = None
+                try:
+                    rows = self._unpack(slot)
+                except Exception:  # noqa: BLE001
+                    logger.exception("avest: reading a captured step failed")
+                    rows = None
+                finally:
+                    slot.meta = None
+                    q.recycle(slot)  # read: the producer may refill it
+                if rows is None:
+                    continue
+                try:
+                    self.sink.submit(*rows)
+                    self.submitted += 1
+                except Exception:  # noqa: BLE001 - the sink's problem, never vLLM's
+                    self.submit_errors += 1
+                    if self.submit_errors == 1:
+                        logger.exception("avest: sink.submit failed (further failures counted)")
             finally:
-                slot.meta = None
-                q.release(slot)
-            if rows is None:
-                continue
-            try:
-                self.sink.submit(*rows)
-                self.submitted += 1
-            except Exception:  # noqa: BLE001 - the sink's problem, never vLLM's
-                self.submit_errors += 1
-                if self.submit_errors == 1:
-                    logger.exception("avest: sink.submit failed (further failures counted)")
+                q.done()  # flush() waits for this: the step is with the sink (or failed)
 
     def _unpack(self, slot: _Slot) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         if self._cuda:
