@@ -328,11 +328,7 @@ class Avest:
         self.store_error = ""
         raised: list[tuple[str, str, int]] = []
         for pair, record in zip(pairs, records, strict=True):
-            pair.saved(record)
-            for worker, (seq, _) in record["workers"].items():
-                if seq > pair.durable.get(worker, 0):
-                    pair.durable[worker] = seq
-                    raised.append((pair.id, worker, seq))
+            raised += pair.saved(record)
         self.state_file.record(len(self.registry.pairs))
         if raised:
             for hook in self.hooks.durable:

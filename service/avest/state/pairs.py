@@ -189,13 +189,21 @@ class Pair:
             self._record(refit.outcome)
         return True, refit
 
-    def saved(self, record: dict[str, Any]) -> None:
+    def saved(self, record: dict[str, Any]) -> list[tuple[str, str, int]]:
         """``record`` (from :meth:`Registry.snapshot`) is durable: its history and
-        cost curves need no writing again (unless they changed meanwhile)."""
+        cost curves need no writing again (unless they changed meanwhile), and its
+        workers' steps are acknowledged up to what it carried. Returns the
+        ``(pair, worker, sequence)`` watermarks it raised."""
         self.unsaved_history = max(0, self.unsaved_history - len(record["history"]))
         for hardware, curves in record["cost_objects"].items():
             if self.costs.get(hardware) is curves:
                 self.unsaved_costs.discard(hardware)
+        raised = []
+        for worker, (seq, _) in record["workers"].items():
+            if seq > self.durable.get(worker, 0):
+                self.durable[worker] = seq
+                raised.append((self.id, worker, seq))
+        return raised
 
     def reset(self) -> None:
         self.estimator.reset()
