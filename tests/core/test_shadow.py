@@ -133,3 +133,13 @@ def test_after_a_fall_of_the_slope_the_default_is_not_behind_vllms_rule(slope, s
     assert default[1].logloss < vllm[1].logloss
     assert default[1].ece <= vllm[1].ece + 0.002
     assert default[0].logloss < vllm[0].logloss * 0.97
+
+
+def test_a_non_finite_trajectory_is_never_mixed_into_the_served_coefficients():
+    rule = ShadowedTracking()
+    rule.reset(Coefficients.of(0.5, [-0.2] * 3))
+    rule.theta[1] = np.nan  # vLLM's trajectory broken, whatever its weight
+    assert rule.tracking_weight < 1.0
+    served = rule.served_vector()
+    assert np.all(np.isfinite(served))
+    np.testing.assert_array_equal(served, rule.theta[0])

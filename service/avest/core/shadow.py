@@ -139,7 +139,11 @@ class ShadowedTracking:
     def served_vector(self) -> FloatArray:
         """The served coefficients as a vector: the trajectories mixed by their weights."""
         w = self.tracking_weight
-        return np.asarray(w * self.theta[TRACKING] + (1.0 - w) * self.theta[VLLM])
+        mixed = np.asarray(w * self.theta[TRACKING] + (1.0 - w) * self.theta[VLLM])
+        if not np.all(np.isfinite(mixed)):  # never let one trajectory's fault through
+            finite = [j for j in (TRACKING, VLLM) if np.all(np.isfinite(self.theta[j]))]
+            return np.asarray(self.theta[finite[0]] if finite else mixed)
+        return mixed
 
     def reset(self, start: Coefficients) -> None:
         self.tracking.reset(start)
