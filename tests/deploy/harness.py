@@ -201,7 +201,7 @@ def feed_sample_trace(
         stub = pb_grpc.EstimatorServiceStub(channel)
         reg = stub.RegisterPair(
             pb.RegisterPairRequest(
-                key=key, update_rule=pb.UPDATE_RULE_RECURSIVE, refit_interval=refit_interval
+                key=key, update_rule=pb.UPDATE_RULE_TRACKING, refit_interval=refit_interval
             ),
             timeout=10,
         )

@@ -145,6 +145,8 @@ def test_names_are_defined_once_prefixed_and_in_base_units() -> None:
 
 def test_every_metric_is_exposed_with_its_labels(live: _Live) -> None:
     register(live)
+    # the default rule's own gauge (avest_rule_tracking_weight) needs a pair on it
+    shared_register(live, 5, 10, target="tracked-model", rule=pb.UPDATE_RULE_TRACKING)
     samples = scrape(live)
     for spec in M.METRICS:
         for name in spec.sample_names():

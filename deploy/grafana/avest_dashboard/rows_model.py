@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from avest.core.estimator import DEFAULT_RECENT_DECAY
 from avest.http import metrics as m
+from avest.http.names import TRACKING_WEIGHT
 
 from .panels import DATASOURCE, Layout, dashed, refs, row, stat, target, timeseries
 from .queries import (
@@ -148,6 +149,19 @@ def coefficients(lay: Layout) -> list[dict]:
             "Per-position intercepts b_i of the coefficients in force (position 0 is the "
             "first draft token).",
             [target(f"{m.INTERCEPT}{{{PAIR}}}", "b{{position}}")],
+        )
+    )
+    p.append(
+        timeseries(
+            lay,
+            "Default rule: tracking weight",
+            "The tracking trajectory's weight in the served coefficients; vLLM's own rule, "
+            "run beside it on the same sums, has the rest. Near 1 while the carried "
+            "information predicts better (stationary traffic); at 0.2 or below while the "
+            "workload moves faster than tracking follows. Empty for pairs on another rule.",
+            [target(f"{TRACKING_WEIGHT}{{{PAIR}}}", "tracking")],
+            minimum=0.0,
+            maximum=1.0,
         )
     )
     return p

@@ -51,6 +51,7 @@ from avest.http.names import (
     STEPS_OBSERVED,
     STORE_ERRORS,
     STORE_WRITABLE,
+    TRACKING_WEIGHT,
     family_name,
 )
 
@@ -106,6 +107,7 @@ COLLECTED = (
     RELIABILITY_OBSERVED,
     CALIBRATION_LAYER_SERVED,
     CALIBRATION_LAYER_GAIN,
+    TRACKING_WEIGHT,
 )
 
 Families = dict[str, GaugeMetricFamily | CounterMetricFamily]
@@ -234,6 +236,9 @@ class PairCollector:
             f[REFITS].add_metric([pid, outcome], float(counts.get(outcome, 0)))
         _curves(f, pid, s, m.reliability(pair))
         _calibration_layer(f, pid, est.recalibrator)
+        weight = getattr(est.rule, "tracking_weight", None)
+        if weight is not None:
+            f[TRACKING_WEIGHT].add_metric([pid], float(weight))
 
 
 def _calibration(
