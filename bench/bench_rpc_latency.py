@@ -40,6 +40,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from grpc_floor import unary_floor
 from prometheus_client.parser import text_string_to_metric_families
 
 from avest_client import EstimatorClient
@@ -237,9 +238,12 @@ def main() -> None:
         for srv in servers.values():
             srv.stop()
     handler = handler_ms()
+    # the bare floor: a unary call of the same request size that does nothing
+    floor = unary_floor(B * K * 4, B * K * 4 // 2)
     load = os.getloadavg()[0]
     if args.json:
-        print(json.dumps({"rpc": result, "handler_ms": handler, "load": load}, indent=2))
+        out = {"rpc": result, "handler_ms": handler, "grpc_floor": floor, "load": load}
+        print(json.dumps(out, indent=2))
         return
     print(f"B={B}, K={K}, {args.calls} sequential calls per method and server; load {load:.1f}")
     print(
@@ -254,6 +258,11 @@ def main() -> None:
                 f"{r['client_cpu_ms']:>14.3f}"
             )
     print("handler alone (median ms): " + ", ".join(f"{k} {v:.3f}" for k, v in handler.items()))
+    print(
+        f"bare gRPC unary on this host ({B * K * 4}-byte request, nothing done; "
+        f"bench/grpc_floor.py): p50 {floor['p50_ms']:.3f} ms, p99 {floor['p99_ms']:.3f} ms, "
+        f"server CPU {floor['server_cpu_ms']:.3f} ms, client CPU {floor['client_cpu_ms']:.3f} ms"
+    )
     print("target: p99 <= 1 ms")
 
 

@@ -7,6 +7,11 @@ server's CPU per message is the floor under any Python gRPC server's cost per
 summary on this host (avest's adds parsing, checks, the fold, the group
 commit and the ack bookkeeping): ``bench_summary.py`` prints both.
 
+:func:`unary_floor` does the same for a unary call (a ``size``-byte request,
+a ``reply``-byte answer, sequential, through a sync channel as the client
+library calls ``Score`` and ``Budget``): the round-trip latency and the CPU
+under any unary RPC on this host (``bench_rpc_latency.py`` prints it).
+
     python bench/grpc_floor.py [--messages 20000] [--streams 16] [--size 6900]
 """
 
@@ -29,16 +34,22 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _serve(ports: Any) -> None:
+def _serve(ports: Any, reply: int = 40) -> None:
     async def main() -> None:
         async def stream(requests: Any, context: Any) -> Any:
             async for _ in requests:
                 yield b"a" * 40
 
-        handler = grpc.stream_stream_rpc_method_handler(stream)
+        async def unary(request: bytes, context: Any) -> bytes:
+            return b"r" * reply
+
+        handlers = {
+            "Stream": grpc.stream_stream_rpc_method_handler(stream),
+            "Unary": grpc.unary_unary_rpc_method_handler(unary),
+        }
         server = grpc.aio.server()
         server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler("floor.Floor", {"Stream": handler}),)
+            (grpc.method_handlers_generic_handler("floor.Floor", handlers),)
         )
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
@@ -91,13 +102,50 @@ def grpc_floor(size: int, streams: int = 16, n: int = 20000) -> dict[str, float]
         proc.join(10)
 
 
+def unary_floor(size: int, reply: int, n: int = 2000) -> dict[str, float]:
+    """Sequential unary calls through a sync channel: p50/p99 ms and CPU ms per call."""
+    ports: Any = mp.get_context("spawn").Queue()
+    proc = mp.get_context("spawn").Process(target=_serve, args=(ports, reply), daemon=True)
+    proc.start()
+    try:
+        port = ports.get(timeout=60)
+        assert proc.pid is not None
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_unary("/floor.Floor/Unary")
+            body = b"b" * size
+            for _ in range(200):  # warm up
+                call(body)
+            lat = []
+            server0, client0 = _cpu_s(proc.pid), time.process_time()
+            for _ in range(n):
+                t0 = time.perf_counter()
+                call(body)
+                lat.append(time.perf_counter() - t0)
+            server_ms = 1e3 * (_cpu_s(proc.pid) - server0) / n
+            client_ms = 1e3 * (time.process_time() - client0) / n
+        ms = sorted(1e3 * v for v in lat)
+        return {
+            "p50_ms": ms[n // 2],
+            "p99_ms": ms[min(n - 1, int(0.99 * n))],
+            "server_cpu_ms": server_ms,
+            "client_cpu_ms": client_ms,
+        }
+    finally:
+        proc.kill()
+        proc.join(10)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--messages", type=int, default=20000)
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--size", type=int, default=6900)
     a = ap.parse_args()
-    print(json.dumps(grpc_floor(a.size, a.streams, a.messages), indent=2))
+    out = {
+        "stream": grpc_floor(a.size, a.streams, a.messages),
+        "unary": unary_floor(16384, 2048),
+    }
+    print(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":
