@@ -3,8 +3,10 @@ while one is being folded, and the result is the same as folding on the loop."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
+from types import SimpleNamespace
 
 import grpc
 import httpx
@@ -46,22 +48,25 @@ def _next_ack(acks) -> int:  # noqa: ANN001
     raise AssertionError("the stream ended without an acknowledgement")
 
 
-def test_health_and_coefficients_answer_while_a_heavy_step_is_folded(
-    start_server, tmp_path, monkeypatch: pytest.MonkeyPatch
-) -> None:  # noqa: ANN001
-    # The fold of the heavy step is held until the probes have answered (or
-    # 20 s pass, so that a service folding on its loop fails instead of hanging).
+@contextlib.contextmanager
+def _heavy_step_held(start_server, data, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN001, ANN202
+    """A server folding heavy steps on threads, one pair, a stream that sent a light step
+    (acknowledged) and then a heavy one whose fold is held: yields while it is held, until
+    ``held.release`` is set (or 20 s pass, so a service folding on its loop fails instead
+    of hanging). ``held.calls``: the pair's steps when each heavy fold began."""
     release, folding = threading.Event(), threading.Event()
     apply = OnlineEstimator.apply
+    calls: list[int] = []
 
-    def held(self: OnlineEstimator, batch: Batch):  # noqa: ANN202
+    def held_apply(self: OnlineEstimator, batch: Batch):  # noqa: ANN202
         if batch.features.shape[0] == HEAVY_ROWS:
+            calls.append(self.steps)
             folding.set()
             release.wait(20)
         return apply(self, batch)
 
-    monkeypatch.setattr(OnlineEstimator, "apply", held)
-    handle = start_server(tmp_path / "data", fold_thread_cells=HEAVY_ROWS * K)
+    monkeypatch.setattr(OnlineEstimator, "apply", held_apply)
+    handle = start_server(data, fold_thread_cells=HEAVY_ROWS * K)
     with grpc.insecure_channel(handle.grpc_address) as channel:
         stub = pb_grpc.EstimatorServiceStub(channel)
         pid = _register(stub)
@@ -71,22 +76,33 @@ def test_health_and_coefficients_answer_while_a_heavy_step_is_folded(
         assert _next_ack(acks) == 1
         sends.put(_step(pid, "w", 2, HEAVY_ROWS))
         assert folding.wait(20)
+        yield SimpleNamespace(
+            handle=handle, stub=stub, pid=pid, sends=sends, acks=acks, release=release, calls=calls
+        )
+
+
+def test_health_and_coefficients_answer_while_a_heavy_step_is_folded(
+    start_server, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # noqa: ANN001
+    with _heavy_step_held(start_server, tmp_path / "data", monkeypatch) as h:
         try:
             # While the heavy step is being folded:
-            coefficients = stub.GetCoefficients(pb.GetCoefficientsRequest(pair_id=pid), timeout=10)
-            healthz = httpx.get(handle.http_url + "/healthz", timeout=10)
-            pair = stub.GetPair(pb.GetPairRequest(pair_id=pid), timeout=10).pair
-            still_folding = not release.is_set()
+            coefficients = h.stub.GetCoefficients(
+                pb.GetCoefficientsRequest(pair_id=h.pid), timeout=10
+            )
+            healthz = httpx.get(h.handle.http_url + "/healthz", timeout=10)
+            pair = h.stub.GetPair(pb.GetPairRequest(pair_id=h.pid), timeout=10).pair
+            still_folding = not h.release.is_set()
         finally:
-            release.set()
+            h.release.set()
         assert still_folding
         assert healthz.status_code == 200
         assert coefficients.coefficients.version >= 1
         assert pair.steps_observed == 1  # the pair as it was before the step, not halfway
-        assert _next_ack(acks) == 2
-        sends.put(None)
-        list(acks)
-        assert stub.GetPair(pb.GetPairRequest(pair_id=pid)).pair.steps_observed == 2
+        assert _next_ack(h.acks) == 2
+        h.sends.put(None)
+        list(h.acks)
+        assert h.stub.GetPair(pb.GetPairRequest(pair_id=h.pid)).pair.steps_observed == 2
 
 
 def _run(start_server, data, cells: int) -> pb.Pair:  # noqa: ANN001
@@ -124,42 +140,21 @@ def test_steps_folded_on_threads_count_once_each(start_server, tmp_path) -> None
 def test_a_pair_reset_while_its_heavy_step_is_folded_folds_it_again(
     start_server, tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # noqa: ANN001
-    release, folding = threading.Event(), threading.Event()
-    apply = OnlineEstimator.apply
-    calls: list[int] = []
-
-    def held(self: OnlineEstimator, batch: Batch):  # noqa: ANN202
-        if batch.features.shape[0] == HEAVY_ROWS:
-            calls.append(self.steps)
-            folding.set()
-            release.wait(20)
-        return apply(self, batch)
-
-    monkeypatch.setattr(OnlineEstimator, "apply", held)
-    handle = start_server(tmp_path / "data", fold_thread_cells=HEAVY_ROWS * K)
-    with grpc.insecure_channel(handle.grpc_address) as channel:
-        stub = pb_grpc.EstimatorServiceStub(channel)
-        pid = _register(stub)
-        sends: queue.Queue[pb.ObserveRequest | None] = queue.Queue()
-        acks = stub.Observe(iter(sends.get, None), timeout=60)
-        sends.put(_step(pid, "w", 1, 4))
-        assert _next_ack(acks) == 1
-        sends.put(_step(pid, "w", 2, HEAVY_ROWS))
-        assert folding.wait(20)
+    with _heavy_step_held(start_server, tmp_path / "data", monkeypatch) as h:
         try:
             reset = httpx.post(
-                f"{handle.http_url}/v1/pairs/{pid}/reset",
-                headers={"Authorization": f"Bearer {handle.settings.admin_token}"},
+                f"{h.handle.http_url}/v1/pairs/{h.pid}/reset",
+                headers={"Authorization": f"Bearer {h.handle.settings.admin_token}"},
                 timeout=10,
             )
         finally:
-            release.set()
+            h.release.set()
         assert reset.status_code == 200, reset.text
-        assert _next_ack(acks) == 2
-        sends.put(None)
-        list(acks)
-        pair = stub.GetPair(pb.GetPairRequest(pair_id=pid)).pair
+        assert _next_ack(h.acks) == 2
+        h.sends.put(None)
+        list(h.acks)
+        pair = h.stub.GetPair(pb.GetPairRequest(pair_id=h.pid)).pair
     # Folded on a copy from before the reset (1 step), then again on the reset pair
     # (0 steps): the step counts once, on what the pair is now.
-    assert calls == [1, 0]
+    assert h.calls == [1, 0]
     assert pair.steps_observed == 1
