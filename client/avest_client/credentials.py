@@ -121,12 +121,15 @@ class _CallDetails(grpc.ClientCallDetails):  # type: ignore[misc]
         self.compression = compression
 
 
-class _AioToken(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
+class _AioToken:
+    """Adds the token to a ``grpc.aio`` call's metadata; one subclass per call kind.
+
+    ``grpc.aio`` files each interceptor under the first call kind it implements
+    (unary-unary, then unary-stream, ...), so one object implementing all four
+    would run on unary-unary calls only and every stream would go out without
+    the token: :func:`_aio_token_interceptors` gives one interceptor per kind.
+    """
+
     def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
         self.metadata = metadata
 
@@ -136,17 +139,37 @@ class _AioToken(
             details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
         )
 
+
+class _AioUnaryUnaryToken(_AioToken, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
+
+class _AioUnaryStreamToken(_AioToken, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
+
+class _AioStreamUnaryToken(_AioToken, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
         return await continuation(self._details(details), requests)
 
+
+class _AioStreamStreamToken(_AioToken, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
         return await continuation(self._details(details), requests)
+
+
+def _aio_token_interceptors(
+    metadata: tuple[tuple[str, str], ...],
+) -> list[grpc.aio.ClientInterceptor]:
+    """The token on every kind of ``grpc.aio`` call: one interceptor per kind."""
+    return [
+        _AioUnaryUnaryToken(metadata),
+        _AioUnaryStreamToken(metadata),
+        _AioStreamUnaryToken(metadata),
+        _AioStreamStreamToken(metadata),
+    ]
 
 
 def sync_channel(
@@ -170,7 +193,7 @@ def aio_channel(
     """A ``grpc.aio`` channel: TLS when a CA is known, the token on every call."""
     creds = credentials or Credentials()
     tls = creds.channel_credentials()
-    interceptors = [_AioToken(creds.metadata)] if creds.token else None
+    interceptors = _aio_token_interceptors(creds.metadata) if creds.token else None
     if tls is None:
         return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
     return grpc.aio.secure_channel(address, tls, options=list(options), interceptors=interceptors)
