@@ -21,7 +21,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,23 +114,33 @@ class AvestService:
 ANNOUNCE = re.compile(r"^avest serving grpc=(\S+) http=(https?://\S+)\s*$")
 
 
-def start_avest(data_dir: Path, timeout: float = 30.0) -> AvestService:
-    """``avest serve`` on free loopback ports; waits for its announcement line."""
+def start_avest(
+    data_dir: Path,
+    timeout: float = 30.0,
+    *,
+    grpc_address: str = "127.0.0.1:0",
+    http_address: str = "127.0.0.1:0",
+    refit_interval: int = 10,
+    args: Sequence[str] = (),
+) -> AvestService:
+    """``avest serve`` on loopback (free ports unless given); waits for its announcement
+    line. ``args``: more ``avest serve`` flags."""
     cmd = [
         sys.executable,
         "-c",
         "import sys; from avest.commands.cli import main; sys.exit(main())",
         "serve",
         "--grpc-address",
-        "127.0.0.1:0",
+        grpc_address,
         "--http-address",
-        "127.0.0.1:0",
+        http_address,
         "--data-dir",
         str(data_dir),
         "--refit-interval",
-        "10",
+        str(refit_interval),
         "--flush-interval-ms",
         "20",
+        *args,
     ]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
