@@ -46,6 +46,10 @@ FLUSH_SHARE = 0.6
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EstimatorService"].full_name
 
 
+class BindError(OSError):
+    """A listen address cannot be bound (in use, or not an address of this host)."""
+
+
 class _EmbeddedUvicorn(uvicorn.Server):
     """uvicorn without its own signal handling: the service handles SIGTERM."""
 
@@ -145,12 +149,19 @@ class Server:
         )
         host, port = split_address(self.settings.grpc_address)
         credentials = grpc_credentials(s)
-        if credentials is None:
-            self.grpc_port = self._grpc.add_insecure_port(f"{host}:{port}")
-        else:
-            self.grpc_port = self._grpc.add_secure_port(f"{host}:{port}", credentials)
+        try:
+            if credentials is None:
+                self.grpc_port = self._grpc.add_insecure_port(f"{host}:{port}")
+            else:
+                self.grpc_port = self._grpc.add_secure_port(f"{host}:{port}", credentials)
+        except RuntimeError:  # grpcio: "Failed to bind to address ..."
+            self.grpc_port = 0
         if self.grpc_port == 0:
-            raise OSError(f"cannot bind gRPC to {self.settings.grpc_address}")
+            await self._abandon_start()
+            raise BindError(
+                f"cannot listen on {self.settings.grpc_address} (gRPC, --grpc-address): "
+                "the address is in use or not available here"
+            )
         await self._grpc.start()
         # At the connection cap, the most idle connections make room for new ones.
         self._warden = asyncio.create_task(
@@ -162,7 +173,15 @@ class Server:
         http_host, http_port = split_address(self.settings.http_address)
         sock = socket.socket(socket.AF_INET6 if ":" in http_host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((http_host, http_port))
+        try:
+            sock.bind((http_host, http_port))
+        except OSError as exc:
+            sock.close()
+            await self._abandon_start()
+            raise BindError(
+                f"cannot listen on {self.settings.http_address} (admin HTTP, --http-address): "
+                f"{exc.strerror or exc}"
+            ) from None
         self.http_port = sock.getsockname()[1]
         config = uvicorn.Config(
             build_http(self.app, self.metrics, self.settings, self.access),
@@ -187,6 +206,11 @@ class Server:
             self.http_address,
             self.settings.database,
         )
+
+    async def _abandon_start(self) -> None:
+        """Undo a start that cannot complete (a listen address taken): stop what runs."""
+        with contextlib.suppress(Exception):
+            await self.stop()
 
     async def stop(self) -> None:
         """Drain within the grace period (``grace_s`` for all of it); idempotent.

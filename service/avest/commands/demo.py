@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import signal
 import sys
 import tempfile
 import uuid
+from typing import Any
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -31,21 +34,41 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 async def _demo(args: argparse.Namespace) -> int:
-    import grpc
-
-    from avest.offline.replay import pair_key, replay
     from avest.offline.trace import bundled_sample_path, read_trace
     from avest.server import Server
     from avest.settings import Settings
+
+    trace = read_trace(args.trace or bundled_sample_path())
+    # SIGTERM (docker stop, kill) ends the demo as Ctrl-C does: the server stops
+    # and the temporary data directory goes.
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    with contextlib.ExitStack() as cleanup:
+        data_dir = args.data_dir
+        if not data_dir:
+            data_dir = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="avest-demo-"))
+        server = Server(
+            Settings(
+                grpc_address=args.grpc_address, http_address=args.http_address, data_dir=data_dir
+            )
+        )
+        return await _serve(args, trace, server, data_dir)
+
+
+async def _serve(args: argparse.Namespace, trace: Any, server: Any, data_dir: str) -> int:
+    import grpc
+
+    from avest.offline.replay import pair_key, replay
     from avest_wire.v1 import estimator_pb2 as pb
     from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 
-    trace = read_trace(args.trace or bundled_sample_path())
-    data_dir = args.data_dir or tempfile.mkdtemp(prefix="avest-demo-")
-    server = Server(
-        Settings(grpc_address=args.grpc_address, http_address=args.http_address, data_dir=data_dir)
-    )
-    await server.start()
+    try:
+        await server.start()
+    except asyncio.CancelledError:
+        await server.stop()
+        return 0
     print(
         f"avest serving grpc={server.grpc_address} http=http://{server.http_address} data={data_dir}"
     )

@@ -42,11 +42,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.set_defaults(func=run)
 
 
+def _split_address(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` as :func:`avest.settings.split_address` reads it (without pydantic)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address must be HOST:PORT, got {address!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+class _EnvSettings:
+    """The settings the probe reads, straight from ``AVEST_*`` (a client-only install has
+    no pydantic for :class:`avest.settings.Settings`); the same names and defaults."""
+
+    def __init__(self) -> None:
+        env = os.environ
+        self.http_address = env.get("AVEST_HTTP_ADDRESS", "127.0.0.1:8000")
+        self.tls_cert = env.get("AVEST_TLS_CERT", "")
+        self.tls_key = env.get("AVEST_TLS_KEY", "")
+        self.tls_client_ca = env.get("AVEST_TLS_CLIENT_CA", "")
+
+
 def probe_url(http_address: str, tls: bool, path: str = "/healthz") -> str:
     """The URL to probe: a wildcard bind (0.0.0.0, ::, empty) on loopback."""
-    from avest.settings import split_address
-
-    host, port = split_address(http_address)
+    host, port = _split_address(http_address)
     if host in ("0.0.0.0", ""):
         host = "127.0.0.1"
     elif host == "::":
@@ -61,8 +79,10 @@ def run(args: argparse.Namespace) -> int:
     import urllib.error
     import urllib.request
 
-    from avest.settings import Settings
-
+    try:
+        from avest.settings import Settings
+    except ModuleNotFoundError:  # client-only install
+        Settings = _EnvSettings  # type: ignore[assignment,misc]  # noqa: N806
     try:
         s = Settings()
     except Exception as exc:

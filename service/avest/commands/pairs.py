@@ -4,13 +4,40 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
+
+#: The service's gRPC address: what ``avest serve`` listens on, and the default
+#: the client commands (``pairs``, ``replay``) connect to.
+GRPC_ADDRESS_ENV = "AVEST_GRPC_ADDRESS"
+DEFAULT_GRPC_ADDRESS = "127.0.0.1:50051"
+
+
+def add_address_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--address",
+        default=None,
+        help=f"service gRPC address HOST:PORT [env {GRPC_ADDRESS_ENV}, default "
+        f"{DEFAULT_GRPC_ADDRESS}]",
+    )
+
+
+def grpc_address(flag: str | None) -> str:
+    """The flag, else ``AVEST_GRPC_ADDRESS``, else the default; a wildcard host
+    (a service's bind address such as ``0.0.0.0:50051``) on loopback, as ``avest health``."""
+    address = (flag or os.environ.get(GRPC_ADDRESS_ENV, "")).strip() or DEFAULT_GRPC_ADDRESS
+    host, sep, port = address.rpartition(":")
+    if sep and host.strip("[]") in ("", "0.0.0.0"):
+        return f"127.0.0.1:{port}"
+    if sep and host.strip("[]") == "::":
+        return f"[::1]:{port}"
+    return address
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = subparsers.add_parser("pairs", help="list the pairs of a running service")
-    p.add_argument("--address", default="127.0.0.1:50051", help="service gRPC address HOST:PORT")
+    add_address_argument(p)
     p.add_argument("--json", action="store_true", help="print a JSON list")
     p.set_defaults(func=run)
 
@@ -70,15 +97,16 @@ def run(args: argparse.Namespace) -> int:
     from avest_wire.v1 import estimator_pb2 as pb
     from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 
+    address = grpc_address(args.address)
     try:
-        with sync_channel(args.address, (), Credentials.resolve()) as channel:
+        with sync_channel(address, (), Credentials.resolve()) as channel:
             pairs = (
                 pb_grpc.EstimatorServiceStub(channel)
                 .ListPairs(pb.ListPairsRequest(), timeout=10)
                 .pairs
             )
     except grpc.RpcError as exc:
-        print(f"avest pairs: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        print(f"avest pairs: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps([pair_json(p) for p in pairs]))

@@ -6,8 +6,12 @@ import argparse
 import asyncio
 import json
 import sys
+from typing import Any
 
-from avest.commands.pairs import pair_json, print_pair
+from avest.commands.pairs import add_address_argument, grpc_address, pair_json, print_pair
+
+#: Seconds ``avest replay`` waits for the service to answer before giving up.
+CONNECT_TIMEOUT_S = 5.0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -19,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "coefficients and calibration.",
     )
     p.add_argument("trace", nargs="?", help="trace file (.npz); default: the bundled sample")
-    p.add_argument("--address", default="127.0.0.1:50051", help="service gRPC address HOST:PORT")
+    add_address_argument(p)
     p.add_argument(
         "--workers", type=int, default=1, metavar="W", help="concurrent simulated workers"
     )
@@ -57,13 +61,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="keep reconnecting (and resending what is unacknowledged) this long when the "
         "service goes away",
     )
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=CONNECT_TIMEOUT_S,
+        metavar="S",
+        help=f"give up when no service answers within S seconds at the start (default "
+        f"{CONNECT_TIMEOUT_S:g})",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
 
+async def reachable(address: str, timeout: float) -> bool:
+    """Whether a service answers at ``address`` within ``timeout`` seconds."""
+    from avest_client.credentials import Credentials, aio_channel
+
+    async with aio_channel(address, (), Credentials.resolve()) as channel:
+        try:
+            await asyncio.wait_for(channel.channel_ready(), timeout)
+        except asyncio.TimeoutError:
+            return False
+    return True
+
+
+class _NoBar:
+    """Without tqdm (a client-only install): no progress bar."""
+
+    def update(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def run(args: argparse.Namespace) -> int:
     import grpc
-    from tqdm import tqdm
 
     from avest.offline.replay import replay, step_bounds
     from avest.offline.trace import TraceError, bundled_sample_path, read_trace
@@ -74,12 +107,27 @@ def run(args: argparse.Namespace) -> int:
     except (TraceError, OSError) as exc:
         print(f"avest replay: {exc}", file=sys.stderr)
         return 2
+    address = grpc_address(args.address)
+    if not asyncio.run(reachable(address, args.connect_timeout)):
+        print(
+            f"avest replay: no service answers at {address} (waited {args.connect_timeout:g} s); "
+            "start one with `avest serve`, or give its address (--address or AVEST_GRPC_ADDRESS)",
+            file=sys.stderr,
+        )
+        return 1
     total = len(step_bounds(trace)) * args.repeat * args.workers
-    bar = tqdm(total=total, desc="replay", unit="msg", disable=None, file=sys.stderr, leave=False)
+    try:
+        from tqdm import tqdm
+
+        bar: Any = tqdm(
+            total=total, desc="replay", unit="msg", disable=None, file=sys.stderr, leave=False
+        )
+    except ModuleNotFoundError:
+        bar = _NoBar()
     try:
         result = asyncio.run(
             replay(
-                args.address,
+                address,
                 trace,
                 args.workers,
                 args.rule,

@@ -23,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 def run(args: argparse.Namespace) -> int:
     from avest import settings
-    from avest.server import serve
+    from avest.server import BindError, serve
     from avest.state.throttle import install_storm_filter
 
     try:
@@ -43,4 +43,7 @@ def run(args: argparse.Namespace) -> int:
     except (StoreTooNew, StoreEmptied, StoreUnreadable, PermissionError) as exc:
         print(f"avest serve: {exc}", file=sys.stderr)
         return 2
+    except BindError as exc:
+        print(f"avest serve: {exc}", file=sys.stderr)
+        return 1
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 
 def _ints(text: str) -> list[int]:
@@ -145,8 +146,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="adaptive policies always verify the first M drafts of every request (default 0)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--table",
+        action="store_true",
+        help="print every policy's table even when stdout is not a terminal (there, with "
+        "several traces or cost profiles, the default is a summary: one line per concurrency)",
+    )
     p.add_argument("--plot", metavar="DIR", help="write throughput-interactivity Pareto plots here")
     p.set_defaults(func=run)
+
+
+def format_summary(sim: Any, rule: str) -> str:
+    """One line per concurrency: the best fixed length, avest under ``rule``, the oracle."""
+    p = sim.profile
+    lines = [f"{sim.trace or 'trace'} under {p.name}: K={sim.k}"]
+    adaptive = [q for q in sim.policies if q.kind == "avest" and q.rule == rule and q.lossless]
+    for c, res in sim.results.items():
+        best = sim.best_fixed(c)
+        line = f"  C={c:<4} best {best} {res[best].throughput:>9,.0f} tok/s"
+        runs = [q for q in adaptive if q.name in res]
+        if runs:
+            top = max(runs, key=lambda q: res[q.name].throughput)
+            line += f"  {top.name} {sim.gain(c, top.name):+.1%}"
+            oracle = sim.oracle_name(top.drafts)
+            if oracle in res:
+                line += f"  (oracle {sim.gain(c, oracle):+.1%})"
+        lines.append(line)
+    if sim.skipped:
+        lines.append(f"  skipped C={sim.skipped}: the trace has fewer rows than one step")
+    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -201,12 +229,16 @@ def run(args: argparse.Namespace) -> int:
             for _, t, pol in plans
         ) * len(profiles)
         sims = []
+        runs = len(plans) * len(profiles)
         with tqdm(
             total=total, desc="simulate", unit="step", leave=False, disable=None, file=sys.stderr
         ) as bar:
             for path, trace, policies in plans:
                 for profile in profiles:
-                    bar.set_postfix_str(f"{path.rsplit('/', 1)[-1]} {profile.name}")
+                    label = f"{path.rsplit('/', 1)[-1]} {profile.name}"
+                    bar.set_postfix_str(label)
+                    if bar.disable:  # no terminal for the bar: a line per simulation
+                        print(f"simulate {len(sims) + 1}/{runs}: {label}", file=sys.stderr)
                     sims.append(
                         simulate(
                             trace,
@@ -230,14 +262,29 @@ def run(args: argparse.Namespace) -> int:
             for block, rec in zip(blocks, recs, strict=True):
                 block["recommendation"] = [r.as_json() for r in rec]
         print(json.dumps({"simulations": blocks}, allow_nan=False))
-    else:
+    elif args.table or len(sims) == 1 or sys.stdout.isatty():
         tables = [format_table(s) for s in sims]
         if args.recommend:
             tables = [
                 f"{t}\n\n{format_recommendations(s, r)}"
                 for t, s, r in zip(tables, sims, recs, strict=True)
             ]
+        if len(sims) > 1:
+            tables.append("summary\n" + "\n".join(format_summary(s, DEFAULT_RULE) for s in sims))
         print("\n\n".join(tables))
+    else:
+        # Not a terminal (a pipe, a log): the summary, not hundreds of table lines.
+        blocks = [format_summary(s, DEFAULT_RULE) for s in sims]
+        if args.recommend:
+            blocks = [
+                f"{b}\n{format_recommendations(s, r)}"
+                for b, s, r in zip(blocks, sims, recs, strict=True)
+            ]
+        print("\n\n".join(blocks))
+        print(
+            f"\n{len(sims)} simulations; gains are throughput against the best fixed length "
+            "(fixed-0: speculation off). Every policy's table: --table; all numbers: --json"
+        )
     if args.plot:
         for sim in sims:
             if sim.results:

@@ -23,7 +23,7 @@ blocking I/O.
 ``DELETE /v1/pairs/{id}``                   delete the pair, its stored rows and metric
                                             series (admin token)
 ``/v1/pairs/{id}/recording[.npz]``          record raw steps (:mod:`avest.http.recording`)
-``GET /docs``, ``GET /openapi.json``        OpenAPI
+``GET /docs``, ``GET /openapi.json``        the API reference (self-contained HTML), OpenAPI
 ==========================================  ==========================================
 
 Access (:mod:`avest.state.access`): ``/healthz``, ``/readyz`` and ``/metrics``
@@ -44,7 +44,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.exception_handlers import http_exception_handler
-from fastapi.responses import JSONResponse, RedirectResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -52,6 +52,7 @@ from starlette.routing import Match
 
 from avest import __version__
 from avest.http.deflate import accepts_gzip
+from avest.http.docs import docs_page
 from avest.http.exposition import pieces
 from avest.http.models import (
     ErrorOut,
@@ -94,6 +95,10 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
         version=__version__,
         description="Admin API of the avest acceptance-estimator sidecar: pairs, "
         "coefficients, calibration, reliability diagrams, Prometheus metrics.",
+        # FastAPI's pages load Swagger UI / ReDoc from a CDN (blank offline): /docs
+        # is served from avest.http.docs instead, self-contained.
+        docs_url=None,
+        redoc_url=None,
     )
 
     @api.middleware("http")
@@ -137,6 +142,10 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
     @api.get("/", include_in_schema=False)
     async def index() -> RedirectResponse:
         return RedirectResponse("/docs")
+
+    @api.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return HTMLResponse(docs_page(api.openapi(), api.openapi_url or "/openapi.json"))
 
     @api.get("/healthz", response_model=Status, response_model_exclude_none=True, tags=["health"])
     async def healthz() -> Status:
