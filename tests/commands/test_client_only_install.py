@@ -1,0 +1,138 @@
+"""``pip install avest`` without extras: the client commands run, the server ones say
+what to install.
+
+A fresh virtual environment (no site packages of this one, which has pydantic)
+gets ``pip install --no-deps .`` plus only the base dependencies (numpy,
+grpcio, protobuf). The environment with the base dependencies is cached under
+``.cache/`` keyed by ``pyproject.toml``; avest itself is installed anew each
+run, from a copy of the sources (so the work tree gets no build output).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from avest.offline.trace import write_trace
+from conftest import REPO_ROOT, make_synthetic_trace
+
+from .live_server import ServerHandle, launch
+
+pytestmark = pytest.mark.slow
+
+BASE_DEPENDENCIES = ["numpy", "grpcio", "protobuf"]
+SOURCES = ["pyproject.toml", "README.md", "LICENSE", "service", "client", "wire"]
+
+
+def _pip(venv: Path, *args: str) -> None:
+    subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *args],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+@pytest.fixture(scope="module")
+def client_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    key = hashlib.sha256((REPO_ROOT / "pyproject.toml").read_bytes()).hexdigest()[:16]
+    venv = REPO_ROOT / ".cache" / f"client-only-venv-{key}"
+    if not (venv / "ready").is_file():
+        shutil.rmtree(venv, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+        _pip(venv, *BASE_DEPENDENCIES)
+        (venv / "ready").write_text("numpy grpcio protobuf\n")
+    src = tmp_path_factory.mktemp("avest-src")
+    for name in SOURCES:
+        path = REPO_ROOT / name
+        if path.is_dir():
+            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(path, src / name)
+    _pip(venv, "--no-deps", "--force-reinstall", str(src))
+    return venv
+
+
+def avest(
+    venv: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("AVEST_", "PYTHON"))}
+    return subprocess.run(
+        [str(venv / "bin" / "avest"), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**clean, **(env or {})},
+        cwd=venv,
+    )
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ServerHandle]:
+    handle = launch(tmp_path / "data")
+    try:
+        yield handle
+    finally:
+        handle.stop()
+
+
+def test_the_environment_is_client_only(client_venv: Path) -> None:
+    python = str(client_venv / "bin" / "python")
+    for module in ("pydantic", "fastapi", "uvicorn", "tqdm"):
+        probe = subprocess.run([python, "-c", f"import {module}"], capture_output=True)
+        assert probe.returncode != 0, f"{module} is installed"
+    meta = subprocess.run(
+        [
+            python,
+            "-c",
+            "from importlib.metadata import metadata; print(metadata('avest').as_string())",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "Apache-2.0" in meta and "License-File: LICENSE" in meta
+
+
+def test_help_lists_every_command(client_venv: Path) -> None:
+    proc = avest(client_venv, "--help")
+    assert proc.returncode == 0, proc.stderr
+    for name in ("serve", "pairs", "replay", "health", "record"):
+        assert name in proc.stdout
+    assert "avest[server]" in proc.stdout  # beside the commands that need it
+    assert avest(client_venv, "pairs", "--help").returncode == 0
+
+
+def test_client_commands_against_a_live_server(
+    client_venv: Path, server: ServerHandle, tmp_path: Path
+) -> None:
+    trace = tmp_path / "small.npz"
+    write_trace(trace, make_synthetic_trace(steps=10, requests=4, k=3))
+    env = {"AVEST_GRPC_ADDRESS": server.grpc_address}
+    replayed = avest(client_venv, "replay", str(trace), "--json", env=env)
+    assert replayed.returncode == 0, replayed.stderr
+    pair_id = json.loads(replayed.stdout)["pair_id"]
+    listed = avest(client_venv, "pairs", "--json", env=env)
+    assert listed.returncode == 0, listed.stderr
+    assert [p["pair_id"] for p in json.loads(listed.stdout)] == [pair_id]
+    http = server.http_url.removeprefix("http://")
+    health = avest(client_venv, "health", "--http-address", http)
+    assert health.returncode == 0, health.stderr
+    assert '"status":"ok"' in health.stdout.replace(" ", "")
+
+
+@pytest.mark.parametrize("argv", [["serve"], ["serve", "--grpc-address", "127.0.0.1:0"], ["demo"]])
+def test_server_commands_name_the_extra(client_venv: Path, argv: list[str]) -> None:
+    proc = avest(client_venv, *argv)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "pip install 'avest[server]'" in proc.stderr
