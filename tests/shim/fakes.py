@@ -68,7 +68,7 @@ class FakeSink:
     def connected(self) -> bool:
         return self.is_connected
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         self.closed = True
 
     # test helpers -------------------------------------------------------------

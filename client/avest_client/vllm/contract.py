@@ -104,6 +104,7 @@ ESTIMATOR_MODULE = "vllm.v1.worker.gpu.spec_decode.acceptance_estimator"
 SPECULATOR_MODULE = "vllm.v1.worker.gpu.spec_decode.speculator"
 SAMPLER_MODULE = "vllm.v1.worker.gpu.sample.sampler"
 ADAPTIVE_VERIFICATION_MODULE = "vllm.v1.worker.gpu.spec_decode.adaptive_verification"
+WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 ESTIMATOR_CLASS = "OnlineAcceptanceEstimator"
 
 #: The class the shim subclasses; also checked at run time against the live class.
@@ -210,6 +211,18 @@ ENTRIES: tuple[Entry, ...] = (
         cls="",
         method="get_num_sampled_and_rejected",
         snippets=("num_rejected = torch.empty_like(num_sampled)",),
+    ),
+    # The worker's life (avest_client.vllm.lifecycle): after load_model the shim knows
+    # whether an estimator was built; shutdown runs in the worker's own process (vLLM's
+    # WorkerProc calls it on its way out), where the shim sends its last round. The CPU
+    # worker subclasses this class without overriding either method.
+    Class(
+        path="vllm/v1/worker/gpu_worker.py",
+        name="Worker",
+        methods=(
+            Method("load_model", ("self", "load_dummy_weights")),
+            Method("shutdown", ("self",)),
+        ),
     ),
     # Plugin loading.
     Constant(

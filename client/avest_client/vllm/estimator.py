@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from avest_client.vllm import contract
+from avest_client.vllm import contract, lifecycle
 from avest_client.vllm.calibration import TableSync
 from avest_client.vllm.coefficients import Governor, Update
 from avest_client.vllm.config import ShimConfig
@@ -104,6 +104,7 @@ class _Runtime:
         self.skipped_refits = 0
         self.steps = 0
         self._forward_failed = False
+        self.closed = False
 
     def apply(self, est: Any, update: Update) -> None:
         values = torch.tensor((update.slope, *update.intercepts), dtype=torch.float32)
@@ -183,9 +184,14 @@ class _Runtime:
             "sink": getattr(self.sink, "stats", None),
         }
 
-    def close(self, est: Any = None) -> None:
+    def close(self, est: Any = None, timeout: float | None = None) -> None:
         """Stop forwarding; ``est`` given: its open round is sent first (vLLM's sums
-        are left as they are)."""
+        are left as they are). ``timeout``: the most seconds to wait for the sidecar's
+        acknowledgements (default the sink's ``AVEST_TIMEOUT_S``). Only the first call
+        does anything."""
+        if self.closed:
+            return
+        self.closed = True
         if self.exporter is not None:
             self.exporter.close()
         if self.rounds is not None:
@@ -194,13 +200,16 @@ class _Runtime:
                     self.rounds.end(est, zero=False)
                 except Exception:  # noqa: BLE001 - shutting down: never raise into vLLM
                     logger.exception("avest: sending the last round failed")
-            self.rounds.flush(2.0)
+            self.rounds.flush(2.0 if timeout is None else timeout / 2)
             self.rounds.close()
         if self.forwarder is not None:
             self.forwarder.close()
         if self.sink is not None:
             try:
-                self.sink.close()
+                if timeout is None:
+                    self.sink.close()
+                else:
+                    self.sink.close(timeout / 2)
             except Exception:  # noqa: BLE001
                 logger.exception("avest: closing the sink failed")
 
@@ -264,6 +273,7 @@ def make_sidecar_estimator(
             if rt.sink is not None:
                 rt.exporter = Exporter(_stats_reader(weakref.ref(self)))
             weakref.finalize(self, _close_runtime, rt)
+            lifecycle.track(self)
 
         def step(self, idx_mapping: Any, num_sampled: Any, num_rejected: Any) -> None:
             rt = self._avest
@@ -311,9 +321,9 @@ def make_sidecar_estimator(
             out["local_refits"] = int(getattr(self, "_refits", 0))
             return out
 
-        def avest_close(self) -> None:
+        def avest_close(self, timeout: float | None = None) -> None:
             if self._avest is not None:
-                self._avest.close(self)
+                self._avest.close(self, timeout)
 
     AvestSidecarEstimator.__name__ = AvestSidecarEstimator.__qualname__ = (
         f"AvestSidecar{base_cls.__name__}"

@@ -7,13 +7,17 @@ speculator module, the ``OnlineAcceptanceEstimator`` name there is replaced by
 the avest subclass (the speculator builds its estimator through that name in
 ``load_model``). It also records per-request exclusion flags
 (``Sampler.add_request``) and the profiled cost curves
-(``AdaptiveVerificationManager.set_cost_curves``). If vLLM is absent or does
-not match :mod:`avest_client.vllm.contract`, it logs and leaves vLLM untouched.
+(``AdaptiveVerificationManager.set_cost_curves``), and hooks vLLM's worker
+(``Worker.load_model``, ``Worker.shutdown``): a worker that builds no estimator
+says so once, and the shim's last round is sent when the worker shuts down
+(:mod:`avest_client.vllm.lifecycle`). If vLLM is absent or does not match
+:mod:`avest_client.vllm.contract`, it logs and leaves vLLM untouched.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from types import ModuleType
 from typing import Any
 
@@ -22,8 +26,13 @@ from avest_client.vllm.config import ConfigError, ShimConfig
 
 logger = logging.getLogger(__name__)
 
+#: True once :func:`register` has armed the hooks in this process (or the parent it
+#: was forked from: vLLM forks its engine core and workers after loading plugins).
+ACTIVE = False
+
 
 def register() -> None:
+    global ACTIVE
     try:
         config = ShimConfig.from_env()
     except ConfigError as exc:
@@ -37,10 +46,15 @@ def register() -> None:
         logger.warning("avest: AVEST_ADDRESS is set but vLLM is not installed; nothing to patch")
         return
     from avest_client.vllm.hooks import when_imported
+    from avest_client.vllm.lifecycle import install_worker_hooks
 
     when_imported(contract.SPECULATOR_MODULE, lambda m: patch_speculator(m, config))
     when_imported(contract.SAMPLER_MODULE, _hook_sampler)
     when_imported(contract.ADAPTIVE_VERIFICATION_MODULE, _hook_costs)
+    when_imported(contract.WORKER_MODULE, install_worker_hooks)
+    ACTIVE = True
+    logger.info("avest: plugin active in process %d (sidecar %s, %s mode)",
+                os.getpid(), config.address, config.mode)  # fmt: skip
 
 
 def make_production_sink(config: ShimConfig, pair_key: Any) -> Any:

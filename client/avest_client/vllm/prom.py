@@ -23,6 +23,8 @@ metric                                     type     meaning
 ``avest_shim_sidecar_connected``           gauge    1 while the sidecar is reachable
 ``avest_shim_copy_mode``                   gauge    1 once the shim copies each step's vectors
                                                     (the caller reuses its buffers)
+``avest_shim_no_estimator``                gauge    1: the plugin is active but this worker built
+                                                    no estimator (AV off, or vLLM's V1 runner)
 ``avest_shim_steps_forwarded_total``       counter  raw steps handed to the sidecar's queue
 ``avest_shim_summaries_total``             counter  round summaries handed to it
 ``avest_shim_dropped_total``               counter  steps or summaries dropped unsent
@@ -97,11 +99,24 @@ def _build() -> dict[str, Any] | None:
                 "1 once the avest shim copies each step's vectors (the caller reuses them).",
                 **g,
             ),
+            "no_estimator": Gauge(
+                "avest_shim_no_estimator",
+                "1: the avest plugin is active but this worker built no acceptance estimator "
+                "(adaptive verification off, or vLLM's V1 model runner); nothing is sent.",
+                **g,
+            ),
         }
         for name in COUNTERS:
             out[name] = Counter(name, _HELP[name])
         _metrics = out
         return out
+
+
+def mark_no_estimator() -> None:
+    """``avest_shim_no_estimator`` = 1 in this process (see :mod:`avest_client.vllm.lifecycle`)."""
+    m = _build()
+    if m is not None:
+        m["no_estimator"].set(1)
 
 
 class Exporter:

@@ -57,8 +57,9 @@ class Sink(Protocol):
         """Whether the sidecar is reachable now (pooled coefficients may govern)."""
         ...
 
-    def close(self) -> None:
-        """Stop background work; called once at shutdown."""
+    def close(self, timeout: float | None = None) -> None:
+        """Stop background work, waiting at most ``timeout`` s (None: the sink's own
+        default) for what is queued; called once at shutdown."""
         ...
 
 
