@@ -1,0 +1,1 @@
+"""Test-only helpers that let vLLM's CPU build run adaptive verification."""

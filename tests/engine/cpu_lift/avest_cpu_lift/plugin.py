@@ -1,0 +1,196 @@
+"""vLLM general plugin ``avest_cpu_lift`` (test only): adaptive verification on a CPU.
+
+Active only with ``AVEST_CPU_LIFT=1``. In every vLLM process it lifts the four
+checks that refuse AV on the CPU platform, each where vLLM makes it:
+
+1. ``VllmConfig._validate_adaptive_verification`` requires full CUDA graphs; the
+   CPU platform forces cudagraph mode NONE. The other checks still run.
+2. ``maybe_create_adaptive_verification_manager`` refuses backends that cannot
+   replay varlen decode graphs; nothing is graph-replayed on a CPU and CPU
+   attention plans from the trimmed query lengths.
+3. ``resolve_adaptive_cudagraph_mode`` asserts full CUDA graphs: mode NONE is
+   kept as it is.
+4. Cost curves are profiled only in ``capture_model``, which the CPU worker
+   never calls: fixed curves are set right after the manager is built
+   (``AVEST_CPU_LIFT_COSTS=DRAFT_MS_PER_REQUEST:VERIFY_MS_PER_TOKEN``, default
+   ``1:4``).
+
+``AVEST_CPU_LIFT_REFIT_INTERVAL=N`` sets ``OnlineAcceptanceEstimator.REFIT_INTERVAL``
+(vLLM's 100 steps is more than a short CPU run takes).
+
+With ``AVEST_CPU_LIFT_RECORD=DIR`` it also keeps the test's own record of what
+vLLM graded, taken inside vLLM's ``OnlineAcceptanceEstimator.step`` (whatever
+subclass runs it): per position, the labelled drafts, the accepted ones and the
+sum of the predictions they were graded at, plus the coefficients in force after
+each step. It is written to ``DIR/graded-<pid>.json`` after every step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+logger = logging.getLogger(__name__)
+
+_ADAPTIVE = "vllm.v1.worker.gpu.spec_decode.adaptive_verification"
+_RUNNER = "vllm.v1.worker.gpu.model_runner"
+_ESTIMATOR = "vllm.v1.worker.gpu.spec_decode.acceptance_estimator"
+_done: set[str] = set()
+
+
+def register() -> None:
+    if os.environ.get("AVEST_CPU_LIFT") != "1":
+        return
+    from avest_client.vllm.hooks import when_imported  # reuse avest's post-import hook
+
+    when_imported("vllm.config.vllm", _lift_config)
+    when_imported(_ADAPTIVE, _lift_varlen_check)
+    when_imported(_RUNNER, _lift_runner)
+    if os.environ.get("AVEST_CPU_LIFT_REFIT_INTERVAL"):
+        when_imported(_ESTIMATOR, _set_refit_interval)
+    if os.environ.get("AVEST_CPU_LIFT_RECORD"):
+        when_imported(_ESTIMATOR, _record_graded)
+        _record_process_at_exit()
+        os.register_at_fork(after_in_child=_record_process_at_exit)
+
+
+def _record_process_at_exit() -> None:
+    """At this process's exit, ``DIR/process-<pid>.json``: whether avest's plugin is active
+    here and which estimator class the speculator builds (vLLM forks its engine core and
+    workers after loading plugins, so a child inherits the parent's patches)."""
+    import multiprocessing.util
+
+    multiprocessing.util.Finalize(None, _write_process, exitpriority=1)
+
+
+def _write_process() -> None:
+    plugin = sys.modules.get("avest_client.vllm.plugin")
+    speculator = sys.modules.get("vllm.v1.worker.gpu.spec_decode.speculator")
+    cls = getattr(speculator, "OnlineAcceptanceEstimator", None)
+    info = {
+        "pid": os.getpid(),
+        "name": __import__("multiprocessing").current_process().name,
+        "avest_active": bool(getattr(plugin, "ACTIVE", False)),
+        "speculator_estimator": None if cls is None else cls.__name__,
+    }
+    path = os.path.join(os.environ["AVEST_CPU_LIFT_RECORD"], f"process-{os.getpid()}.json")
+    with open(path, "w") as f:
+        json.dump(info, f)
+
+
+def _once(name: str) -> bool:
+    if name in _done:
+        return False
+    _done.add(name)
+    return True
+
+
+def _lift_config(module) -> None:  # noqa: ANN001
+    if not _once("config"):
+        return
+    cls = module.VllmConfig
+    original = cls._validate_adaptive_verification
+
+    def validate_without_cuda_graphs(self) -> None:  # noqa: ANN001
+        mode_cls = type(self.compilation_config.cudagraph_mode)
+        has_full = mode_cls.has_full_cudagraphs
+        mode_cls.has_full_cudagraphs = lambda mode: True
+        try:
+            original(self)
+        finally:
+            mode_cls.has_full_cudagraphs = has_full
+
+    cls._validate_adaptive_verification = validate_without_cuda_graphs
+
+
+def _lift_varlen_check(module) -> None:  # noqa: ANN001
+    if _once("varlen"):
+        module.get_varlen_cudagraph_unsupported_backend = lambda *a, **k: None
+
+
+def _cost_curves(max_reqs: int, max_tokens: int) -> tuple[list, list]:
+    spec = os.environ.get("AVEST_CPU_LIFT_COSTS", "1:4")
+    draft_ms, verify_ms = (float(v) for v in spec.split(":"))
+    reqs = sorted({1, max(2, max_reqs)})
+    tokens = sorted({1, max(2, max_tokens)})
+    return [(r, draft_ms * r) for r in reqs], [(t, verify_ms * t) for t in tokens]
+
+
+def _lift_runner(module) -> None:  # noqa: ANN001
+    if not _once("runner"):
+        return
+    create = module.maybe_create_adaptive_verification_manager
+    resolve = module.resolve_adaptive_cudagraph_mode
+
+    def create_with_fixed_costs(**kwargs):  # noqa: ANN003, ANN202
+        kwargs["additional_attn_cg_support"] = None
+        manager = create(**kwargs)
+        if manager is not None:
+            rs = kwargs["req_states"]
+            draft, verify = _cost_curves(rs.max_num_reqs, rs.max_num_batched_tokens)
+            manager.set_cost_curves(draft, verify)
+        return manager
+
+    def keep_mode_none(mode, *, piecewise_capture_available):  # noqa: ANN001, ANN202
+        if not mode.has_full_cudagraphs():
+            return mode
+        return resolve(mode, piecewise_capture_available=piecewise_capture_available)
+
+    module.maybe_create_adaptive_verification_manager = create_with_fixed_costs
+    module.resolve_adaptive_cudagraph_mode = keep_mode_none
+
+
+def _set_refit_interval(module) -> None:  # noqa: ANN001
+    module.OnlineAcceptanceEstimator.REFIT_INTERVAL = int(
+        os.environ["AVEST_CPU_LIFT_REFIT_INTERVAL"]
+    )
+
+
+def _record_graded(module) -> None:  # noqa: ANN001
+    if not _once("record"):
+        return
+    cls = module.OnlineAcceptanceEstimator
+    original = cls.step
+    out = os.path.join(os.environ["AVEST_CPU_LIFT_RECORD"], f"graded-{os.getpid()}.json")
+    rec: dict = {}
+
+    def step(self, idx_mapping, num_sampled, num_rejected):  # noqa: ANN001, ANN202
+        k = int(self.num_speculative_steps)
+        if not rec:
+            rec.update(
+                pid=os.getpid(), argv=sys.argv[:1], estimator=type(self).__name__,
+                mro=[f"{c.__module__}.{c.__qualname__}" for c in type(self).__mro__],
+                k=k, steps=0, counts=[0] * k, accepted=[0] * k, pred_sum=[0.0] * k,
+                coefficients=[],
+            )  # fmt: skip
+        acc = (num_sampled.long() - 1).clamp(min=0).cpu()
+        admitted = acc + num_rejected.long().cpu()
+        pred = self.predictions[idx_mapping.long()].cpu()
+        for pos in range(k):
+            observed = (pos <= acc) & (pos < admitted)
+            rec["counts"][pos] += int(observed.sum())
+            rec["accepted"][pos] += int((observed & (pos < acc)).sum())
+            rec["pred_sum"][pos] += float(pred[:, pos][observed].double().sum())
+        rec["steps"] += 1
+        rec.setdefault("per_step", []).append(
+            [int(((pos <= acc) & (pos < admitted)).sum()) for pos in range(k)]
+        )
+        original(self, idx_mapping, num_sampled, num_rejected)
+        stats = self.avest_stats() if hasattr(self, "avest_stats") else {}
+        rec["coefficients"].append(
+            {
+                "refits": int(self._refits),
+                "slope": float(self.slope[0]),
+                "intercepts": [float(v) for v in self.intercepts],
+                "avest_version": stats.get("version"),
+                "governed": stats.get("governed"),
+            }
+        )
+        tmp = out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(rec, f)
+        os.replace(tmp, out)
+
+    cls.step = step

