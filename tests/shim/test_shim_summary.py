@@ -4,6 +4,8 @@ real sidecar the pair pools the summaries and pushes coefficients back."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -36,6 +38,20 @@ def _shim(sink, **cfg):
     return cls(32, 5, CPU)
 
 
+def _drive_rounds(est, trace) -> None:  # noqa: ANN001
+    """Drive the steps, waiting for the sender to hand each closed round to the sink
+    before the next step. The sender gives a round's buffer set back once it built the
+    round's sketch; driving on while it still holds both sets would skip a later round's
+    sketch whenever the machine is busy. Tests of the skip itself hold the sender on
+    purpose (``test_a_slow_sender_skips_the_sketch_and_counts_it``)."""
+    rounds = est._avest.rounds
+    for s in trace:
+        closed = rounds.closed_rounds
+        drive(est, s)
+        if rounds.closed_rounds != closed:
+            assert rounds.flush(10), "the sender did not hand the round over"
+
+
 def _reference(trace, coef):
     """The host accumulator over the same steps at the float32 coefficients the device used."""
     acc = RoundAccumulator(5)
@@ -53,9 +69,8 @@ def test_device_sums_and_sketch_equal_the_host_reference():
     sink.push(*POOLED)
     est = _shim(sink)
     trace = _trace()
-    for s in trace:
-        drive(est, s)
-    est._avest.rounds.flush(10)
+    _drive_rounds(est, trace)
+    assert est._avest.rounds.flush(10)
     # step 0 ran under vLLM's own coefficients (dropped); rounds of 100 steps follow
     assert [s.steps for s in sink.summaries] == [100, 100]
     assert sink.received == []  # nothing per step
@@ -81,9 +96,8 @@ def test_rounds_of_a_chosen_length_carry_the_same_sums(round_steps, lengths):
     sink.push(*POOLED)
     est = _shim(sink, round_steps=round_steps)
     trace = _trace(260)
-    for s in trace:
-        drive(est, s)
-    est._avest.rounds.flush(10)
+    _drive_rounds(est, trace)
+    assert est._avest.rounds.flush(10)
     assert [s.steps for s in sink.summaries] == lengths
     start = 1  # step 0 ran under vLLM's own coefficients
     for got, n in zip(sink.summaries, lengths, strict=True):
@@ -94,36 +108,109 @@ def test_rounds_of_a_chosen_length_carry_the_same_sums(round_steps, lengths):
         np.testing.assert_allclose(got.grad, want.grad, rtol=2e-4, atol=1e-3)
         _assert_sketches_agree(got, want)
     assert est._refits == 0
+    assert est._avest.rounds.sketches_skipped == 0
     est.avest_close()
 
 
-def test_reused_step_buffers_are_caught_and_copied_from_then_on():
+def test_a_slow_sender_skips_the_sketch_and_counts_it(monkeypatch):
+    """The sender still holds both buffer sets when a round starts (held on purpose in
+    the first round's sketch): that round goes without a sketch, counted in
+    ``sketches_skipped``, and still carries its sums; the rounds after it get sketches."""
+    from avest_client.vllm import sketch as sketches
+
+    build, entered, release = sketches.build, threading.Event(), threading.Event()
+
+    def held_once(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if not entered.is_set():
+            entered.set()
+            assert release.wait(30), "the test never released the sender"
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(sketches, "build", held_once)
+    sink = FakeSink()
+    sink.push(*POOLED)
+    est = _shim(sink, round_steps=40)
+    rounds = est._avest.rounds
+    trace = _trace(161)  # step 0 local, then rounds 1-40, 41-80, 81-120, 121-160
+    try:
+        for s in trace[:81]:  # the first two rounds: the sender holds both sets
+            drive(est, s)
+        assert entered.wait(30), "the sender never started the first round's sketch"
+        assert rounds.closed_rounds == 2 and rounds.handled == 0
+        for s in trace[81:101]:  # the third round started with no set free
+            drive(est, s)
+    finally:
+        release.set()
+    assert rounds.flush(10)  # both sets back before the third round ends
+    _drive_rounds(est, trace[101:])
+    assert rounds.flush(10)
+    assert [s.steps for s in sink.summaries] == [40] * 4
+    assert [s.sketch is None for s in sink.summaries] == [False, False, True, False]
+    assert rounds.sketches_skipped == 1 and not rounds.copy_mode
+    assert est._avest.stats()["sketches_skipped"] == 1  # what the worker's metrics export
+    start = 1
+    for got in sink.summaries:  # the skipped round's sums are sent all the same
+        want = _reference(trace[start : start + 40], POOLED)
+        start += 40
+        np.testing.assert_array_equal(got.counts, want.counts)
+        np.testing.assert_allclose(got.info, want.info, rtol=2e-4, atol=1e-3)
+        if got.sketch is not None:
+            _assert_sketches_agree(got, want)
+    est.avest_close()
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["checked-in-time", "checked-late"])
+def test_reused_step_buffers_are_caught_and_copied_from_then_on(monkeypatch, held):
     """A caller that writes every step into the same buffers: the round that held them
-    goes without a sketch, and later rounds copy the vectors and equal the reference."""
+    goes without a sketch, and later rounds copy the vectors and equal the reference.
+    Checked late (the sender held on purpose in the first round's check until the second
+    round kept steps by reference), the second round goes without a sketch as well."""
+    from avest_client.vllm import sketch as sketches
+
+    reused, release = sketches.storage_reused, threading.Event()
+    if not held:
+        release.set()
+
+    def held_check(refs):  # noqa: ANN001, ANN202
+        assert release.wait(30), "the test never released the sender"
+        return reused(refs)
+
+    monkeypatch.setattr(sketches, "storage_reused", held_check)
     sink = FakeSink()
     sink.push(*POOLED)
     est = _shim(sink)
+    rounds = est._avest.rounds
     trace = _trace(301)
     bufs = [torch.zeros(32, dtype=dt) for dt in (torch.int64, torch.int32, torch.int32)]
-    for s in trace:
-        n = s.idx_mapping.shape[0]
-        views = [b[:n] for b in bufs]  # fresh views of one storage, as a runner's buffers
-        for v, src in zip(views, (s.idx_mapping, s.num_sampled, s.num_rejected), strict=True):
-            v.copy_(src)
-        est.load_features(s.idx_mapping, s.features)
-        est.step(*views)
-    est._avest.rounds.flush(10)
-    rounds = est._avest.rounds
+    try:
+        for i, s in enumerate(trace):
+            if i == 150:  # held: the second round kept 49 steps by reference so far
+                assert rounds.closed_rounds == 1 and rounds.copy_mode is not held
+                release.set()
+            n = s.idx_mapping.shape[0]
+            views = [b[:n] for b in bufs]  # fresh views of one storage, as a runner's buffers
+            for v, src in zip(views, (s.idx_mapping, s.num_sampled, s.num_rejected), strict=True):
+                v.copy_(src)
+            closed = rounds.closed_rounds
+            est.load_features(s.idx_mapping, s.features)
+            est.step(*views)
+            if rounds.closed_rounds != closed and release.is_set():
+                assert rounds.flush(10)  # the sender checked the round before the next step
+    finally:
+        release.set()
+    assert rounds.flush(10)
     assert [s.steps for s in sink.summaries] == [100, 100, 100]
     assert rounds.copy_mode
-    # the first round is caught by the sender; the second, if it still holds references
-    # made while the first was checked, goes without a sketch as well
     skipped = [s.sketch is None for s in sink.summaries]
-    assert skipped[0] and not skipped[2] and rounds.sketches_skipped == sum(skipped)
+    assert skipped == [True, held, False] and rounds.sketches_skipped == sum(skipped)
     stats = est._avest.stats()  # what the worker's metrics export
     assert stats["copy_mode"] is True and stats["sketches_skipped"] == sum(skipped)
-    got, want = sink.summaries[2], _reference(trace[201:301], POOLED)
-    _assert_sketches_agree(got, want)
+    parts = (trace[1:101], trace[101:201], trace[201:301])
+    for got, part in zip(sink.summaries, parts, strict=True):
+        want = _reference(part, POOLED)  # the sums never depend on the sketch
+        np.testing.assert_array_equal(got.counts, want.counts)
+        if got.sketch is not None:
+            _assert_sketches_agree(got, want)
     est.avest_close()
 
 
@@ -148,7 +235,7 @@ def test_a_new_version_ends_the_round_and_raw_steps_go_only_as_sampled():
         if i == 51:
             sink.push(4, 0.7, [0.0] * 5)
         drive(est, s)
-    est._avest.rounds.flush(10)
+    assert est._avest.rounds.flush(10)
     assert est._avest.forwarder.flush(10)
     # steps 1..51 at version 3 (the step that sees version 4 was drafted at 3), then 4
     assert [(s.version, s.steps) for s in sink.summaries] == [(3, 51), (4, 100)]
@@ -163,7 +250,7 @@ def test_rounds_under_local_refits_are_not_sent():
     est = _shim(sink)
     for s in _trace(220):
         drive(est, s)
-    est._avest.rounds.flush(10)
+    assert est._avest.rounds.flush(10)
     assert sink.summaries == [] and est._refits == 2
     est.avest_close()
 
@@ -182,7 +269,7 @@ def test_summaries_reach_the_sidecar_which_pools_and_pushes_back(
     assert sink.wait_connected(10)
     for s in trace:
         drive(est, s)
-    est._avest.rounds.flush(10)
+    assert est._avest.rounds.flush(10)
     assert sink.flush(20), sink.stats
     with EstimatorClient(srv.grpc_address) as client:
         pair = client.pair(sink.pair_id)
@@ -215,8 +302,7 @@ def test_a_failed_sketch_gives_its_buffers_back(monkeypatch):
     sink = FakeSink()
     sink.push(*POOLED)
     est = _shim(sink)
-    for s in _trace(301):
-        drive(est, s)
+    _drive_rounds(est, _trace(301))
     rounds = est._avest.rounds
     assert rounds.flush(10)
     assert rounds.send_errors == 1 and [s.steps for s in sink.summaries] == [100, 100]
