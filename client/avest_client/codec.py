@@ -18,23 +18,8 @@ from avest_client.types import (
     Registration,
 )
 from avest_wire import matrix as wire
+from avest_wire.rules import BUDGET_RULE_NAMES, BUDGET_RULES, UPDATE_RULE_NAMES, UPDATE_RULES
 from avest_wire.v1 import estimator_pb2 as pb
-
-UPDATE_RULES = {
-    "": pb.UPDATE_RULE_UNSPECIFIED,
-    "vllm": pb.UPDATE_RULE_VLLM,
-    "recursive": pb.UPDATE_RULE_RECURSIVE,
-    "tracking": pb.UPDATE_RULE_TRACKING,
-}
-UPDATE_RULE_NAMES = {v: k for k, v in UPDATE_RULES.items()}
-BUDGET_RULES = {
-    "": pb.BUDGET_RULE_UNSPECIFIED,
-    "stale": pb.BUDGET_RULE_STALE,
-    "lossless-walk": pb.BUDGET_RULE_LOSSLESS_WALK,
-    "argmax": pb.BUDGET_RULE_ARGMAX,
-    "full": pb.BUDGET_RULE_FULL,
-}
-BUDGET_RULE_NAMES = {v: k for k, v in BUDGET_RULES.items()}
 
 
 def update_rule(name: str | None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from avest.commands.cli import main
@@ -87,3 +88,20 @@ def test_replay_resumes_after_a_crash_and_a_rerun_counts_nothing_twice(tmp_path,
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+
+
+def test_replay_registers_the_pair_under_each_named_update_rule(server, trace_slice, tmp_path,
+                                                                 capsys):  # fmt: skip
+    """Every rule `avest replay --rule` offers reaches the service (the names and enum
+    values come from one table, avest_wire.rules)."""
+    path = tmp_path / "t.npz"
+    for i, rule in enumerate(("tracking", "vllm", "recursive")):
+        trace = trace_slice("chat", 0, 12)
+        write_trace(path, dataclasses.replace(trace, meta={**trace.meta, "target": rule}))
+        args = ["replay", str(path), "--address", server.grpc_address, "--rule", rule, "--json"]
+        assert main(args) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["messages"] == 12, (i, out)
+        assert main(["pairs", "--address", server.grpc_address, "--json"]) == 0
+        pairs = {p["pair_id"]: p for p in json.loads(capsys.readouterr().out)}
+        assert pairs[out["pair_id"]]["rule"] == rule

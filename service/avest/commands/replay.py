@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from avest.commands.pairs import add_address_argument, grpc_address, pair_json, print_pair
+from avest_wire.rules import UPDATE_RULES
 
 #: Seconds ``avest replay`` waits for the service to answer before giving up.
 CONNECT_TIMEOUT_S = 5.0
@@ -29,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument(
         "--rule",
-        choices=["tracking", "vllm", "recursive"],
+        choices=[name for name in UPDATE_RULES if name],
         default="",
         help="update rule for the pair",
     )

@@ -8,21 +8,14 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from avest.core import budget as budget_rules
 from avest.state.pairs import Pair
+from avest_wire.rules import BUDGET_RULE_NAMES, UPDATE_RULE_NAMES, UPDATE_RULES
 from avest_wire.v1 import estimator_pb2 as pb
 
-RULE_TO_PB = {
-    "vllm": pb.UPDATE_RULE_VLLM,
-    "recursive": pb.UPDATE_RULE_RECURSIVE,
-    "tracking": pb.UPDATE_RULE_TRACKING,
-}
-RULE_FROM_PB = {pb.UPDATE_RULE_UNSPECIFIED: "", **{v: k for k, v in RULE_TO_PB.items()}}
-BUDGET_FROM_PB = {
-    pb.BUDGET_RULE_UNSPECIFIED: budget_rules.DEFAULT_RULE,
-    pb.BUDGET_RULE_STALE: "stale",
-    pb.BUDGET_RULE_LOSSLESS_WALK: "lossless-walk",
-    pb.BUDGET_RULE_ARGMAX: "argmax",
-    pb.BUDGET_RULE_FULL: "full",
-}
+#: every named update rule (the empty name, UNSPECIFIED, is the service's default)
+RULE_TO_PB = {name: value for name, value in UPDATE_RULES.items() if name}
+RULE_FROM_PB = dict(UPDATE_RULE_NAMES)
+#: UNSPECIFIED is the core's default budget rule
+BUDGET_FROM_PB = {**BUDGET_RULE_NAMES, pb.BUDGET_RULE_UNSPECIFIED: budget_rules.DEFAULT_RULE}
 BUDGET_TO_PB = {v: k for k, v in BUDGET_FROM_PB.items() if k != pb.BUDGET_RULE_UNSPECIFIED}
 
 

@@ -23,14 +23,9 @@ import numpy as np
 from avest.offline.trace import Trace
 from avest_client.credentials import Credentials, aio_channel
 from avest_wire import matrix as wire
+from avest_wire.rules import UPDATE_RULES
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
-
-RULES = {
-    "": pb.UPDATE_RULE_UNSPECIFIED,
-    "vllm": pb.UPDATE_RULE_VLLM,
-    "recursive": pb.UPDATE_RULE_RECURSIVE,
-}
 
 
 @dataclass
@@ -135,7 +130,7 @@ async def replay(
         raise ValueError("workers must be >= 1")
     run = run_id or default_run_id(trace, workers, repeat)
     request = pb.RegisterPairRequest(
-        key=pair_key(trace), update_rule=RULES[rule], refit_interval=refit_interval
+        key=pair_key(trace), update_rule=UPDATE_RULES[rule], refit_interval=refit_interval
     )
     # AVEST_TOKEN / AVEST_TLS_CA from the environment, as every client reads them.
     async with aio_channel(address, (), Credentials.resolve()) as channel:
