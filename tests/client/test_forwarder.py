@@ -153,6 +153,7 @@ def _stream_in_background(fwd, steps, pause_s=0.002):
     return thread, done
 
 
+@pytest.mark.slow
 def test_a_restarted_server_gets_every_unacknowledged_step_once(start_server, tmp_path, chat_steps):
     """Graceful stop mid-stream, start again on the same port and data directory."""
     k, steps = chat_steps(0, 240)
@@ -342,6 +343,7 @@ print("ok")
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.slow
 def test_a_client_and_forwarder_built_before_fork_work_in_the_child(subprocess_server):
     """The vLLM pattern: built in the parent (no call in flight), used after fork.
 
@@ -357,6 +359,7 @@ def test_a_client_and_forwarder_built_before_fork_work_in_the_child(subprocess_s
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_sigkill_mid_stream_loses_nothing_and_applies_nothing_twice(tmp_path, chat_steps):
     k, steps = chat_steps(0, 300)
     proc, address = serve_subprocess(tmp_path)

@@ -14,6 +14,8 @@ from avest.core.rules import RecursiveRule, VllmRule
 from avest.offline.evaluate import METHODS
 from avest.offline.trace import write_trace
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def chat_slice(trace_slice, tmp_path):

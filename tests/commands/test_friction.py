@@ -28,6 +28,8 @@ from conftest import REPO_ROOT, make_synthetic_trace
 
 from .live_server import ServerHandle, launch
 
+pytestmark = pytest.mark.slow
+
 CLI = [sys.executable, "-c", "import sys; from avest.commands.cli import main; sys.exit(main())"]
 
 

@@ -32,6 +32,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 READMES = (REPO / "README.md", REPO / "deploy" / "README.md")
 VENV_BIN = Path(sys.executable).parent

@@ -20,6 +20,8 @@ import pytest
 
 from .harness import COMPOSE, DEPLOY, REPO, find_tool, free_port
 
+pytestmark = pytest.mark.slow
+
 DOCKERFILE = REPO / "Dockerfile"
 VLLM_DOCKERFILE = DEPLOY / "vllm" / "Dockerfile"
 INSTALL_SHIM = DEPLOY / "vllm" / "install_shim.py"

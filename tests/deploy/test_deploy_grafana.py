@@ -34,6 +34,8 @@ from .harness import (
     substitute_grafana,
 )
 
+pytestmark = pytest.mark.slow
+
 DASHBOARD = DASHBOARDS / "avest.json"
 BUILDER = DEPLOY / "grafana" / "build_dashboard.py"
 PROVISIONING = DEPLOY / "grafana" / "provisioning"

@@ -24,6 +24,8 @@ from .harness import (
     substitute_grafana,
 )
 
+pytestmark = pytest.mark.slow
+
 DASHBOARD = DASHBOARDS / "avest.json"
 CONFIGMAP = DEPLOY / "kubernetes" / "base" / "grafana-dashboard.yaml"
 DS_VAR = {"type": "prometheus", "uid": "${datasource}"}

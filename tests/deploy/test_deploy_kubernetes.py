@@ -30,6 +30,8 @@ from .kube import (
     strategic_merge,
 )
 
+pytestmark = pytest.mark.slow
+
 kubernetes_validate = pytest.importorskip(
     "kubernetes_validate",
     reason="kubernetes-validate is not installed: pip install -e '.[test]' (scripts/check does)",

@@ -25,6 +25,8 @@ from .harness import (
     selectors,
 )
 
+pytestmark = pytest.mark.slow
+
 # The alerts the issue asks for, by what they watch.
 EXPECTED_ALERTS = {
     "AvestSidecarDown",  # sidecar down (up == 0)

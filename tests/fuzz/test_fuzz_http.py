@@ -28,6 +28,8 @@ from hypothesis import HealthCheck, settings
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 
+pytestmark = pytest.mark.slow
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from service.conftest import launch  # noqa: E402
 

@@ -23,6 +23,8 @@ from avest.offline.simulate.fleet import simulate_fleet
 from avest.offline.simulate.profiles import CostProfile
 from avest.offline.trace import write_trace
 
+pytestmark = pytest.mark.slow
+
 # Stationary truth far from the cold start (slope 0.5, intercepts -0.2), so
 # learning sooner shows.
 TRUTH = {"slope": 1.0, "intercepts": [1.5, 1.0, 0.5, 0.0, -0.5]}

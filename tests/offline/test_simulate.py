@@ -23,6 +23,8 @@ from avest.offline.simulate.profiles import (
 )
 from avest.offline.trace import FORMAT, Trace, write_trace
 
+pytestmark = pytest.mark.slow
+
 # Draft pass 0.2 ms; verify 5 ms + 0.1 ms per token: verification turns
 # expensive quickly, so trimming pays at the larger concurrencies.
 AFFINE = CostProfile.from_curves("affine", [(1, 0.2), (2, 0.2)], [(1, 5.1), (2, 5.2)])

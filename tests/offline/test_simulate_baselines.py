@@ -22,6 +22,8 @@ from avest.offline.simulate.profiles import CostProfile, load_profile
 from avest.offline.simulate.recommend import recommend
 from avest.offline.trace import FORMAT, Trace, write_trace
 
+pytestmark = pytest.mark.slow
+
 # Draft 1 ms a pass; verify(T) = 10 + T ms.
 AFFINE = [(1, 11.0), (2, 12.0)]
 PARALLEL = CostProfile.from_curves("parallel", [(1, 1.0), (64, 1.0)], AFFINE, draft_per="proposal")

@@ -9,11 +9,14 @@ import time
 
 import httpx
 import numpy as np
+import pytest
 
 from avest.commands.cli import main
 from avest.offline.trace import read_trace
 from avest_client import EstimatorClient
 from avest_client.summary import RoundAccumulator
+
+pytestmark = pytest.mark.slow
 
 
 def test_record_writes_the_sampled_raw_steps_as_a_trace(open_server, trace_slice, tmp_path, capsys):

@@ -5,10 +5,14 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
+
 from avest.commands.cli import main
 from avest.core.rules import VllmRule
 from avest.offline.trace import write_trace
 from commands.test_cli import replay_core
+
+pytestmark = pytest.mark.slow
 
 
 def test_replay_and_pairs_against_a_real_service(server, trace_slice, tmp_path, capsys):

@@ -10,11 +10,14 @@ import time
 import grpc
 import httpx
 import numpy as np
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow
 
 
 def _closed_by_peer(s: socket.socket) -> bool:

@@ -13,10 +13,13 @@ import time
 
 import grpc
 import numpy as np
+import pytest
 
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow
 
 K, ROWS = 4, 8
 BUSY_STREAMS = 50

@@ -22,6 +22,8 @@ from .live import TOKEN
 from .test_service import observe_all, stub_for
 from .test_store_faults import register_k, synthetic_steps
 
+pytestmark = pytest.mark.slow
+
 #: gRPC metadata with the admin token (deletion and cost curves are admin actions).
 ADMIN_MD = (("authorization", f"Bearer {TOKEN}"),)
 

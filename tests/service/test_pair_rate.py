@@ -13,6 +13,8 @@ from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 from service.conftest import ADMIN
 
+pytestmark = pytest.mark.slow
+
 K = 4
 RATE = 40.0
 

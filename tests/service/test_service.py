@@ -31,6 +31,8 @@ from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 
 from .conftest import ADMIN
 
+pytestmark = pytest.mark.slow
+
 RULE = {
     "vllm": pb.UPDATE_RULE_VLLM,
     "recursive": pb.UPDATE_RULE_RECURSIVE,

@@ -9,10 +9,14 @@ import sys
 import threading
 import time
 
+import pytest
+
 from avest_wire.v1 import estimator_pb2 as pb
 
 from .test_service import stub_for
 from .test_store_faults import register_k, synthetic_steps
+
+pytestmark = pytest.mark.slow
 
 PAIRS = 150
 GRACE_S = 2.0

@@ -22,6 +22,8 @@ from avest_wire.v1 import estimator_pb2 as pb
 from .conftest import ServerHandle, launch
 from .test_service import observe_all, register, stub_for
 
+pytestmark = pytest.mark.slow
+
 
 def synthetic_steps(pair_id: str, worker: str, k: int, steps: int, seed: int, rows: int = 8):
     """``steps`` Observe messages of random drafts for a K-position pair."""

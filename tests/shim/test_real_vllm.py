@@ -50,6 +50,8 @@ from avest_client.vllm import config as shim_config
 
 from .test_sidecar_sink import sidecar_servers
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("real_vllm_driver.py")
 STEPS, REQUESTS, K = 24, 16, 4

@@ -9,8 +9,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 

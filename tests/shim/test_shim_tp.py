@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch.multiprocessing as mp
 
 from .tp_worker import STEPS, SYNC, K, run
+
+pytestmark = pytest.mark.slow
 
 
 def test_two_ranks_apply_the_same_version_at_the_same_step(tmp_path):

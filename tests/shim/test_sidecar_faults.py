@@ -37,6 +37,8 @@ from .test_sidecar_sink import (
 )
 from .tracedrive import Step, steps, synthetic_trace
 
+pytestmark = pytest.mark.slow
+
 #: How much slower than vLLM's estimator alone the shim's median step may be here.
 #: The benchmark measures the real figure (target <= 20 us); a shared CI box needs slack.
 SLACK_US = 250.0

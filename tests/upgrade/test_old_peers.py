@@ -16,6 +16,8 @@ from service.conftest import launch
 
 from .oldrelease import OldServer, run_old
 
+pytestmark = pytest.mark.slow
+
 OLD_CLIENT = textwrap.dedent(
     """
     import json, sys

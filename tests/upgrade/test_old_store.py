@@ -25,6 +25,8 @@ from service.test_service import stub_for
 
 from .oldrelease import OldServer
 
+pytestmark = pytest.mark.slow
+
 #: Fields of GET /v1/pairs that must survive the upgrade unchanged.
 SAME = (
     "id",
