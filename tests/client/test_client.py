@@ -309,9 +309,10 @@ async def test_async_client_matches_the_sync_one(server, chat_steps):
         watch.cancel()
         await fwd.close()
         assert fwd.stats.acked == len(steps) and fwd.stats.pending == 0
-        for _ in range(100):
-            if len(updates) == 2:
-                break
+        # the callback watcher is a stream of its own: wait for it (not a fixed 2 s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 20
+        while len(updates) < 2 and loop.time() < deadline:
             await asyncio.sleep(0.02)
         assert [u.version for u in updates] == [first.version, second.version]
         await watcher.cancel()
