@@ -94,3 +94,43 @@ def test_a_worker_with_an_estimator_says_nothing(start_sidecar, tmp_path, worker
     assert not [r for r in caplog.records if "built no" in r.getMessage()]
     worker.shutdown()
     assert worker.estimator._avest.closed
+
+
+def test_the_engine_core_closes_its_workers_estimators_before_stopping_them(
+    start_sidecar, tmp_path, trace_slice, monkeypatch
+):
+    """vLLM's engine core asks each worker, through ``collective_rpc`` (the callable is
+    pickled and run as ``func(worker)`` in the worker's process), to close its estimators
+    while the workers still serve RPCs; then its own shutdown stops the executor."""
+    import pickle
+
+    srv = start_sidecar(tmp_path, refit_interval=1000, default_rule="vllm")
+    est = make_shim(srv.grpc_address, mode="summary")
+    assert sink_of(est).wait_connected(10)
+    for s in trace_steps(trace_slice("chat", 0, 30)):
+        drive(est, s)
+    events: list[str] = []
+
+    class Executor:
+        def collective_rpc(self, method, timeout=None, args=(), kwargs=None):  # noqa: ANN001, ANN202
+            fn = pickle.loads(pickle.dumps(method))  # by reference, as vLLM's workers get it
+            events.append(f"rpc closed {fn('worker')}")
+
+        def shutdown(self) -> None:
+            events.append("executor shutdown")
+
+    class EngineCore:
+        def __init__(self) -> None:
+            self.model_executor = Executor()
+
+        def shutdown(self) -> None:
+            self.model_executor.shutdown()
+
+    module = types.SimpleNamespace(EngineCore=EngineCore)
+    lifecycle.install_engine_hooks(module)  # type: ignore[arg-type]
+    lifecycle.install_engine_hooks(module)  # type: ignore[arg-type]  # idempotent
+    pair_id = sink_of(est).pair_id
+    EngineCore().shutdown()
+    assert events == ["rpc closed 1", "executor shutdown"]
+    with EstimatorClient(srv.grpc_address) as client:
+        assert client.pair(pair_id).steps_observed == 29

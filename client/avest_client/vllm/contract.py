@@ -105,6 +105,7 @@ SPECULATOR_MODULE = "vllm.v1.worker.gpu.spec_decode.speculator"
 SAMPLER_MODULE = "vllm.v1.worker.gpu.sample.sampler"
 ADAPTIVE_VERIFICATION_MODULE = "vllm.v1.worker.gpu.spec_decode.adaptive_verification"
 WORKER_MODULE = "vllm.v1.worker.gpu_worker"
+ENGINE_CORE_MODULE = "vllm.v1.engine.core"
 ESTIMATOR_CLASS = "OnlineAcceptanceEstimator"
 
 #: The class the shim subclasses; also checked at run time against the live class.
@@ -222,6 +223,27 @@ ENTRIES: tuple[Entry, ...] = (
         methods=(
             Method("load_model", ("self", "load_dummy_weights")),
             Method("shutdown", ("self",)),
+        ),
+    ),
+    # The engine core's shutdown, before it stops its executor: the shim closes the workers'
+    # estimators through collective_rpc (a callable is run as func(worker) in each worker).
+    Class(
+        path="vllm/v1/engine/core.py",
+        name="EngineCore",
+        methods=(Method("shutdown", ("self",)),),
+        init_attributes=("model_executor",),
+    ),
+    Statements(
+        path="vllm/v1/engine/core.py",
+        cls="EngineCore",
+        method="shutdown",
+        snippets=("self.model_executor.shutdown()",),
+    ),
+    Class(
+        path="vllm/v1/executor/abstract.py",
+        name="Executor",
+        methods=(
+            Method("collective_rpc", ("self", "method", "timeout", "args", "kwargs", "non_block")),
         ),
     ),
     # Plugin loading.

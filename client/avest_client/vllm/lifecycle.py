@@ -3,15 +3,20 @@ worker that builds none.
 
 vLLM never closes its acceptance estimator. In-process the shim's finalizer
 runs at interpreter exit, but a worker in its own process (vLLM's default:
-the engine core, and with it the worker, is a subprocess) leaves through
+the engine core is a subprocess, and its worker another) leaves through
 ``multiprocessing``'s exit path, which runs no ``atexit`` handler, and by then
-the estimator may be gone: the last partial round was lost. So every shim
-estimator is tracked here (weakly) and closed, its open round sent first,
-within a bounded time:
+the estimator may be gone: the last partial round was lost. Nor can the
+worker be counted on to shut down in time: vLLM's executor gives it
+``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` (5 s) to leave its busy loop, then
+sends SIGTERM, while the front end kills the engine core's processes 5 s
+after asking it to stop. So every shim estimator is tracked here (weakly)
+and closed, its open round sent first, within :data:`SHUTDOWN_TIMEOUT_S`:
 
-* when vLLM's worker shuts down (``Worker.shutdown``, which vLLM calls in
-  every process that holds a worker, before the executor's grace period of
-  ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``, 5 s, runs out);
+* when the engine core begins to shut down (``EngineCore.shutdown``, before
+  it stops its executor): a ``collective_rpc`` runs the close in every
+  worker while the workers still serve RPCs;
+* when vLLM's worker shuts down (``Worker.shutdown``), for an executor that
+  does not go through the engine core;
 * at the process's exit, as a fallback (``multiprocessing.util.Finalize``
   runs in the main process at exit and in ``multiprocessing`` children).
 
@@ -70,6 +75,8 @@ def close_all(timeout: float = SHUTDOWN_TIMEOUT_S) -> int:
             est.avest_close(timeout)
         except Exception:  # noqa: BLE001 - shutting down: never raise into vLLM
             logger.exception("avest: closing an estimator at shutdown failed")
+    if estimators:
+        logger.info("avest: %d estimator(s) closed at shutdown", len(estimators))
     return len(estimators)
 
 
@@ -91,6 +98,32 @@ def check_built(where: str) -> bool:
 
         mark_no_estimator()
     return False
+
+
+def close_in_worker(worker: Any = None) -> int:
+    """Run by vLLM's ``collective_rpc`` in each worker process (pickled by reference)."""
+    return close_all()
+
+
+def install_engine_hooks(module: ModuleType) -> None:
+    """Wrap ``module.EngineCore.shutdown``: the workers close their estimators first."""
+    cls = getattr(module, "EngineCore", None)
+    if cls is None or getattr(cls, "__avest_lifecycle__", False):
+        return
+    shutdown = cls.shutdown
+
+    @functools.wraps(shutdown)
+    def close_workers_then_shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
+        executor = getattr(self, "model_executor", None)
+        if executor is not None:
+            try:
+                executor.collective_rpc(close_in_worker, timeout=SHUTDOWN_TIMEOUT_S + 1.0)
+            except Exception:  # noqa: BLE001 - shutting down: the worker hook still runs
+                logger.warning("avest: closing the workers' estimators failed", exc_info=True)
+        return shutdown(self, *args, **kwargs)
+
+    cls.shutdown = close_workers_then_shutdown
+    cls.__avest_lifecycle__ = True
 
 
 def install_worker_hooks(module: ModuleType) -> None:

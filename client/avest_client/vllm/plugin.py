@@ -8,8 +8,9 @@ the avest subclass (the speculator builds its estimator through that name in
 ``load_model``). It also records per-request exclusion flags
 (``Sampler.add_request``) and the profiled cost curves
 (``AdaptiveVerificationManager.set_cost_curves``), and hooks vLLM's worker
-(``Worker.load_model``, ``Worker.shutdown``): a worker that builds no estimator
-says so once, and the shim's last round is sent when the worker shuts down
+(``Worker.load_model``, ``Worker.shutdown``) and engine core
+(``EngineCore.shutdown``): a worker that builds no estimator says so once, and
+the shim's last round is sent when the engine shuts down
 (:mod:`avest_client.vllm.lifecycle`). If vLLM is absent or does not match
 :mod:`avest_client.vllm.contract`, it logs and leaves vLLM untouched.
 """
@@ -46,12 +47,13 @@ def register() -> None:
         logger.warning("avest: AVEST_ADDRESS is set but vLLM is not installed; nothing to patch")
         return
     from avest_client.vllm.hooks import when_imported
-    from avest_client.vllm.lifecycle import install_worker_hooks
+    from avest_client.vllm.lifecycle import install_engine_hooks, install_worker_hooks
 
     when_imported(contract.SPECULATOR_MODULE, lambda m: patch_speculator(m, config))
     when_imported(contract.SAMPLER_MODULE, _hook_sampler)
     when_imported(contract.ADAPTIVE_VERIFICATION_MODULE, _hook_costs)
     when_imported(contract.WORKER_MODULE, install_worker_hooks)
+    when_imported(contract.ENGINE_CORE_MODULE, install_engine_hooks)
     ACTIVE = True
     logger.info("avest: plugin active in process %d (sidecar %s, %s mode)",
                 os.getpid(), config.address, config.mode)  # fmt: skip
