@@ -1,11 +1,11 @@
-"""Run one real ``vllm.LLM`` on the CPU and write what it generated (engine environment only).
+"""Run one real ``vllm.LLM`` and write what it generated (engine environment only).
 
     python tests/engine/engine_driver.py MODELS OUT CONFIG_JSON
 
 ``CONFIG_JSON`` holds ``speculate`` (draft-model speculation with ``k``
 drafts), ``adaptive`` (adaptive verification), ``batches`` (how many prompts
-each ``generate`` call takes, in order), ``tokens`` (per prompt) and
-``temperature``. The engine follows vLLM's own environment
+each ``generate`` call takes, in order), ``tokens`` (per prompt),
+``temperature`` and ``eager`` (no CUDA graphs; default true, as on a CPU). The engine follows vLLM's own environment
 (``VLLM_ENABLE_V1_MULTIPROCESSING``, ``VLLM_USE_V2_MODEL_RUNNER``, ...), and
 avest's plugin its own (``AVEST_ADDRESS``, ``AVEST_MODE``, ...).
 
@@ -67,8 +67,9 @@ def main(models: Path, out: Path, config: dict) -> None:
         }
     started = time.monotonic()
     llm = LLM(
-        model=str(models / "target"), dtype="float32", enforce_eager=True, max_model_len=256,
-        max_num_seqs=8, kv_cache_memory_bytes=64 << 20, seed=0, **kwargs,
+        model=str(models / "target"), dtype="float32", max_model_len=256,
+        max_num_seqs=8, kv_cache_memory_bytes=64 << 20, seed=0,
+        enforce_eager=config.get("eager", True), **kwargs,
     )  # fmt: skip
     params = SamplingParams(
         temperature=config["temperature"], max_tokens=config["tokens"], ignore_eos=True, seed=0

@@ -1,7 +1,8 @@
 """vLLM general plugin ``avest_cpu_lift`` (test only): adaptive verification on a CPU.
 
-Active only with ``AVEST_CPU_LIFT=1``. In every vLLM process it lifts the four
-checks that refuse AV on the CPU platform, each where vLLM makes it:
+With ``AVEST_CPU_LIFT=1``, in every vLLM process it lifts the four checks that
+refuse AV on the CPU platform, each where vLLM makes it (on a GPU leave it
+unset: nothing is lifted there, and the two settings below work alone):
 
 1. ``VllmConfig._validate_adaptive_verification`` requires full CUDA graphs; the
    CPU platform forces cudagraph mode NONE. The other checks still run.
@@ -41,31 +42,44 @@ _done: set[str] = set()
 
 
 def register() -> None:
-    if os.environ.get("AVEST_CPU_LIFT") != "1":
-        return
     from avest_client.vllm.hooks import when_imported  # reuse avest's post-import hook
 
-    when_imported("vllm.config.vllm", _lift_config)
-    when_imported(_ADAPTIVE, _lift_varlen_check)
-    when_imported(_RUNNER, _lift_runner)
+    if os.environ.get("AVEST_CPU_LIFT") == "1":
+        when_imported("vllm.config.vllm", _lift_config)
+        when_imported(_ADAPTIVE, _lift_varlen_check)
+        when_imported(_RUNNER, _lift_runner)
     if os.environ.get("AVEST_CPU_LIFT_REFIT_INTERVAL"):
         when_imported(_ESTIMATOR, _set_refit_interval)
     if os.environ.get("AVEST_CPU_LIFT_RECORD"):
         when_imported(_ESTIMATOR, _record_graded)
-        _record_process_at_exit()
-        os.register_at_fork(after_in_child=_record_process_at_exit)
+        import multiprocessing.util
+
+        multiprocessing.util.Finalize(None, _write_process, exitpriority=1)
+        os.register_at_fork(after_in_child=_write_process)
+        when_imported("vllm.v1.engine.core", _write_process_after_engine_core_init)
 
 
-def _record_process_at_exit() -> None:
-    """At this process's exit, ``DIR/process-<pid>.json``: whether avest's plugin is active
-    here and which estimator class the speculator builds (vLLM forks its engine core and
-    workers after loading plugins, so a child inherits the parent's patches)."""
-    import multiprocessing.util
+def _write_process_after_engine_core_init(module) -> None:  # noqa: ANN001
+    """The engine core's process (spawned, and killed by vLLM at shutdown) is recorded as its
+    busy loop starts: by then it has loaded every plugin."""
+    if not _once("engine core"):
+        return
+    cls = module.EngineCoreProc
+    run_busy_loop = cls.run_busy_loop
 
-    multiprocessing.util.Finalize(None, _write_process, exitpriority=1)
+    def record_then_run(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        _write_process()
+        return run_busy_loop(self, *args, **kwargs)
+
+    cls.run_busy_loop = record_then_run
 
 
 def _write_process() -> None:
+    """``DIR/process-<pid>.json``: whether avest's plugin is armed in this process and which
+    estimator class its speculator builds, if it has imported one. Written in each forked
+    child as it starts (vLLM forks its workers after loading plugins, so a child inherits
+    the parent's hooks), in the engine core's process as its busy loop starts (vLLM kills
+    that process at shutdown), and in every process at exit."""
     plugin = sys.modules.get("avest_client.vllm.plugin")
     speculator = sys.modules.get("vllm.v1.worker.gpu.spec_decode.speculator")
     cls = getattr(speculator, "OnlineAcceptanceEstimator", None)
