@@ -216,7 +216,8 @@ def test_the_license_is_apache_2_0() -> None:
     text = (REPO / "LICENSE").read_text()
     assert "Apache License" in text and "Version 2.0, January 2004" in text
     assert "END OF TERMS AND CONDITIONS" in text
-    assert 'license = { text = "Apache-2.0" }' in (REPO / "pyproject.toml").read_text()
+    project = (REPO / "pyproject.toml").read_text()
+    assert 'license = "Apache-2.0"' in project and 'license-files = ["LICENSE"]' in project
     assert "COPY pyproject.toml README.md LICENSE" in " ".join(
         f"COPY {rest}" for w, rest in instructions(DOCKERFILE) if w == "COPY"
     )
