@@ -340,8 +340,11 @@ def test_raw_mode(runs: Runs) -> None:
 
 
 def test_vllm_av_refits_alone(runs: Runs) -> None:
+    """AV without avest: vLLM's own refits, and AV trims (rows that verified fewer than K
+    drafts and rejected none: more than the one per request a request's end explains)."""
     graded = runs.vllm_av.graded()
     assert graded["estimator"] == "OnlineAcceptanceEstimator"
+    assert graded["short_rows"] > PROMPTS
     refits = [c["refits"] for c in graded["coefficients"]]
     assert refits[-1] == graded["steps"] // REFIT
     assert graded["coefficients"][-1]["slope"] != 0.5

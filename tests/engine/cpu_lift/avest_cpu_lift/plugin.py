@@ -13,8 +13,7 @@ unset: nothing is lifted there, and the two settings below work alone):
    kept as it is.
 4. Cost curves are profiled only in ``capture_model``, which the CPU worker
    never calls: fixed curves are set right after the manager is built
-   (``AVEST_CPU_LIFT_COSTS=DRAFT_MS_PER_REQUEST:VERIFY_MS_PER_TOKEN``, default
-   ``1:4``).
+   (``AVEST_CPU_LIFT_COSTS``, see ``_cost_curves``).
 
 ``AVEST_CPU_LIFT_REFIT_INTERVAL=N`` sets ``OnlineAcceptanceEstimator.REFIT_INTERVAL``
 (vLLM's 100 steps is more than a short CPU run takes).
@@ -125,11 +124,21 @@ def _lift_varlen_check(module) -> None:  # noqa: ANN001
 
 
 def _cost_curves(max_reqs: int, max_tokens: int) -> tuple[list, list]:
-    spec = os.environ.get("AVEST_CPU_LIFT_COSTS", "1:4")
-    draft_ms, verify_ms = (float(v) for v in spec.split(":"))
-    reqs = sorted({1, max(2, max_reqs)})
-    tokens = sorted({1, max(2, max_tokens)})
-    return [(r, draft_ms * r) for r in reqs], [(t, verify_ms * t) for t in tokens]
+    """Cost lines with a point at every size (vLLM's tables pad a size up to the next
+    profiled point, as CUDA graphs do, so two points alone would price every size above 1
+    at the largest). ``AVEST_CPU_LIFT_COSTS``: ``D0,D1,V0,V1`` for draft(r) = D0 + D1·r and
+    verify(t) = V0 + V1·t ms (default ``1,0.5,2,1``: a fixed cost per step, as on a GPU,
+    so AV admits a request's likelier drafts and trims the rest, the more the larger the
+    batch), or ``D:V`` for lines through the origin."""
+    spec = os.environ.get("AVEST_CPU_LIFT_COSTS", "1,0.5,2,1")
+    if ":" in spec:
+        d1, v1 = (float(x) for x in spec.split(":"))
+        d0 = v0 = 0.0
+    else:
+        d0, d1, v0, v1 = (float(x) for x in spec.split(","))
+    draft = [(r, d0 + d1 * r) for r in range(1, max(2, max_reqs) + 1)]
+    verify = [(t, v0 + v1 * t) for t in range(1, max(2, max_tokens) + 1)]
+    return draft, verify
 
 
 def _lift_runner(module) -> None:  # noqa: ANN001
@@ -191,6 +200,10 @@ def _record_graded(module) -> None:  # noqa: ANN001
         rec.setdefault("per_step", []).append(
             [int(((pos <= acc) & (pos < admitted)).sum()) for pos in range(k)]
         )
+        # verified fewer than K drafts, but some, and rejected none: trimmed by AV (or at the
+        # request's end; a row that verified none is a prefill)
+        short = (admitted > 0) & (admitted < k) & (acc == admitted)
+        rec["short_rows"] = rec.get("short_rows", 0) + int(short.sum())
         original(self, idx_mapping, num_sampled, num_rejected)
         stats = self.avest_stats() if hasattr(self, "avest_stats") else {}
         rec["coefficients"].append(
