@@ -1,4 +1,5 @@
-"""A real server for the command tests: ``tests/service/conftest.py``'s ``launch``.
+"""A real server for the command tests: ``tests/service/conftest.py``'s ``launch`` and its
+``server`` fixture.
 
 That conftest is not visible from this folder, so it is loaded by path (as
 ``tests/client/conftest.py`` does).
@@ -23,3 +24,4 @@ else:
 
 launch = service_conftest.launch
 ServerHandle = service_conftest.ServerHandle
+server = service_conftest.server  # the fixture: a real server on a fresh data dir, stopped after

@@ -16,7 +16,6 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,9 @@ import pytest
 from avest.offline.trace import write_trace
 from conftest import REPO_ROOT, make_synthetic_trace
 
-from .live_server import ServerHandle, launch
+from .live_server import ServerHandle, server
+
+__all__ = ["server"]  # the fixture, imported
 
 pytestmark = pytest.mark.slow
 
@@ -74,15 +75,6 @@ def avest(
         env={**clean, **(env or {})},
         cwd=venv,
     )
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[ServerHandle]:
-    handle = launch(tmp_path / "data")
-    try:
-        yield handle
-    finally:
-        handle.stop()
 
 
 def test_the_environment_is_client_only(client_venv: Path) -> None:

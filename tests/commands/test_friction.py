@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -26,20 +25,13 @@ from avest.commands.cli import main
 from avest.offline.trace import write_trace
 from conftest import REPO_ROOT, make_synthetic_trace
 
-from .live_server import ServerHandle, launch
+from .live_server import server
+
+__all__ = ["server"]  # the fixture, imported
 
 pytestmark = pytest.mark.slow
 
 CLI = [sys.executable, "-c", "import sys; from avest.commands.cli import main; sys.exit(main())"]
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[ServerHandle]:
-    handle = launch(tmp_path / "data")
-    try:
-        yield handle
-    finally:
-        handle.stop()
 
 
 @pytest.fixture
