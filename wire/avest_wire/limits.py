@@ -9,6 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+#: Draft positions (K) of a pair: vLLM's largest ``num_speculative_tokens`` in use is
+#: far below; 64 keeps a K x 2052-cell sketch and a K-row Newton system small.
+MAX_K = 64
+#: The feature ``logit(q_max)`` is clamped to ``[-MAX_LOG_ODDS, MAX_LOG_ODDS]``, as vLLM
+#: 0.33 clamps it: a one-hot draft row would otherwise be +inf.
+MAX_LOG_ODDS = 40.0
+#: Most decode steps one round summary may cover.
+MAX_SUMMARY_STEPS = 1_000_000
 #: ``target_model`` and ``draft_model``.
 MAX_MODEL_BYTES = 256
 #: ``method`` (non-empty: vLLM always names its speculative method).
