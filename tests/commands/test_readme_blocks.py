@@ -163,7 +163,7 @@ NOT_RUN = {
     "helm upgrade kube-prometheus-stack prometheus-community/kube-prometheus-stack -n monitoring "
     "--reuse-values --set grafana.sidecar.dashboards.searchNamespace=ALL": _CLUSTER
     + " with kube-prometheus-stack installed by Helm",
-    "kubectl -n monitoring apply -f deploy/kubernetes/base/grafana-dashboard.yaml": _CLUSTER,
+    "kubectl -n monitoring apply -k deploy/grafana": _CLUSTER,
     "kubectl -n avest get secret avest-tokens -o json | jq '{apiVersion, kind, type, metadata: "
     '{name: .metadata.name}, data: {"worker-token": .data["worker-token"]}}\' | kubectl -n <vllm '
     "namespace> apply -f -": _CLUSTER,

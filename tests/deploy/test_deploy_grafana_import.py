@@ -10,7 +10,6 @@ import json
 import re
 import urllib.parse
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,11 +22,13 @@ from .harness import (
     iter_panels,
     substitute_grafana,
 )
+from .kube import build
 
 pytestmark = pytest.mark.slow
 
 DASHBOARD = DASHBOARDS / "avest.json"
-CONFIGMAP = DEPLOY / "kubernetes" / "base" / "grafana-dashboard.yaml"
+#: The kustomization whose configMapGenerator makes the dashboard's ConfigMap.
+CONFIGMAP = DEPLOY / "grafana"
 DS_VAR = {"type": "prometheus", "uid": "${datasource}"}
 #: Variables Grafana defines itself.
 BUILTIN = frozenset(
@@ -184,9 +185,7 @@ def test_imported_into_a_grafana_with_other_uids_every_reference_resolves(
 
 
 def configmap_dashboard() -> dict[str, Any]:
-    import yaml
-
-    cm = yaml.safe_load(CONFIGMAP.read_text())
+    (cm,) = build(CONFIGMAP)
     (text,) = cm["data"].values()
     return dict(json.loads(text))
 
@@ -368,4 +367,4 @@ def test_the_reliability_bars_and_the_svg_link(
 
 def test_the_configmap_is_the_dashboard() -> None:
     assert configmap_dashboard() == json.loads(DASHBOARD.read_text())
-    assert Path(CONFIGMAP).is_file()
+    assert (CONFIGMAP / "kustomization.yaml").is_file()
