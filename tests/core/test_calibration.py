@@ -6,10 +6,8 @@ import numpy as np
 import pytest
 
 from avest.core.calibration import (
+    DEFAULT_LAYER,
     KNOTS,
-    MAX_LOGIT,
-    MIN_SLOPE,
-    SHIFT_WEIGHT,
     SLOTS,
     Recalibrator,
     pool_adjacent_violators,
@@ -23,6 +21,10 @@ from avest.core.rule_factory import make_rule
 from avest.core.tracking import TrackingRule
 
 from .test_tracking import draw_step
+
+MAX_LOGIT = DEFAULT_LAYER.max_logit
+MIN_SLOPE = DEFAULT_LAYER.min_slope
+SHIFT_WEIGHT = DEFAULT_LAYER.shift_weight
 
 
 def bent_steps(n, k, seed):

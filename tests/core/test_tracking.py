@@ -7,7 +7,6 @@ import math
 import numpy as np
 import pytest
 
-from avest.core import tracking
 from avest.core.estimator import OnlineEstimator
 from avest.core.labels import labels
 from avest.core.metrics import CalibrationState
@@ -17,7 +16,7 @@ from avest.core.rule_factory import DEFAULT_RULE, make_rule
 from avest.core.rules import APPLIED, SLOPE_HELD, VllmRule, arrowhead_dense
 from avest.core.shadow import ShadowedTracking
 from avest.core.stats import RoundStats, fold
-from avest.core.tracking import TrackingRule, round_steps, solve_arrowhead
+from avest.core.tracking import TrackingConfig, TrackingRule, round_steps, solve_arrowhead
 
 
 def draw_step(rng, rows, k, slope, intercepts, loc=1.0, scale=2.5):
@@ -75,7 +74,9 @@ def test_slope_guard_solves_the_intercepts_with_the_slope_held():
     a = np.where(success.all(axis=1), k, np.argmin(success, axis=1))
     obs, acc = labels(np.full(3000, k), a.astype(np.int64), k)
     coef = Coefficients.of(0.05, np.zeros(k))
-    result = TrackingRule(warmup_rounds=0).refit(coef, fold(x, linear_predictor(coef, x), obs, acc))
+    result = TrackingRule(TrackingConfig(warmup_rounds=0)).refit(
+        coef, fold(x, linear_predictor(coef, x), obs, acc)
+    )
     assert result.outcome == SLOPE_HELD
     assert result.coefficients.slope == coef.slope
     p = 1 / (1 + np.exp(-linear_predictor(result.coefficients, x)))
@@ -83,7 +84,7 @@ def test_slope_guard_solves_the_intercepts_with_the_slope_held():
         assert abs(p[obs[:, j], j].mean() - acc[obs[:, j], j].mean()) < 0.03
 
 
-def test_a_falling_slope_lands_near_the_rounds_fit_instead_of_overshooting(monkeypatch):
+def test_a_falling_slope_lands_near_the_rounds_fit_instead_of_overshooting():
     """Coefficients fitted to slope 1.2, a round from slope 0.6 (intercepts 0.5 lower).
 
     At the old coefficients the predictions are too confident, their weights
@@ -100,12 +101,13 @@ def test_a_falling_slope_lands_near_the_rounds_fit_instead_of_overshooting(monke
     obs, acc = labels(d.astype(np.int64), a.astype(np.int64), k)
     coef = Coefficients.of(1.2, base)
     stats = fold(x, linear_predictor(coef, x), obs, acc)
-    result = TrackingRule(warmup_rounds=0).refit(coef, stats)
+    result = TrackingRule(TrackingConfig(warmup_rounds=0)).refit(coef, stats)
     mle, _ = fit_mle(x, obs, acc)
     assert mle.slope <= result.coefficients.slope < coef.slope - 0.3
     assert result.outcome == APPLIED
-    monkeypatch.setattr(tracking, "SLOPE_DECREASE", math.inf)
-    unbounded = TrackingRule(warmup_rounds=0).refit(coef, stats)
+    unbounded = TrackingRule(TrackingConfig(warmup_rounds=0, slope_decrease=math.inf)).refit(
+        coef, stats
+    )
     assert unbounded.outcome == SLOPE_HELD and unbounded.coefficients.slope == coef.slope
 
     def gaps(c):
@@ -138,7 +140,7 @@ def test_stationary_rounds_reach_the_pooled_fit():
     k = 6
     truth = np.linspace(1.0, -1.0, k)
     rng = np.random.default_rng(4)
-    rule = TrackingRule(forgetting=1.0, warmup_rounds=0)
+    rule = TrackingRule(TrackingConfig(forgetting=1.0, warmup_rounds=0))
     coef = Coefficients.cold_start(k)
     rule.reset(coef)
     xs, obs_all, acc_all = [], [], []

@@ -12,21 +12,23 @@ The map is a fixed-size table (:data:`SLOTS` knots, the bin centres plus one
 below and one above the grid) applied by piecewise-linear interpolation in
 ``eta``, flat beyond the end knots, so a GPU kernel can apply it with fixed
 shapes. Each refit, every bin's rate is shrunk toward the logistic rate at
-its centre (``PSEUDO_COUNT`` drafts' worth), made monotone by weighted
+its centre (:attr:`LayerConfig.pseudo_count` drafts' worth), made monotone by weighted
 pool-adjacent-violators, and stored as log-odds, then made to rise at least
-:data:`MIN_SLOPE` per unit of ``eta`` (a second weighted pool-adjacent-
-violators pass on ``logit - MIN_SLOPE * eta``). A strictly increasing map
+:attr:`LayerConfig.min_slope` per unit of ``eta`` (a second weighted pool-
+adjacent-violators pass on ``logit - min_slope * eta``). A strictly increasing map
 keeps the ranking of the drafts it is applied to: flat stretches would tie
 drafts the linear predictor tells apart, and the served AUC would drop.
 
 When the update rule reports that the workload moved (the tracking rule's
-innovation test keeps less than :data:`SHIFT_WEIGHT` of its carried
+innovation test keeps less than :attr:`LayerConfig.shift_weight` of its carried
 information), the histograms and the serving test are discounted by the
 same weight: a map learned on the old workload stops being served until it
 wins again on the new one.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -40,25 +42,48 @@ BINS = 32
 ETA_MAX = 8.0
 #: Table knots: underflow, ``BINS`` centres, overflow.
 SLOTS = BINS + 2
-#: Drafts' worth of shrinkage toward the logistic rate in every bin.
-PSEUDO_COUNT = 20.0
-#: Histogram weight kept per refit (follows drift within a few rounds).
-DEFAULT_DECAY = 0.8
-#: The map must beat the logistic's decayed loss by this fraction, and nats.
-SERVE_MARGIN = 0.005
-SERVE_MARGIN_NATS = 2.0
-#: ... and by this many standard errors of the summed per-draft differences.
-SERVE_Z = 2.5
-#: Log-odds of served confidences are kept within this range.
-MAX_LOGIT = 12.0
-#: Least rise of the map's log-odds per unit of the linear predictor.
-MIN_SLOPE = 0.4
-#: A refit keeping less than this share of the rule's carried information
-#: means the workload moved: the layer's evidence is discounted by that share.
-#: (The tracking rule's innovation test keeps 0.1-1 of it while it converges
-#: or on a stationary workload the logistic does not fit exactly, and 0-0.01
-#: at a switch of drafter or prompts.)
-SHIFT_WEIGHT = 0.05
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """Every tuned value of the calibration layer (``0`` turns a test or bound off)."""
+
+    #: Drafts' worth of shrinkage toward the logistic rate in every bin: a bin
+    #: with a few drafts keeps the logistic's rate; more needs more evidence.
+    pseudo_count: float = 20.0
+    #: Histogram and serving-test weight kept per refit (about a five-round
+    #: memory): follows drift within a few rounds; higher is steadier.
+    decay: float = 0.8
+    #: The map must beat the logistic's decayed loss by this fraction and by
+    #: ``serve_margin_nats``, so a map that has only just caught up is not
+    #: served (switching back and forth costs more than either map's error).
+    serve_margin: float = 0.005
+    serve_margin_nats: float = 2.0
+    #: ... and by this many standard errors of the summed per-draft differences
+    #: (a one-sided sequential test): a map that wins on noise is not served.
+    serve_z: float = 2.5
+    #: Log-odds of served confidences are kept within this range (a
+    #: probability within 6e-6 of 0 or 1).
+    max_logit: float = 12.0
+    #: Least rise of the map's log-odds per unit of the linear predictor: flat
+    #: stretches would tie drafts the linear predictor tells apart (AUC).
+    min_slope: float = 0.4
+    #: A refit keeping less than this share of the rule's carried information
+    #: means the workload moved: the layer's evidence is discounted by that
+    #: share. (The tracking rule's innovation test keeps 0.1-1 of it while it
+    #: converges or on a stationary workload the logistic does not fit
+    #: exactly, and 0-0.01 at a switch of drafter or prompts.)
+    shift_weight: float = 0.05
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.decay <= 1.0:
+            raise ValueError("decay must lie in [0, 1]")
+        if not self.pseudo_count > 0.0:
+            raise ValueError("pseudo_count must be > 0")
+
+
+#: The layer as served.
+DEFAULT_LAYER = LayerConfig()
 
 _WIDTH = 2.0 * ETA_MAX / BINS
 KNOTS = np.concatenate(
@@ -72,7 +97,9 @@ def slot(eta: npt.ArrayLike) -> npt.NDArray[np.intp]:
     return np.clip(v, 0, SLOTS - 1).astype(np.intp)
 
 
-def rising(logits: FloatArray, weights: FloatArray, min_slope: float = MIN_SLOPE) -> FloatArray:
+def rising(
+    logits: FloatArray, weights: FloatArray, min_slope: float = DEFAULT_LAYER.min_slope
+) -> FloatArray:
     """The weighted least-squares fit of ``logits`` (over :data:`KNOTS`) rising at least
     ``min_slope`` per unit of ``eta`` between knots."""
     floor = min_slope * KNOTS
@@ -98,10 +125,8 @@ _ARRAYS = ("accepted", "total", "round_accepted", "round_total", "table", "loss"
 class Recalibrator:
     """Monotone recalibration of one pair's linear predictor."""
 
-    def __init__(self, decay: float = DEFAULT_DECAY) -> None:
-        if not 0.0 <= decay <= 1.0:
-            raise ValueError("decay must lie in [0, 1]")
-        self.decay = decay
+    def __init__(self, config: LayerConfig = DEFAULT_LAYER) -> None:
+        self.config = config
         self.accepted = np.zeros(SLOTS)
         self.total = np.zeros(SLOTS)
         self.round_accepted = np.zeros(SLOTS)
@@ -131,14 +156,14 @@ class Recalibrator:
         """Serve the map only while its recent predictive log loss is lower by a margin.
 
         The margin (0.5 % of the logistic's loss, at least 2 nats, and
-        :data:`SERVE_Z` standard errors of the summed per-draft differences:
+        :attr:`LayerConfig.serve_z` standard errors of the summed per-draft differences:
         a one-sided sequential test on the decayed sums) keeps a map that has
         only just caught up, or wins on noise, from being served.
         """
-        gain = self.gain
+        gain, cfg = self.gain, self.config
         return bool(
-            gain > max(SERVE_MARGIN_NATS, SERVE_MARGIN * self.loss[1])
-            and gain > SERVE_Z * float(np.sqrt(self.spread[0]))
+            gain > max(cfg.serve_margin_nats, cfg.serve_margin * self.loss[1])
+            and gain > cfg.serve_z * float(np.sqrt(self.spread[0]))
         )
 
     def mapped(self, eta: npt.ArrayLike) -> FloatArray:
@@ -172,24 +197,25 @@ class Recalibrator:
         """Close the round: decay, merge, and fit the table again.
 
         ``carried`` is the share of its information the update rule kept at
-        this refit; below :data:`SHIFT_WEIGHT` the workload moved, and the
+        this refit; below :attr:`LayerConfig.shift_weight` the workload moved, and the
         old histograms and serving evidence are discounted by it.
         """
-        if 0.0 <= carried < SHIFT_WEIGHT:
+        cfg = self.config
+        if 0.0 <= carried < cfg.shift_weight:
             self.discount(carried)
-        self.accepted = self.decay * self.accepted + self.round_accepted
-        self.total = self.decay * self.total + self.round_total
-        self.loss *= self.decay
-        self.spread *= self.decay
+        self.accepted = cfg.decay * self.accepted + self.round_accepted
+        self.total = cfg.decay * self.total + self.round_total
+        self.loss *= cfg.decay
+        self.spread *= cfg.decay
         self.round_accepted = np.zeros(SLOTS)
         self.round_total = np.zeros(SLOTS)
         prior = sigmoid(KNOTS)
-        rate = (self.accepted + PSEUDO_COUNT * prior) / (self.total + PSEUDO_COUNT)
-        weights = self.total + PSEUDO_COUNT
+        rate = (self.accepted + cfg.pseudo_count * prior) / (self.total + cfg.pseudo_count)
+        weights = self.total + cfg.pseudo_count
         rate = pool_adjacent_violators(rate, weights)
-        rate = np.clip(rate, sigmoid(-MAX_LOGIT), sigmoid(MAX_LOGIT))
+        rate = np.clip(rate, sigmoid(-cfg.max_logit), sigmoid(cfg.max_logit))
         logits = np.log(rate) - np.log1p(-rate)
-        self.table = np.clip(rising(logits, weights), -MAX_LOGIT, MAX_LOGIT)
+        self.table = np.clip(rising(logits, weights, cfg.min_slope), -cfg.max_logit, cfg.max_logit)
 
     def discount(self, weight: float) -> None:
         """Keep only ``weight`` of the evidence so far (histograms, serving test)."""

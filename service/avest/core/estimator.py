@@ -115,7 +115,7 @@ class OnlineEstimator:
         self._calibration_recent = CalibrationState.empty(self.k)
         self._pending.clear()
         if self._layer is not None:
-            self._layer = Recalibrator(self._layer.decay)
+            self._layer = Recalibrator(self._layer.config)
         self.version += 1
         self.round = 0
         self.steps = 0
@@ -215,7 +215,7 @@ class OnlineEstimator:
         self.steps_in_round = 0
         if self._layer is not None:
             # A workload change the rule detected also ages the layer's evidence.
-            self._layer.refit(float(getattr(self.rule, "carried_weight", 1.0)))
+            self._layer.refit(self.rule.carried_weight)
         self._calibration_total.merge(self._calibration_round)
         self._calibration_recent.scale(self.recent_decay)
         self._calibration_recent.merge(self._calibration_round)
@@ -308,5 +308,5 @@ class OnlineEstimator:
         self.rule.reset(self.start)
         self.rule.load_state(part("rule."))
         if self._layer is not None:
-            self._layer = Recalibrator(self._layer.decay)
+            self._layer = Recalibrator(self._layer.config)
             self._layer.load_arrays(part("recal."))

@@ -7,8 +7,11 @@ default: the tracking step with vLLM's step as a shadow) in
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from avest.core.rules import RecursiveRule, UpdateRule, VllmRule
 from avest.core.shadow import ShadowedTracking
+from avest.core.tracking import DEFAULT_TRACKING, TrackingConfig, TrackingRule
 
 RULE_NAMES = ("vllm", "recursive", "tracking")
 #: The rule a pair gets when it names none (README: measured on traces).
@@ -22,20 +25,21 @@ def make_rule(
     damping: float = 50.0,
     forgetting: float | None = None,
     prior: float = 1.0,
+    tracking: TrackingConfig = DEFAULT_TRACKING,
 ) -> UpdateRule:
     """Build an update rule by name; each rule reads only its own parameters.
 
-    ``forgetting`` defaults per rule: 0.95 for ``recursive``, 0.9 for
-    ``tracking``.
+    ``forgetting`` defaults per rule: 0.95 for ``recursive``, ``tracking``'s
+    own (0.9) for ``tracking``, whose other values come from ``tracking``
+    (``l2`` and ``damping`` included: those given here are vLLM's rule's).
     """
     if name == "vllm":
         return VllmRule(l2=l2, damping=damping)
     if name == "recursive":
         return RecursiveRule(forgetting=0.95 if forgetting is None else forgetting, prior=prior)
     if name == "tracking":
-        return ShadowedTracking(
-            forgetting=0.9 if forgetting is None else forgetting, damping=damping, l2=l2
-        )
+        config = tracking if forgetting is None else replace(tracking, forgetting=forgetting)
+        return ShadowedTracking(config) if config.shadow else TrackingRule(config)
     raise ValueError(f"unknown update rule {name!r}; choose one of {', '.join(RULE_NAMES)}")
 
 

@@ -20,8 +20,9 @@ step of :mod:`avest.core.tracking` with vLLM's rule run as a shadow, in
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -44,16 +45,52 @@ class Refit:
     outcome: str
 
 
-class UpdateRule(Protocol):
+class UpdateRule(ABC):
+    """What every update rule offers; the estimator, the state and the metrics
+    read a rule through this and nothing else.
+
+    A rule takes the round's sums at the coefficients in force and returns
+    the next ones; its carried state is named float64 arrays, so a snapshot
+    restores it exactly. The three properties have the values of a rule that
+    lacks the feature: no shortened first rounds, all carried information
+    kept (nothing to discount), and a single trajectory.
+    """
+
     name: ClassVar[str]
 
-    def refit(self, coef: Coefficients, stats: RoundStats) -> Refit: ...
+    @abstractmethod
+    def refit(self, coef: Coefficients, stats: RoundStats) -> Refit:
+        """One round's step from ``coef``; never raises on bad numbers."""
 
-    def state(self) -> dict[str, FloatArray]: ...
+    @abstractmethod
+    def state(self) -> dict[str, FloatArray]:
+        """The carried state as named arrays (empty when the rule carries none)."""
 
-    def load_state(self, arrays: dict[str, FloatArray]) -> None: ...
+    @abstractmethod
+    def load_state(self, arrays: dict[str, FloatArray]) -> None:
+        """Resume from :meth:`state` output (empty: keep the state after ``reset``)."""
 
-    def reset(self, start: Coefficients) -> None: ...
+    @abstractmethod
+    def reset(self, start: Coefficients) -> None:
+        """Forget everything carried; ``start`` is the new starting point."""
+
+    @property
+    def warmup_rounds(self) -> int:
+        """Rounds shortened at the start (see :func:`avest.core.tracking.round_steps`)."""
+        return 0
+
+    @property
+    def carried_weight(self) -> float:
+        """Share of the carried information the last refit kept; below 1 the
+        rule found that the workload moved (the calibration layer ages its
+        evidence by it)."""
+        return 1.0
+
+    @property
+    def tracking_weight(self) -> float | None:
+        """Weight of the tracking trajectory in the served coefficients, where
+        the rule mixes trajectories; ``None`` for a rule with one."""
+        return None
 
 
 def _damp(n: FloatArray | float, damping: float) -> FloatArray:
@@ -103,7 +140,7 @@ def vllm_step(
 
 
 @dataclass
-class VllmRule:
+class VllmRule(UpdateRule):
     """vLLM 0.33's refit (``L2 = 1e-3``, damping ``c = 50``); stateless."""
 
     l2: float = 1e-3
@@ -149,7 +186,7 @@ def arrowhead_matvec(a: float, b: FloatArray, c: FloatArray, theta: FloatArray) 
 
 
 @dataclass
-class RecursiveRule:
+class RecursiveRule(UpdateRule):
     """Recursive Newton filter with forgetting and a weak prior.
 
     ``forgetting`` (lambda) in (0, 1]: 1 keeps all information (best for a

@@ -20,7 +20,7 @@ a point between the two trajectories (a fixed-share mixture in parameter
 space):
 
     theta = w * theta_tracking + (1 - w) * theta_vllm,
-    w = clip(sigmoid(D), f, 1 - f),   f = share * min(1, SHARE_FADE / |D|)
+    w = clip(sigmoid(D), f, 1 - f),   f = share * min(1, share_fade / |D|)
 
 The trajectory with the lower recent loss carries most of the weight and
 the other keeps ``share`` of it, so right after a switch the served point
@@ -45,19 +45,12 @@ import numpy.typing as npt
 
 from avest.core.model import Coefficients
 from avest.core.numeric import sigmoid
-from avest.core.rules import Refit, VllmRule
+from avest.core.rules import Refit, UpdateRule, VllmRule
 from avest.core.stats import RoundStats
-from avest.core.tracking import TrackingRule
+from avest.core.tracking import DEFAULT_TRACKING, TrackingConfig, TrackingRule
 
 FloatArray = npt.NDArray[np.float64]
 
-#: Weight the loss comparison keeps per round.
-DEFAULT_SHADOW_DECAY = 0.7
-#: Least weight either trajectory keeps in the served coefficients ...
-DEFAULT_SHADOW_SHARE = 0.2
-#: ... while the decayed loss difference is within this many nats (beyond,
-#: the share fades as ``SHARE_FADE / |D|``).
-SHARE_FADE = 50.0
 #: Trajectories: 0 the tracking rule's, 1 vLLM's.
 TRACKING, VLLM = 0, 1
 
@@ -83,30 +76,15 @@ def loss_change(stats: RoundStats, d: FloatArray) -> float:
     return linear + quadratic
 
 
-class ShadowedTracking:
+class ShadowedTracking(UpdateRule):
     """``tracking`` and vLLM's rule, served mixed by their recent predictive losses."""
 
     name: ClassVar[str] = "tracking"
 
-    def __init__(
-        self,
-        forgetting: float = 0.9,
-        damping: float = 50.0,
-        l2: float = 1e-3,
-        warmup_rounds: int = 4,
-        decay: float = DEFAULT_SHADOW_DECAY,
-        share: float = DEFAULT_SHADOW_SHARE,
-    ) -> None:
-        if not 0.0 <= decay <= 1.0:
-            raise ValueError("decay must lie in [0, 1]")
-        if not 0.0 <= share <= 0.5:
-            raise ValueError("share must lie in [0, 0.5]")
-        self.tracking = TrackingRule(
-            forgetting=forgetting, damping=damping, l2=l2, warmup_rounds=warmup_rounds
-        )
-        self.shadow = VllmRule(l2=l2, damping=damping)
-        self.decay = decay
-        self.share = share
+    def __init__(self, config: TrackingConfig = DEFAULT_TRACKING) -> None:
+        self.config = config
+        self.tracking = TrackingRule(config)
+        self.shadow = VllmRule(l2=config.l2, damping=config.damping)
         self.theta = np.zeros((2, 0))
         #: Decayed (vLLM's trajectory - tracking's) predictive log loss, nats.
         self.loss_difference = 0.0
@@ -133,7 +111,8 @@ class ShadowedTracking:
         d = self.loss_difference
         if not math.isfinite(d):
             return 1.0
-        floor = self.share * min(1.0, SHARE_FADE / abs(d)) if d else self.share
+        share = self.config.share
+        floor = share * min(1.0, self.config.share_fade / abs(d)) if d else share
         return min(max(float(sigmoid(d)), floor), 1.0 - floor)
 
     def served_vector(self) -> FloatArray:
@@ -164,7 +143,7 @@ class ShadowedTracking:
         d = self.theta - v
         change = [loss_change(stats, d[j]) for j in (TRACKING, VLLM)]
         if all(np.isfinite(change)):
-            self.loss_difference = self.decay * self.loss_difference + (
+            self.loss_difference = self.config.decay * self.loss_difference + (
                 change[VLLM] - change[TRACKING]
             )
         results = []

@@ -26,7 +26,7 @@ still allows the jump that matches the position's observed rate (so drafts
 piled at one feature value, e.g. vLLM's +40 clamp, are calibrated within a
 round or two instead of being driven to 0 or 1).
 
-A fall of the slope is bounded too (:data:`SLOPE_DECREASE`), with the
+A fall of the slope is bounded too (:attr:`TrackingConfig.slope_decrease`), with the
 intercepts re-solved for the bounded slope. The step's Hessian is taken at
 the current coefficients; when the slope has to fall, the current
 predictions are more confident than the round's labels, their weights
@@ -44,7 +44,7 @@ cold-start coefficients serve a sixteenth of the first round, not all of it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
@@ -52,16 +52,87 @@ import numpy.typing as npt
 
 from avest.core.model import Coefficients
 from avest.core.numeric import sigmoid
-from avest.core.rules import APPLIED, REJECTED, SLOPE_HELD, Refit, arrowhead_dense
+from avest.core.rules import (
+    APPLIED,
+    REJECTED,
+    SLOPE_HELD,
+    Refit,
+    UpdateRule,
+    arrowhead_dense,
+)
 from avest.core.stats import RoundStats
 
 FloatArray = npt.NDArray[np.float64]
 
-#: Smallest trust region, in units of the linear predictor, per refit.
-TRUST_REGION = 2.0
-#: Largest fall of the slope per refit, in units of the linear predictor per
-#: weighted standard deviation of the round's features (within positions).
-SLOPE_DECREASE = 0.5
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    """Every tuned value of the default rule; ``math.inf`` or ``False`` turns a bound off.
+
+    The first six are the tracking step's, the next two bound it, the last
+    four are the shadow's (:mod:`avest.core.shadow`).
+    """
+
+    #: vLLM's count damping ``n / (n + 50)``, written as a prior at the current
+    #: point: a first round moves as far as vLLM's refit and a position with a
+    #: few labels barely moves; larger is slower to leave the cold start.
+    damping: float = 50.0
+    #: vLLM's ridge: keeps a position without labels solvable, far too small to
+    #: bias one that has them.
+    l2: float = 1e-3
+    #: Carried information kept per round (about a ten-round memory): higher is
+    #: steadier on a stationary workload and slower on a drift the innovation
+    #: test does not flag.
+    forgetting: float = 0.9
+    #: Use the carried information as a prior at all (off: each round's own
+    #: Newton step, as vLLM's, with the bounds below).
+    carry: bool = True
+    #: Discount the carried information by the round's innovation test: a
+    #: switch of workload is followed within a round instead of ``1 / (1 -
+    #: forgetting)`` rounds; off trusts the old information whatever the round.
+    innovation: bool = True
+    #: Rounds shortened at the start (``N/16, N/8, N/4, N/2``): the cold start
+    #: serves a sixteenth of the first round; more would refit on fewer labels.
+    warmup_rounds: int = 4
+    #: Least bound on a position's move of its mean linear predictor per refit:
+    #: a thin round cannot throw a position far, while the jump to the observed
+    #: rate (drafts piled at the +40 clamp) is always allowed.
+    trust_region: float = 2.0
+    #: Largest fall of the slope per refit, in the linear predictor per weighted
+    #: within-position standard deviation of the features: the Newton step from
+    #: over-confident coefficients overshoots; lower follows a real fall slower.
+    slope_decrease: float = 0.5
+    #: Run vLLM's rule beside the tracking step and serve the two mixed.
+    shadow: bool = True
+    #: Weight the loss comparison keeps per round (about a three-round memory):
+    #: longer lags a switch of the better trajectory, shorter follows noise.
+    decay: float = 0.7
+    #: Least weight either trajectory keeps in the served coefficients: the
+    #: point is part of the way toward the other one before the evidence is in.
+    share: float = 0.2
+    #: ... while the decayed loss difference is within this many nats (a few
+    #: rounds' noise); beyond it the share fades as ``share_fade / |D|``.
+    share_fade: float = 50.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.forgetting <= 1.0:
+            raise ValueError("forgetting must be in [0, 1]")
+        if self.damping < 0.0 or self.l2 < 0.0:
+            raise ValueError("damping and l2 must be >= 0")
+        if self.warmup_rounds < 0:
+            raise ValueError("warmup_rounds must be >= 0")
+        if not (self.trust_region > 0.0 and self.slope_decrease > 0.0):
+            raise ValueError("trust_region and slope_decrease must be > 0")
+        if not 0.0 <= self.decay <= 1.0:
+            raise ValueError("decay must lie in [0, 1]")
+        if not 0.0 <= self.share <= 0.5:
+            raise ValueError("share must lie in [0, 0.5]")
+        if not self.share_fade > 0.0:
+            raise ValueError("share_fade must be > 0")
+
+
+#: The default rule as served.
+DEFAULT_TRACKING = TrackingConfig()
 
 
 def solve_arrowhead(
@@ -77,14 +148,14 @@ def solve_arrowhead(
         return np.concatenate(([dw], (g[1:] - b * dw) / c))
 
 
-def round_steps(rule: object, round_index: int, refit_interval: int) -> int:
+def round_steps(rule: UpdateRule, round_index: int, refit_interval: int) -> int:
     """Steps in round ``round_index`` under ``rule``: shorter while warming up.
 
     With ``W = rule.warmup_rounds`` the first rounds end at ``N/2^W, N/2^(W-1),
     ..., N/2`` steps and then every ``N``, so the refits after the warm-up fall
     where vLLM's do.
     """
-    warmup = int(getattr(rule, "warmup_rounds", 0))
+    warmup = rule.warmup_rounds
     if round_index > warmup or warmup <= 0:
         return refit_interval
 
@@ -94,28 +165,22 @@ def round_steps(rule: object, round_index: int, refit_interval: int) -> int:
     return max(1, end(round_index) - (end(round_index - 1) if round_index > 0 else 0))
 
 
-@dataclass
-class TrackingRule:
+class TrackingRule(UpdateRule):
     """Newton step from the current point with an adaptively discounted information prior."""
 
-    forgetting: float = 0.9
-    damping: float = 50.0
-    l2: float = 1e-3
-    warmup_rounds: int = 4
     name: ClassVar[str] = "tracking"
-    _a: float = 0.0
-    _b: FloatArray = field(default_factory=lambda: np.zeros(0))
-    _c: FloatArray = field(default_factory=lambda: np.zeros(0))
-    #: Weight given to the carried information at the last refit (1: all of it).
-    last_weight: float = 1.0
 
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.forgetting <= 1.0:
-            raise ValueError("forgetting must be in [0, 1]")
-        if self.damping < 0.0 or self.l2 < 0.0:
-            raise ValueError("damping and l2 must be >= 0")
-        if self.warmup_rounds < 0:
-            raise ValueError("warmup_rounds must be >= 0")
+    def __init__(self, config: TrackingConfig = DEFAULT_TRACKING) -> None:
+        self.config = config
+        self._a = 0.0
+        self._b: FloatArray = np.zeros(0)
+        self._c: FloatArray = np.zeros(0)
+        #: Weight given to the carried information at the last refit (1: all of it).
+        self.last_weight = 1.0
+
+    @property
+    def warmup_rounds(self) -> int:
+        return self.config.warmup_rounds
 
     @property
     def carried_weight(self) -> float:
@@ -128,17 +193,17 @@ class TrackingRule:
         self._c = np.zeros(start.k)
         self.last_weight = 1.0
 
-    def _prior_weight(self, stats: RoundStats, g: FloatArray) -> float:
+    def _prior_weight(self, stats: RoundStats, g: FloatArray, l2: float) -> float:
         """The innovation test: how much of the carried information still applies."""
-        if self._a <= 0.0:
+        if self._a <= 0.0 or not self.config.innovation:
             return 1.0
         at = float(stats.a.sum())
         live = stats.n > 0
         dof = 1 + int(np.count_nonzero(live))
-        hg = solve_arrowhead(at + self.l2, stats.b, stats.c + self.l2, g)
+        hg = solve_arrowhead(at + l2, stats.b, stats.c + l2, g)
         z = float(g @ hg)
         h = arrowhead_dense(at, stats.b, stats.c)
-        p = arrowhead_dense(self._a + self.l2, self._b, self._c + self.l2)
+        p = arrowhead_dense(self._a + l2, self._b, self._c + l2)
         try:
             tr = float(np.trace(np.linalg.solve(p, h)))
         except np.linalg.LinAlgError:
@@ -150,6 +215,7 @@ class TrackingRule:
     def refit(self, coef: Coefficients, stats: RoundStats) -> Refit:
         if self._b.shape[0] != coef.k:
             self.reset(coef)
+        cfg = self.config
         n = stats.n
         total = float(n.sum())
         if total <= 0.0:
@@ -159,82 +225,31 @@ class TrackingRule:
             return Refit(coef, REJECTED)
         at = float(stats.a.sum())
         with np.errstate(divide="ignore", invalid="ignore"):
-            damp_k = np.where(n > 0, self.damping / np.maximum(n, 1e-300), 0.0)
-        s = self._prior_weight(stats, g)
-        a = at * (1.0 + self.damping / total) + self.l2 + s * self._a
+            damp_k = np.where(n > 0, cfg.damping / np.maximum(n, 1e-300), 0.0)
+        s = self._prior_weight(stats, g, cfg.l2)
+        a = at * (1.0 + cfg.damping / total) + cfg.l2 + s * self._a
         b = stats.b + s * self._b
-        c = stats.c * (1.0 + damp_k) + self.l2 + s * self._c
+        c = stats.c * (1.0 + damp_k) + cfg.l2 + s * self._c
         step = solve_arrowhead(a, b, c, g)
         outcome = APPLIED
         if np.all(np.isfinite(step)):
-            step = self._bound_slope_decrease(stats, b, c, g, step)
+            step = _bound_slope_decrease(stats, b, c, g, step, cfg.slope_decrease)
         if not (np.all(np.isfinite(step)) and coef.slope + step[0] >= 0.0):
             step = solve_arrowhead(a, b, c, g, hold_slope=True)
             outcome = SLOPE_HELD
         if not np.all(np.isfinite(step)):
             return Refit(coef, REJECTED)
-        step = self._trust_region(coef, stats, step)
+        step = _trust_region(coef, stats, step, cfg.trust_region)
         new = coef.as_vector() + step
         if not np.all(np.isfinite(new)):
             return Refit(coef, REJECTED)
-        lam = self.forgetting * s
-        self._a = lam * self._a + at
-        self._b = lam * self._b + stats.b
-        self._c = lam * self._c + stats.c
+        if cfg.carry:
+            lam = cfg.forgetting * s
+            self._a = lam * self._a + at
+            self._b = lam * self._b + stats.b
+            self._c = lam * self._c + stats.c
         self.last_weight = s
         return Refit(Coefficients.from_vector(new), outcome)
-
-    @staticmethod
-    def _bound_slope_decrease(
-        stats: RoundStats, b: FloatArray, c: FloatArray, g: FloatArray, step: FloatArray
-    ) -> FloatArray:
-        """A slope step below ``-SLOPE_DECREASE / sd`` is raised to it, where ``sd``
-        is the round's weighted within-position standard deviation of the
-        features; the intercepts are then re-solved with that slope step
-        (rows of the same damped system ``c d_b = g_b - b d_w``)."""
-        if not step[0] < 0.0:
-            return step
-        live = stats.c > 0
-        weight = float(stats.c[live].sum())
-        if weight <= 0.0:
-            return step
-        spread = float(np.sum(stats.a[live] - stats.b[live] ** 2 / stats.c[live])) / weight
-        if not spread > 0.0:
-            return step
-        limit = SLOPE_DECREASE / math.sqrt(spread)
-        if -step[0] <= limit:
-            return step
-        return np.concatenate(([-limit], (g[1:] + b * limit) / c))
-
-    @staticmethod
-    def _trust_region(coef: Coefficients, stats: RoundStats, step: FloatArray) -> FloatArray:
-        """Bound each position's move of its mean linear predictor.
-
-        The bound is ``max(TRUST_REGION, |logit(observed) - eta|)`` at the
-        position's weighted mean feature, with the observed rate read from the
-        sums (``p + g1 / n``) and kept half a draft away from 0 and 1.
-        """
-        n = stats.n
-        live = n > 0
-        safe_n = np.maximum(n, 1.0)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            xbar = np.where(stats.c > 0, stats.b / np.where(stats.c > 0, stats.c, 1.0), 0.0)
-        eta = coef.slope * xbar + coef.intercept_array()
-        observed = np.clip(sigmoid(eta) + stats.g1 / safe_n, 0.5 / safe_n, 1.0 - 0.5 / safe_n)
-        target = np.log(observed) - np.log1p(-observed)
-        bound = np.maximum(TRUST_REGION, np.abs(target - eta))
-        move = np.abs(step[1:] + step[0] * xbar)
-        ratio = np.where(live, move / bound, 0.0)
-        out = step.copy()
-        worst = float(ratio.max()) if ratio.size else 0.0
-        if worst > 1.0:
-            # The shared slope moves by the most any position allows; each
-            # intercept is then clipped to its own bound around that move.
-            out[0] = step[0] / worst
-            lo = -bound - out[0] * xbar
-            hi = bound - out[0] * xbar
-            out[1:] = np.where(live, np.clip(step[1:], lo, hi), step[1:])
-        return out
 
     def state(self) -> dict[str, FloatArray]:
         return {
@@ -251,3 +266,57 @@ class TrackingRule:
         self._b = np.asarray(arrays["b"], dtype=np.float64).copy()
         self._c = np.asarray(arrays["c"], dtype=np.float64).copy()
         self.last_weight = float(np.asarray(arrays["weight"]).reshape(-1)[0])
+
+
+def _bound_slope_decrease(
+    stats: RoundStats, b: FloatArray, c: FloatArray, g: FloatArray, step: FloatArray, most: float
+) -> FloatArray:
+    """A slope step below ``-most / sd`` is raised to it, where ``sd``
+    is the round's weighted within-position standard deviation of the
+    features; the intercepts are then re-solved with that slope step
+    (rows of the same damped system ``c d_b = g_b - b d_w``)."""
+    if not step[0] < 0.0:
+        return step
+    live = stats.c > 0
+    weight = float(stats.c[live].sum())
+    if weight <= 0.0:
+        return step
+    spread = float(np.sum(stats.a[live] - stats.b[live] ** 2 / stats.c[live])) / weight
+    if not spread > 0.0:
+        return step
+    limit = most / math.sqrt(spread)
+    if -step[0] <= limit:
+        return step
+    return np.concatenate(([-limit], (g[1:] + b * limit) / c))
+
+
+def _trust_region(
+    coef: Coefficients, stats: RoundStats, step: FloatArray, least: float
+) -> FloatArray:
+    """Bound each position's move of its mean linear predictor.
+
+    The bound is ``max(least, |logit(observed) - eta|)`` at the
+    position's weighted mean feature, with the observed rate read from the
+    sums (``p + g1 / n``) and kept half a draft away from 0 and 1.
+    """
+    n = stats.n
+    live = n > 0
+    safe_n = np.maximum(n, 1.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        xbar = np.where(stats.c > 0, stats.b / np.where(stats.c > 0, stats.c, 1.0), 0.0)
+    eta = coef.slope * xbar + coef.intercept_array()
+    observed = np.clip(sigmoid(eta) + stats.g1 / safe_n, 0.5 / safe_n, 1.0 - 0.5 / safe_n)
+    target = np.log(observed) - np.log1p(-observed)
+    bound = np.maximum(least, np.abs(target - eta))
+    move = np.abs(step[1:] + step[0] * xbar)
+    ratio = np.where(live, move / bound, 0.0)
+    out = step.copy()
+    worst = float(ratio.max()) if ratio.size else 0.0
+    if worst > 1.0:
+        # The shared slope moves by the most any position allows; each
+        # intercept is then clipped to its own bound around that move.
+        out[0] = step[0] / worst
+        lo = -bound - out[0] * xbar
+        hi = bound - out[0] * xbar
+        out[1:] = np.where(live, np.clip(step[1:], lo, hi), step[1:])
+    return out

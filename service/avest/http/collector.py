@@ -236,7 +236,7 @@ class PairCollector:
             f[REFITS].add_metric([pid, outcome], float(counts.get(outcome, 0)))
         _curves(f, pid, s, m.reliability(pair))
         _calibration_layer(f, pid, est.recalibrator)
-        weight = getattr(est.rule, "tracking_weight", None)
+        weight = est.rule.tracking_weight
         if weight is not None:
             f[TRACKING_WEIGHT].add_metric([pid], float(weight))
 
