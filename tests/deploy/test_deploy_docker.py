@@ -17,8 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tomllib
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
-from .harness import COMPOSE, DEPLOY, REPO, find_tool, free_port
+from .harness import COMPOSE, DEPLOY, REPO, find_tool, free_port, require_tool
 
 pytestmark = pytest.mark.slow
 
@@ -154,30 +157,46 @@ def test_dependencies_are_installed_from_the_constraints_before_the_source_is_co
     assert not any(rest.startswith(". ") for w, rest in build if w == "COPY"), "no COPY . ."
 
 
-def test_the_constraints_pin_every_server_dependency_and_nothing_else() -> None:
+def lock_pins(path: Path) -> dict[str, str]:
+    """Name (normalized) -> exact version of each requirement line of a lock."""
+    pins = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            req = Requirement(line)
+            (spec,) = req.specifier
+            assert spec.operator == "==", line
+            pins[canonicalize_name(req.name)] = spec.version
+    return pins
+
+
+def test_the_constraints_pin_every_server_dependency_and_nothing_else(tmp_path: Path) -> None:
     """deploy/constraints.txt has an exact version for each package of
-    avest[server]'s closure (as resolved here), each allowed by pyproject's
-    specifiers, and no plotting, torch or vLLM."""
-    spec = importlib.util.spec_from_file_location("avest_constraints", DEPLOY / "constraints.py")
-    assert spec is not None and spec.loader is not None
-    constraints = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(constraints)
-    pins = constraints.read()
+    avest[server]'s closure (the command in its header, rerun, gives the same
+    pins), each allowed by pyproject's specifiers, and no plotting, torch or vLLM."""
+    uv = require_tool("uv", "pip install uv")
+    lock = DEPLOY / "constraints.txt"
+    pins = lock_pins(lock)
     assert pins and all(re.fullmatch(r"\d+(\.\w+)*", v) for v in pins.values()), pins
-    assert set(constraints.closure()) <= set(pins), set(constraints.closure()) - set(pins)
-    for req in constraints.top_level():
-        assert req.specifier.contains(pins[constraints.norm(req.name)]), (req, pins)
+    # The header's command, rerun on a copy (uv keeps the pins it can), resolves
+    # pyproject.toml's dependencies and server extra to the same pins.
+    command = shlex.split(lock.read_text().splitlines()[1].lstrip("# "))
+    assert command[:3] == ["uv", "pip", "compile"], command
+    out = command.index("-o") + 1
+    assert command[out] == "deploy/constraints.txt", command
+    fresh = tmp_path / "constraints.txt"
+    fresh.write_text(lock.read_text())
+    command[0], command[out] = uv, str(fresh)
+    r = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr
+    assert lock_pins(fresh) == pins, "stale: rerun the command in deploy/constraints.txt's header"
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    for line in project["dependencies"] + project["optional-dependencies"]["server"]:
+        req = Requirement(line)
+        assert req.specifier.contains(pins[canonicalize_name(req.name)]), (req, pins)
     assert "matplotlib" in pins, "the admin API draws the reliability diagram"
     for name in ("torch", "vllm", "avest"):
         assert name not in pins, name
-    r = subprocess.run(
-        [sys.executable, str(DEPLOY / "constraints.py"), "--check"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert r.returncode == 0, r.stderr
 
 
 def test_avest_serve_loads_plotting_only_when_a_diagram_is_drawn(tmp_path: Path) -> None:
