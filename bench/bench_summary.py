@@ -76,6 +76,7 @@ from summary_ingest import (  # noqa: E402
 )
 
 from avest_wire import matrix as wire  # noqa: E402
+from avest_wire.messages import summary_to_pb  # noqa: E402
 from avest_wire.v1 import estimator_pb2 as pb  # noqa: E402
 
 PAIR_ID, WORKER_ID = "0123456789abcdef", "gpu-node-17:48213:9f3a1c2e"
@@ -138,7 +139,7 @@ def bench_bytes(batch: int, k: int, steps: int) -> dict[str, float]:
     est.avest_close()
     sizes = [
         pb.ObserveRequest(
-            pair_id=PAIR_ID, worker_id=WORKER_ID, sequence=i + 1, k=k, summary=s.to_pb()
+            pair_id=PAIR_ID, worker_id=WORKER_ID, sequence=i + 1, k=k, summary=summary_to_pb(s)
         ).ByteSize()
         for i, s in enumerate(sink.summaries)
     ]

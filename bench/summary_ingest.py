@@ -17,6 +17,7 @@ from bench_ingest import cpu_s, make_steps, start_server
 
 from avest_client import EstimatorClient
 from avest_client.summary import RoundAccumulator
+from avest_wire.messages import summary_to_pb
 from avest_wire.v1 import estimator_pb2 as pb
 
 #: Steps one worker's round covers (vLLM's REFIT_INTERVAL).
@@ -30,7 +31,7 @@ def summary_body(k: int, batch: int = 256) -> bytes:
         acc.add(x, d, a, 0.5, [-0.2] * k)
     s = acc.take(0, 0.5, [-0.2] * k)
     assert s is not None
-    return pb.ObserveRequest(k=k, summary=s.to_pb()).SerializeToString()
+    return pb.ObserveRequest(k=k, summary=summary_to_pb(s)).SerializeToString()
 
 
 async def ingest(address: str, pair_id: str, body: bytes, workers: int, streams: int,

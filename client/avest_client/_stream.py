@@ -32,7 +32,8 @@ import numpy as np
 import numpy.typing as npt
 
 from avest_client.ledger import Ledger, Step
-from avest_client.summary import RoundSummaryData
+from avest_wire.messages import summary_to_pb
+from avest_wire.summary import RoundSummary
 from avest_wire.v1 import estimator_pb2 as pb
 
 log = logging.getLogger("avest_client.forwarder")
@@ -237,13 +238,13 @@ class Session:
 
     def message(self, step: Step) -> pb.ObserveRequest:
         """The wire message of a step (built once, kept for resends)."""
-        if step.message is None and isinstance(step.payload, RoundSummaryData):
+        if step.message is None and isinstance(step.payload, RoundSummary):
             step.message = pb.ObserveRequest(
                 pair_id=self.pair_id,
                 worker_id=self.worker_id,
                 sequence=step.sequence,
                 k=step.payload.k,
-                summary=step.payload.to_pb(),
+                summary=summary_to_pb(step.payload),
             )
             step.payload = None
         if step.message is None:

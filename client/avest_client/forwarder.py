@@ -35,7 +35,7 @@ from avest_client._drivers import AsyncDriver, ThreadDriver
 from avest_client._stream import Backoff, ChannelOptions, Session, StepData, encode_step
 from avest_client.credentials import Credentials
 from avest_client.ledger import Ledger, Stats
-from avest_client.summary import RoundSummaryData
+from avest_wire.summary import RoundSummary
 
 log = logging.getLogger("avest_client.forwarder")
 
@@ -124,10 +124,14 @@ class _Base:
         self._ledger.submit(data)
         return True
 
-    def _queue_summary(self, summary: RoundSummaryData) -> bool:
-        """Validate and queue a round summary; False (counted in ``stats.invalid``) if bad."""
+    def _queue_summary(self, summary: RoundSummary) -> bool:
+        """Queue a round summary (checked when made); False (counted in ``stats.invalid``)
+        if it is not one or its K is not the pair's."""
         try:
-            summary.validate(self.k)
+            if not isinstance(summary, RoundSummary):
+                raise TypeError(f"expected a RoundSummary, got {type(summary).__name__}")
+            if summary.k != self.k:
+                raise ValueError(f"summary has K={summary.k}, expected {self.k}")
         except (ValueError, TypeError) as exc:
             self._ledger.count_invalid()
             self.last_invalid = str(exc)
@@ -204,7 +208,7 @@ class Forwarder(_Base):
         except Exception:  # the hot path never raises
             log.exception("avest forwarder: submit failed")
 
-    def submit_summary(self, summary: RoundSummaryData) -> None:
+    def submit_summary(self, summary: RoundSummary) -> None:
         """Queue one round summary (summary mode); never blocks. Takes the next sequence."""
         if self._closed:
             return
@@ -302,7 +306,7 @@ class AsyncForwarder(_Base):
         except Exception:
             log.exception("avest forwarder: submit failed")
 
-    def submit_summary(self, summary: RoundSummaryData) -> None:
+    def submit_summary(self, summary: RoundSummary) -> None:
         """Queue one round summary (summary mode); a plain call on the forwarder's loop."""
         if self._closed:
             return

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from avest_client import EstimatorClient
-from avest_client.summary import RoundAccumulator, RoundSummaryData
+from avest_client.summary import RoundAccumulator
+from avest_wire.messages import summary_to_pb
 
 from .client_support import wait_until
 
@@ -118,12 +119,6 @@ def test_summaries_and_raw_steps_share_one_sequence_and_ledger(server, chat_step
     assert row["version"] == c.version and row["steps"] == 33 and row["mode"] == "summary"
 
 
-def _bad(summary: RoundSummaryData, **over):
-    fields = dict(vars(summary))
-    fields.update(over)
-    return RoundSummaryData(**fields)
-
-
 @pytest.mark.parametrize(
     "mutate,field",
     [
@@ -148,7 +143,7 @@ def test_a_malformed_summary_is_refused_and_changes_nothing(server, chat_steps, 
         acc = RoundAccumulator(k)
         for x, d, a in steps:
             acc.add(x, d, a, c.slope, c.intercepts)
-        msg = acc.take(c.version, c.slope, c.intercepts).to_pb()
+        msg = summary_to_pb(acc.take(c.version, c.slope, c.intercepts))
         mutate(msg)
         req = pb.ObserveRequest(pair_id=reg.pair_id, worker_id="w", sequence=1, summary=msg)
         before = client.pair(reg.pair_id)

@@ -9,15 +9,10 @@ import pytest
 
 from avest.core.errors import InvalidInput
 from avest.core.estimator import make_batch
-from avest.core.intake import intake
 from avest.core.model import Coefficients
-from avest.core.summary import (
-    CELLS_PER_POSITION,
-    RoundSummary,
-    make_sketch,
-    make_summary,
-    summarise,
-)
+from avest.core.summary import sketch_state, summarise, summary_coefficients, summary_stats
+from avest_wire.bins import CELLS_PER_POSITION
+from avest_wire.summary import RoundSummary, intake, make_sketch, make_summary
 
 from .test_summary import synthetic_steps
 
@@ -27,14 +22,14 @@ def _wire(k: int, seed: int = 0, steps: int = 6) -> dict[str, Any]:
     batches = [make_batch(x, d, a, k) for x, d, a in synthetic_steps(steps, k=k, seed=seed)]
     at = Coefficients.of(0.5 + 0.1 * seed, np.linspace(-0.3, 0.4, k))
     s = summarise([(b.features, b.observed, b.accepted) for b in batches], at, 3)
-    sk = s.calibration
+    sk = s.sketch
     assert sk is not None
-    arrays = sk.state().to_arrays()
-    stats = s.stats
+    arrays = sketch_state(sk).to_arrays()
+    stats = summary_stats(s)
     return {
         "version": s.version,
-        "slope": s.at.slope,
-        "intercepts": list(s.at.intercepts),
+        "slope": s.slope,
+        "intercepts": list(s.intercepts),
         "info": np.stack([stats.a, stats.b, stats.c], axis=1).ravel().tolist(),
         "grad": np.stack([stats.g0, stats.g1], axis=1).ravel().tolist(),
         "counts": stats.n.tolist(),
@@ -61,7 +56,7 @@ def _thorough(k: int, w: dict[str, Any]) -> RoundSummary:
             raise InvalidInput("cell_deltas", "gaps after the first cell must be >= 1")
         calibration = make_sketch(k, d.cumsum(), counts, rej, acc, psum, nll)
     rest = {n: v for n, v in w.items() if n != "sketch"}
-    return make_summary(k, **rest, calibration=calibration)
+    return make_summary(k, **rest, sketch=calibration)
 
 
 def _fast(k: int, w: dict[str, Any]) -> RoundSummary | None:
@@ -70,18 +65,21 @@ def _fast(k: int, w: dict[str, Any]) -> RoundSummary | None:
 
 
 def _same(a: RoundSummary, b: RoundSummary) -> None:
-    assert (a.version, a.at, a.steps, a.drafts) == (b.version, b.at, b.steps, b.drafts)
+    assert (a.version, summary_coefficients(a), a.steps, a.drafts) == (
+        b.version,
+        summary_coefficients(b),
+        b.steps,
+        b.drafts,
+    )
     for f in ("a", "b", "c", "g0", "g1", "n"):
-        x, y = getattr(a.stats, f), getattr(b.stats, f)
+        x, y = getattr(summary_stats(a), f), getattr(summary_stats(b), f)
         assert x.dtype == y.dtype and np.array_equal(x, y), f
-    assert (a.calibration is None) == (b.calibration is None)
-    if a.calibration is not None and b.calibration is not None:
+    assert (a.sketch is None) == (b.sketch is None)
+    if a.sketch is not None and b.sketch is not None:
         for f in ("cells", "counts", "ece", "psum", "nll"):
-            x, y = getattr(a.calibration, f), getattr(b.calibration, f)
+            x, y = getattr(a.sketch, f), getattr(b.sketch, f)
             assert x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y), f
-        assert np.array_equal(
-            a.calibration.drafts_per_position(), b.calibration.drafts_per_position()
-        )
+        assert np.array_equal(a.sketch.drafts_per_position(), b.sketch.drafts_per_position())
 
 
 @pytest.mark.parametrize("k", [1, 3, 8, 64])

@@ -16,15 +16,10 @@ from avest.core import exact
 from avest.core.errors import InvalidInput
 from avest.core.exact import exact_auc, exact_ece, exact_log_loss
 from avest.core.labels import labels
-from avest.core.metrics import (
-    AUC_SLOTS,
-    ECE_BINS,
-    CalibrationState,
-    auc_from_histograms,
-    eta_bin,
-    probability_bin,
-)
+from avest.core.metrics import CalibrationState, auc_from_histograms
 from avest.core.numeric import sigmoid
+from avest_wire.bins import AUC_SLOTS, ECE_BINS, probability_bin
+from avest_wire.bins import eta_slot as eta_bin
 
 
 def direct_ece(p: np.ndarray, y: np.ndarray) -> float:

@@ -11,7 +11,7 @@ from avest.core.estimator import OnlineEstimator
 from avest.core.metrics import CalibrationState
 from avest.core.model import Coefficients
 from avest.core.rule_factory import make_rule
-from avest.core.summary import observe_sketch, summarise
+from avest.core.summary import add_sketch, observe_sketch, sketch_state, summarise
 
 from .test_summary import K, batches, synthetic_steps
 
@@ -28,8 +28,8 @@ def _eager(summaries, layer: Recalibrator) -> CalibrationState:
     """Each sketch folded on arrival (what the estimator did before pooling)."""
     state = CalibrationState.empty(K)
     for s in summaries:
-        s.calibration.add_to(state)
-        observe_sketch(layer, s.calibration)
+        add_sketch(s.sketch, state)
+        observe_sketch(layer, s.sketch)
     return state
 
 
@@ -55,8 +55,8 @@ def test_pending_sketches_fold_as_if_each_was_folded_on_arrival():
     lazy = CalibrationState.empty(K)
     pending = pooling.PendingSketches(K)
     for s in summaries:
-        pending.add(s.calibration)
-    assert len(pending) == 12 and pending.cells == sum(s.calibration.cells.size for s in summaries)
+        pending.add(s.sketch)
+    assert len(pending) == 12 and pending.cells == sum(s.sketch.cells.size for s in summaries)
     pending.settle(lazy, lazy_layer)
     assert len(pending) == 0 and pending.cells == 0
     _assert_same_state(lazy, eager)
@@ -72,7 +72,7 @@ def test_one_pending_sketch_folds_the_same_way():
     eager = _eager([one], eager_layer)
     lazy = CalibrationState.empty(K)
     pending = pooling.PendingSketches(K)
-    pending.add(one.calibration)
+    pending.add(one.sketch)
     pending.settle(lazy, lazy_layer)
     _assert_same_state(lazy, eager)
     _assert_same_layer(lazy_layer, eager_layer)
@@ -82,7 +82,7 @@ def test_a_sketch_of_another_k_is_refused():
     pending = pooling.PendingSketches(K + 1)
     (one,) = _summaries(1, Coefficients.of(0.5, [-0.2] * K))
     with pytest.raises(ValueError):
-        pending.add(one.calibration)
+        pending.add(one.sketch)
     assert len(pending) == 0
 
 
@@ -155,7 +155,7 @@ def test_a_reset_or_restore_drops_what_is_pending():
     est.apply_summary(s2)
     est.restore(saved)
     assert len(est._pending) == 0
-    assert est.calibration.count == s1.calibration.state().count
+    assert est.calibration.count == sketch_state(s1.sketch).count
     est.apply_summary(s2)
     est.reset()
     assert len(est._pending) == 0 and est.calibration.count == 0

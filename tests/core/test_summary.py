@@ -14,13 +14,14 @@ from avest.core.rule_factory import make_rule
 from avest.core.rules import RecursiveRule
 from avest.core.stats import fold
 from avest.core.summary import (
-    Sketch,
-    make_sketch,
-    make_summary,
     observe_sketch,
     rebase,
+    sketch_of,
+    sketch_state,
     summarise,
+    summary_stats,
 )
+from avest_wire.summary import make_sketch, make_summary
 
 K = 5
 
@@ -126,11 +127,11 @@ def test_stale_summary_is_rebased_by_the_estimator():
     before = est.round_stats.g1.copy()
     late = summarise(parts[4:], at, version)
     est.apply_summary(late)
-    expected = rebase(late.stats, at, est.coefficients)
+    expected = rebase(summary_stats(late), at, est.coefficients)
     # the round got the moved gradient, then refitted; compare the refit's input
     assert est.round == 2
     assert np.allclose(before, 0.0)
-    assert not np.allclose(expected.g1, late.stats.g1)
+    assert not np.allclose(expected.g1, summary_stats(late).g1)
 
 
 def _good(**over):
@@ -160,7 +161,7 @@ def _good(**over):
         ({"grad": np.full((K, 2), np.nan)}, "grad"),
         ({"slope": -0.1}, "slope"),
         ({"intercepts": [0.0] * (K + 1)}, "intercepts"),
-        ({"calibration": Sketch.of(CalibrationState.empty(K))}, "sketch"),
+        ({"sketch": sketch_of(CalibrationState.empty(K))}, "sketch"),
     ],
 )
 def test_malformed_summaries_are_refused_naming_the_field(over, field):
@@ -180,14 +181,14 @@ def test_refused_summary_leaves_the_estimator_untouched():
 def test_sketch_round_trips_through_its_sparse_cells():
     b = batches(synthetic_steps(6))
     at = Coefficients.cold_start(K)
-    sk = summarise([(x.features, x.observed, x.accepted) for x in b], at, 0).calibration
+    sk = summarise([(x.features, x.observed, x.accepted) for x in b], at, 0).sketch
     assert sk is not None
-    state = sk.state()
+    state = sketch_state(sk)
     arrays = state.to_arrays()
     parts = [
         arrays[n] for n in ("ece_rejected", "ece_accepted", "ece_sum_predicted", "logloss_sum")
     ]
-    back = make_sketch(K, sk.cells, sk.counts, *parts).state()
+    back = sketch_state(make_sketch(K, sk.cells, sk.counts, *parts))
     assert all(np.array_equal(v, back.to_arrays()[n]) for n, v in arrays.items())
     with pytest.raises(InvalidInput) as err:
         make_sketch(K, sk.cells[::-1], sk.counts, *parts)
@@ -213,8 +214,8 @@ def _layers_fed_by_drafts_and_by_sketches() -> tuple[Recalibrator, Recalibrator]
         for x, obs, acc in part:
             by_draft.observe(linear_predictor(at, x), obs, acc)
         s = summarise(part, at, 0)
-        assert s.calibration is not None
-        observe_sketch(by_sketch, s.calibration)
+        assert s.sketch is not None
+        observe_sketch(by_sketch, s.sketch)
         by_draft.refit()
         by_sketch.refit()
     return by_draft, by_sketch

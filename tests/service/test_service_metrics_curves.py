@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from avest.core.metrics import ECE_BINS
 from avest.http import metrics as M
+from avest_wire.bins import ECE_BINS
 from avest_wire.v1 import estimator_pb2 as pb
 from service.live import Live
 from service.test_service_metrics import messages, observe, register, scrape, select, value

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import httpx
+import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from avest.core.summary import RoundSummary
 from avest.http import names as N
 from avest.state.workers import OTHER, WorkerTable
+from avest_wire.summary import make_summary
 from avest_wire.v1 import estimator_pb2 as pb
 from service.live import Live, register
 
@@ -63,11 +64,11 @@ def test_workers_are_listed_over_http_and_folded_in_metrics(live: Live) -> None:
 
 
 def test_the_table_forgets_the_least_recently_seen_beyond_its_capacity() -> None:
-    from avest.core.model import Coefficients
-    from avest.core.stats import RoundStats
-
     table = WorkerTable(capacity=3)
-    s = RoundSummary(2, Coefficients.cold_start(2), RoundStats.zeros(2), 5, 0)
+    s = make_summary(
+        2, version=2, slope=0.5, intercepts=[-0.2] * 2, info=np.zeros((2, 3)),
+        grad=np.zeros((2, 2)), counts=np.zeros(2), steps=5,
+    )  # fmt: skip
     for w in ("a", "b", "c"):
         table.summary(w, s, lag=0)
     table.raw("a", labelled=7)  # a is seen again: b is now the oldest

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import torch
 
-_MAX_LOG_ODDS = 40.0
+from avest_wire.limits import MAX_LOG_ODDS
+
+_MAX_LOG_ODDS = MAX_LOG_ODDS
 _INIT_SLOPE = 0.5
 _INIT_BIAS = -0.2
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from avest_client import EstimatorClient
-from avest_client.summary import AUC_SLOTS, RoundAccumulator
+from avest_client.summary import RoundAccumulator
+from avest_wire.bins import AUC_SLOTS
 from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.estimator import make_sidecar_estimator
 
@@ -217,13 +218,13 @@ def test_reused_step_buffers_are_caught_and_copied_from_then_on(monkeypatch, hel
 def _assert_sketches_agree(got, want) -> None:  # noqa: ANN001
     gs, ws = got.sketch, want.sketch
     dense_g, dense_w = np.zeros(5 * 2 * AUC_SLOTS), np.zeros(5 * 2 * AUC_SLOTS)
-    dense_g[gs.cells], dense_w[ws.cells] = gs.cell_counts, ws.cell_counts
+    dense_g[gs.cells], dense_w[ws.cells] = gs.counts, ws.counts
     # float32 eta on the device: a draft on a bin edge may land one slot over
     assert np.abs(dense_g - dense_w).sum() <= 2 + 0.002 * got.drafts
-    assert np.abs(gs.ece_accepted - ws.ece_accepted).sum() <= 2
-    assert np.abs(gs.ece_rejected - ws.ece_rejected).sum() <= 2
-    np.testing.assert_allclose(gs.ece_sum_predicted, ws.ece_sum_predicted, rtol=1e-3, atol=0.05)
-    np.testing.assert_allclose(gs.logloss_sum, ws.logloss_sum, rtol=1e-4)
+    assert np.abs(gs.ece[:, :, 1] - ws.ece[:, :, 1]).sum() <= 2
+    assert np.abs(gs.ece[:, :, 0] - ws.ece[:, :, 0]).sum() <= 2
+    np.testing.assert_allclose(gs.psum, ws.psum, rtol=1e-3, atol=0.05)
+    np.testing.assert_allclose(gs.nll, ws.nll, rtol=1e-4)
 
 
 def test_a_new_version_ends_the_round_and_raw_steps_go_only_as_sampled():

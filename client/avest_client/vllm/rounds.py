@@ -33,7 +33,7 @@ the round's calibration sketch (:mod:`avest_client.vllm.sketch`) on the
 estimator's device (on a side stream after the round's copies, on CUDA),
 copies sums and sketch to the host in one transfer, gives the set back (and
 drops the round's references), and hands the sink a
-:class:`~avest_client.summary.RoundSummaryData`. Should the sender still hold
+:class:`~avest_client.summary.RoundSummary`. Should the sender still hold
 both sets when a round starts, that round goes without a sketch (counted in
 ``sketches_skipped``). The kept steps cost ``2 x round steps x
 max_num_reqs x K x 4`` bytes of device memory (1.6 MiB at 256 requests and
@@ -63,9 +63,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from avest_client.summary import RoundSummaryData
 from avest_client.vllm import sketch as sketches
 from avest_client.vllm.sketch import Held
+from avest_wire.summary import RoundSummary, make_summary
 
 logger = logging.getLogger(__name__)
 
@@ -291,7 +291,7 @@ class SummaryRound:
             held.append(h)
         return sketches.build(kept.features, held, item.slope, item.intercepts, self._pos)
 
-    def _unpack(self, item: _Pending) -> RoundSummaryData:
+    def _unpack(self, item: _Pending) -> RoundSummary:
         kept = item.kept
         try:
             host, drawn = self._read(item, kept)
@@ -306,12 +306,13 @@ class SummaryRound:
         v = host.numpy().astype(np.float64)
         k = self.k
         info, grad, counts = v[: 3 * k], v[3 * k : 5 * k], v[5 * k : 6 * k]
-        return RoundSummaryData(
+        return make_summary(
+            k,
             version=item.version,
             slope=item.slope,
             intercepts=item.intercepts,
-            info=info.reshape(k, 3),
-            grad=grad.reshape(k, 2),
+            info=info,
+            grad=grad,
             counts=np.rint(counts),
             steps=item.steps,
             sketch=None if drawn is None else sketches.unpack(v[6 * k :], k),

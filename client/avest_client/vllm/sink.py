@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from avest_client.summary import RoundSummaryData
+from avest_wire.summary import RoundSummary
 
 #: ``(version, slope, intercepts)`` as pushed by the sidecar.
 Coefficients = tuple[int, float, list[float]]
@@ -39,7 +39,7 @@ class Sink(Protocol):
         """
         ...
 
-    def submit_summary(self, summary: RoundSummaryData) -> None:
+    def submit_summary(self, summary: RoundSummary) -> None:
         """Queue one round summary (summary mode); non-blocking. Called from the
         shim's summary sender thread, once per round."""
         ...

@@ -22,10 +22,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from avest_client.summary import AUC_SLOTS, ECE_BINS, ETA_RANGE, Sketch
-
-_SCALE = (AUC_SLOTS - 2) / (2.0 * ETA_RANGE)
-_OFFSET = ETA_RANGE * _SCALE + 1.0
+from avest_wire.bins import AUC_SLOTS, ECE_BINS, ETA_OFFSET, ETA_SCALE, sketch_size
+from avest_wire.summary import Sketch
 
 #: One step as the round kept it: ``(idx_mapping, num_sampled, num_rejected)``.
 Held = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -33,7 +31,7 @@ Held = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 def size(k: int) -> int:
     """Floats in a sketch as :func:`build` lays it out (after the round's sums)."""
-    return k * 2 * AUC_SLOTS + k * ECE_BINS * 2 + k * ECE_BINS + k
+    return sketch_size(k)
 
 
 def storage_reused(held: Sequence[Held]) -> bool:
@@ -118,7 +116,7 @@ def _add(
     admitted = accepted + rejected.to(device, torch.int64)[:, None]
     obs = ((positions <= accepted) & (positions < admitted)).to(torch.float32)
     label = (positions < accepted).to(torch.int64)
-    slot = (eta * _SCALE + _OFFSET).clamp_(0.0, AUC_SLOTS - 1).to(torch.int64)
+    slot = (eta * ETA_SCALE + ETA_OFFSET).clamp_(0.0, AUC_SLOTS - 1).to(torch.int64)
     cell = (positions * 2 + label) * AUC_SLOTS + slot
     hist, ece, psum, nll = acc
     hist.index_add_(0, cell.view(-1), obs.view(-1))

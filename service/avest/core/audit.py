@@ -41,6 +41,7 @@ from avest.core.budget import RULES, decide
 from avest.core.costs import CostTable, affine_costs, bucket_costs, overhead_costs
 from avest.core.errors import InvalidInput
 from avest.core.numeric import sigmoid
+from avest_wire.limits import MAX_LOG_ODDS
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -200,7 +201,7 @@ def _confidence(q: FloatArray, toy: Toy) -> FloatArray:
     top = q.max(axis=-1)
     rest = q.sum(axis=-1) - top
     with np.errstate(divide="ignore"):
-        x = np.clip(np.log(top) - np.log(rest), -40.0, 40.0)
+        x = np.clip(np.log(top) - np.log(rest), -MAX_LOG_ODDS, MAX_LOG_ODDS)
     return sigmoid(toy.slope * x + toy.intercept)
 
 

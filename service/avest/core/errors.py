@@ -1,17 +1,7 @@
-"""The one error the core raises for bad input."""
+"""The one error the core raises for bad input: the contract's own (:mod:`avest_wire.errors`)."""
 
 from __future__ import annotations
 
+from avest_wire.errors import InvalidInput
 
-class InvalidInput(ValueError):
-    """Input the estimator refuses: wrong shape, non-finite, out of range.
-
-    ``field`` names the offending argument so adapters can map it to a clear
-    wire error (gRPC INVALID_ARGUMENT, HTTP 400) without parsing messages.
-    Raised before any state changes, so a refused call leaves nothing behind.
-    """
-
-    def __init__(self, field: str, problem: str) -> None:
-        super().__init__(f"{field}: {problem}")
-        self.field = field
-        self.problem = problem
+__all__ = ["InvalidInput"]

@@ -26,8 +26,9 @@ from avest.core.model import Coefficients, check_k, linear_predictor
 from avest.core.pooling import PendingSketches
 from avest.core.rules import REJECTED, Refit, UpdateRule, VllmRule
 from avest.core.stats import RoundStats, fold
-from avest.core.summary import RoundSummary, rebase
+from avest.core.summary import rebase, summary_coefficients, summary_stats
 from avest.core.tracking import round_steps
+from avest_wire.summary import RoundSummary
 
 FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
@@ -161,13 +162,13 @@ class OnlineEstimator:
         """
         if summary.k != self.k:
             raise ValueError(f"summary has K={summary.k}, estimator has K={self.k}")
-        stats = summary.stats
+        stats = summary_stats(summary)
         if summary.version != self.version:
-            stats = rebase(stats, summary.at, self.coefficients)
+            stats = rebase(stats, summary_coefficients(summary), self.coefficients)
         self.round_stats.add_(stats)
-        if summary.calibration is not None:
+        if summary.sketch is not None:
             # Folded when something reads the round (avest.core.pooling).
-            self._pending.add(summary.calibration)
+            self._pending.add(summary.sketch)
             if self._pending.full:
                 self.settle()
         self.drafts += summary.drafts

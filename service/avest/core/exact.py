@@ -8,11 +8,10 @@ import numpy.typing as npt
 
 from avest.core.errors import InvalidInput
 from avest.core.numeric import bernoulli_nll
+from avest_wire.bins import ECE_BINS
 
 FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
-#: The service's ECE bins (avest.core.metrics.ECE_BINS; kept equal by a test).
-ECE_BINS = 15
 
 
 def _pair(x: npt.ArrayLike, y_true: npt.ArrayLike, field: str) -> tuple[FloatArray, BoolArray]:

@@ -13,11 +13,9 @@ import numpy as np
 import numpy.typing as npt
 
 from avest.core.errors import InvalidInput
+from avest_wire.limits import MAX_LOG_ODDS
 
 FloatArray = npt.NDArray[np.float64]
-
-#: The feature is clamped symmetrically: a one-hot row would be +inf.
-MAX_LOG_ODDS = 40.0
 
 
 def logit_qmax_from_logits(

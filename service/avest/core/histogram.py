@@ -20,13 +20,8 @@ import numpy as np
 import numpy.typing as npt
 
 from avest.core.errors import InvalidInput
+from avest_wire.bins import AUC_SLOTS
 
-#: Equal-width bins of the linear predictor for the AUC histograms.
-AUC_BINS = 1024
-#: The AUC bins cover ``eta`` in ``[-ETA_RANGE, ETA_RANGE)``.
-ETA_RANGE = 12.0
-#: AUC slots per class and position: underflow, ``AUC_BINS`` bins, overflow.
-AUC_SLOTS = AUC_BINS + 2
 #: The window grows by multiples of this many slots (fewer reallocations).
 GRAIN = 32
 #: Storage type of the counts.

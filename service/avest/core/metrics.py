@@ -28,22 +28,16 @@ import numpy as np
 import numpy.typing as npt
 
 from avest.core.errors import InvalidInput
-from avest.core.histogram import AUC_BINS, AUC_SLOTS, ETA_RANGE, EtaHistogram
+from avest.core.histogram import EtaHistogram
 from avest.core.labels import check_counts, labels
-from avest.core.model import MAX_K, check_k
+from avest.core.model import check_k
+from avest_wire.bins import AUC_BINS, AUC_SLOTS, ECE_BINS, ETA_RANGE, eta_slot, probability_bin
+from avest_wire.limits import MAX_K
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.intp]
 BoolArray = npt.NDArray[np.bool_]
 
-#: AUC_* and ETA_RANGE live in avest.core.histogram (the exact references in avest.core.exact).
-__all__ = ["AUC_BINS", "AUC_SLOTS", "ETA_RANGE"]
-
-#: Equal-width probability bins for ECE and the reliability diagram.
-ECE_BINS = 15
-
-_AUC_SCALE = AUC_BINS / (2.0 * ETA_RANGE)
-_AUC_OFFSET = ETA_RANGE * _AUC_SCALE + 1.0
 #: Persisted with the arrays so a state saved under another binning is refused.
 _LAYOUT = np.array([AUC_BINS, -ETA_RANGE, ETA_RANGE, ECE_BINS], dtype=np.float64)
 
@@ -56,18 +50,6 @@ def _array_shapes(k: int, auc_width: int) -> dict[str, tuple[int, ...]]:
         **dict.fromkeys(("ece_rejected", "ece_accepted", "ece_sum_predicted"), ece),
         "logloss_sum": (k,),
     }
-
-
-def eta_bin(eta: npt.ArrayLike) -> IntArray:
-    """AUC slot of each ``eta``: 0 below -12, 1..1024 inside, 1025 at or above 12."""
-    v = np.clip(np.asarray(eta, dtype=np.float64) * _AUC_SCALE + _AUC_OFFSET, 0.0, AUC_SLOTS - 1)
-    return v.astype(np.intp)
-
-
-def probability_bin(p: npt.ArrayLike) -> IntArray:
-    """ECE bin of each probability in [0, 1]; 1.0 falls in the last bin."""
-    b = (np.asarray(p, dtype=np.float64) * ECE_BINS).astype(np.intp)
-    return np.minimum(b, ECE_BINS - 1)
 
 
 @dataclass(frozen=True)
@@ -191,7 +173,7 @@ class CalibrationState:
         p = np.where(e >= 0.0, 1.0, t) / (1.0 + t)
         nll = np.log1p(t) + np.maximum(np.where(y, -e, e), 0.0)
         cell = pos * 2 + y  # (position, class) pairs
-        self._auc.add(cell, eta_bin(e))
+        self._auc.add(cell, eta_slot(e))
         pb = pos * ECE_BINS + probability_bin(p)
         np.add.at(self._ece.reshape(-1), pb * 2 + y, 1.0)
         np.add.at(self._psum.reshape(-1), pb, p)

@@ -14,14 +14,13 @@ import numpy.typing as npt
 
 from avest.core.errors import InvalidInput
 from avest.core.numeric import sigmoid
+from avest_wire.limits import MAX_K
 
 FloatArray = npt.NDArray[np.float64]
 
 #: Cold-start coefficients, as vLLM 0.33 (medians across five production pairs).
 INIT_SLOPE = 0.5
 INIT_INTERCEPT = -0.2
-#: Largest number of draft positions the estimator accepts.
-MAX_K = 64
 
 
 @dataclass(frozen=True)

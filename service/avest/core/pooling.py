@@ -29,8 +29,10 @@ import numpy as np
 import numpy.typing as npt
 
 from avest.core.calibration import Recalibrator
-from avest.core.metrics import AUC_SLOTS, CalibrationState
-from avest.core.summary import CELLS_PER_POSITION, Sketch, observe_counts
+from avest.core.metrics import CalibrationState
+from avest.core.summary import add_sketch, observe_counts
+from avest_wire.bins import AUC_SLOTS, CELLS_PER_POSITION
+from avest_wire.summary import Sketch
 
 #: Occupied cells kept pending before they are folded (about 16 MiB of cells
 #: and counts; a K = 8 sketch of 100 steps at B = 256 has about 2,700).
@@ -74,7 +76,7 @@ class PendingSketches:
         self.clear()
         if len(sketches) == 1:
             one = sketches[0]
-            one.add_to(state)
+            add_sketch(one, state)
             if layer is not None:
                 observe_counts(layer, *_by_label(one.cells, one.counts))
             return

@@ -1,13 +1,13 @@
-"""Round summaries: one worker's round as sums, merged into a pair's round.
+"""Round summaries (:mod:`avest_wire.summary`) merged into a pair's round.
 
 In summary mode a worker sends, once per round, the IRLS sums vLLM's
-estimator accumulates on the device (``info`` [K, 3] = ``a, b, c``, ``grad``
-[K, 2] = ``g0, g1``, ``counts`` [K]), the coefficients they were computed at,
+estimator accumulates on the device, the coefficients they were computed at,
 the number of steps and labelled drafts, and a calibration sketch (the
-:class:`~avest.core.metrics.CalibrationState` sums of the round: the AUC
-histograms of the linear predictor by label in the service's 1026 slots, the
-15 ECE bins and the log-loss sums). Everything is a sum, so summaries from W
-workers add up to the round the pair would have pooled from their raw steps.
+:class:`~avest.core.metrics.CalibrationState` sums of the round in the
+contract's bins, :mod:`avest_wire.bins`). The type and its checks are the
+contract's; this module is what the core does with one. Everything is a sum,
+so summaries from W workers add up to the round the pair would have pooled
+from their raw steps.
 
 **Statistics at the current coefficients merge exactly**: they are the same
 sums the service would have folded from the raw steps.
@@ -42,99 +42,32 @@ taken at slot centres (a draft moves by at most half an AUC slot, 0.012 in
 
 from __future__ import annotations
 
-import functools
-import math
-from dataclasses import dataclass
-
 import numpy as np
 import numpy.typing as npt
 
 from avest.core.calibration import Recalibrator, slot
 from avest.core.errors import InvalidInput
-from avest.core.metrics import AUC_SLOTS, ECE_BINS, ETA_RANGE, CalibrationState
-from avest.core.model import Coefficients, check_k
+from avest.core.metrics import CalibrationState
+from avest.core.model import Coefficients
 from avest.core.numeric import bernoulli_nll
 from avest.core.stats import RoundStats
+from avest_wire.bins import AUC_SLOTS, ETA_RANGE
+from avest_wire.summary import RoundSummary, Sketch, make_summary
 
 FloatArray = npt.NDArray[np.float64]
 
-#: Most steps one summary may cover.
-MAX_SUMMARY_STEPS = 1_000_000
-#: Cells of a sketch's linear-predictor histogram per position: (label, slot).
-CELLS_PER_POSITION = 2 * AUC_SLOTS
+
+def summary_stats(summary: RoundSummary) -> RoundStats:
+    """The summary's sums as round statistics (views of its arrays)."""
+    inf, g = summary.info, summary.grad
+    return RoundStats(
+        a=inf[:, 0], b=inf[:, 1], c=inf[:, 2], g0=g[:, 0], g1=g[:, 1], n=summary.counts
+    )
 
 
-@dataclass(frozen=True)
-class RoundSummary:
-    """One worker's round: sums at ``at`` (version ``version``), steps, drafts, sketch."""
-
-    version: int
-    at: Coefficients
-    stats: RoundStats
-    steps: int
-    drafts: int
-    calibration: Sketch | None = None
-
-    @property
-    def k(self) -> int:
-        return self.stats.k
-
-
-def make_summary(
-    k: int,
-    *,
-    version: int,
-    slope: float,
-    intercepts: npt.ArrayLike,
-    info: npt.ArrayLike,
-    grad: npt.ArrayLike,
-    counts: npt.ArrayLike,
-    steps: int,
-    drafts: int,
-    calibration: Sketch | None = None,
-) -> RoundSummary:
-    """Validate one summary (``info`` [K, 3], ``grad`` [K, 2], ``counts`` [K]) completely.
-
-    Ingest cost matters here (thousands of summaries a second): the parts are
-    checked together, in one buffer, with a handful of numpy calls.
-    """
-    check_k(k)
-    if version < 0:
-        raise InvalidInput("coefficients_version", "must be >= 0")
-    sizes = (("intercepts", k), ("info", 3 * k), ("grad", 2 * k), ("counts", k))
-    given = (intercepts, info, grad, counts)
-    parts = [np.asarray(v, dtype=np.float64).reshape(-1) for v in given]
-    for (name, size), part in zip(sizes, parts, strict=True):
-        if part.size != size:
-            raise InvalidInput(name, f"must have {size} entries, got {part.size}")
-    w = float(slope)
-    if not (math.isfinite(w) and w >= 0.0):
-        raise InvalidInput("slope", f"must be finite and >= 0, got {w}")
-    # one fresh buffer [intercepts | info | grad | counts]: the statistics view it
-    every = np.concatenate(parts)
-    if not np.isfinite(every).all():
-        bad = next(n for (n, _), v in zip(sizes, parts, strict=True) if not np.isfinite(v).all())
-        raise InvalidInput(bad, "must be finite")
-    inf = every[k : 4 * k].reshape(k, 3)
-    g = every[4 * k : 6 * k].reshape(k, 2)
-    n = every[6 * k :]
-    if inf[:, 0::2].min() < 0:
-        raise InvalidInput("info", "a_k and c_k must be >= 0")
-    if n.min() < 0 or (n != np.rint(n)).any():
-        raise InvalidInput("counts", "must be whole numbers >= 0")
-    if not 1 <= steps <= MAX_SUMMARY_STEPS:
-        raise InvalidInput("steps", f"must lie in [1, {MAX_SUMMARY_STEPS}], got {steps}")
-    total = int(n.sum())
-    if drafts != total:
-        raise InvalidInput("drafts", f"is {drafts}, the counts add up to {total}")
-    if calibration is not None:
-        if calibration.k != k:
-            raise InvalidInput("sketch", f"has K={calibration.k}, expected {k}")
-        if not np.array_equal(calibration.drafts_per_position(), n):
-            raise InvalidInput("sketch", "its drafts per position differ from counts")
-    stats = RoundStats(a=inf[:, 0], b=inf[:, 1], c=inf[:, 2], g0=g[:, 0], g1=g[:, 1], n=n)
-    at = Coefficients(w, tuple(every[:k].tolist()))
-    return RoundSummary(int(version), at, stats, int(steps), total, calibration)
+def summary_coefficients(summary: RoundSummary) -> Coefficients:
+    """The coefficients the summary's sums were computed at."""
+    return Coefficients(summary.slope, summary.intercepts)
 
 
 def rebase(stats: RoundStats, at: Coefficients, to: Coefficients) -> RoundStats:
@@ -163,119 +96,46 @@ def rebase(stats: RoundStats, at: Coefficients, to: Coefficients) -> RoundStats:
 # -- the calibration sketch ------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Sketch:
-    """A round's calibration sums, the eta histogram kept sparse.
+def add_sketch(sketch: Sketch, state: CalibrationState) -> None:
+    """Add a sketch's sums into ``state`` (in place), in O(occupied cells).
 
-    ``cells``: ascending flat indices ``(position * 2 + label) * AUC_SLOTS +
-    slot`` of the occupied histogram cells, ``counts`` their drafts; ``ece``
-    ``[K, ECE_BINS, 2]`` (rejected, accepted) drafts, ``psum`` ``[K,
-    ECE_BINS]`` predicted probabilities, ``nll`` ``[K]`` log loss. Merging
-    into a pair's round costs O(occupied cells), not O(K x 2052).
+    Writes the state's arrays directly (its layout: ``_auc`` an
+    :class:`~avest.core.histogram.EtaHistogram` [K, 2, window], ``_ece``
+    [K, ECE_BINS, 2], ``_psum``, ``_nll``): building a dense state per
+    summary to :meth:`CalibrationState.merge` would cost O(K x 2052) per
+    summary, the most of a K = 64 summary's ingest.
     """
-
-    k: int
-    cells: npt.NDArray[np.int64]
-    counts: FloatArray
-    ece: FloatArray
-    psum: FloatArray
-    nll: FloatArray
-
-    def drafts_per_position(self) -> FloatArray:
-        return self._per_position
-
-    @functools.cached_property
-    def _per_position(self) -> FloatArray:
-        per = np.bincount(self.cells // CELLS_PER_POSITION, weights=self.counts, minlength=self.k)
-        return np.asarray(per, dtype=np.float64)
-
-    def add_to(self, state: CalibrationState) -> None:
-        """Add these sums into ``state`` (in place), in O(occupied cells).
-
-        Writes the state's arrays directly (its layout: ``_auc`` an
-        :class:`~avest.core.histogram.EtaHistogram` [K, 2, window], ``_ece``
-        [K, ECE_BINS, 2], ``_psum``, ``_nll``): building a dense state per
-        summary to :meth:`CalibrationState.merge` would cost O(K x 2052) per
-        summary, the most of a K = 64 summary's ingest.
-        """
-        if state.k != self.k:
-            raise InvalidInput("sketch", f"has K={self.k}, the state has K={state.k}")
-        if self.cells.size:
-            hist = state._auc
-            rows, slots = np.divmod(self.cells, AUC_SLOTS)  # rows: position * 2 + label
-            hist.cover(int(slots.min()), int(slots.max()) + 1)
-            flat = rows * hist.width + (slots - hist.first)
-            np.add.at(hist.counts.reshape(-1), flat, self.counts.astype(hist.counts.dtype))
-        state._ece += self.ece
-        state._psum += self.psum
-        state._nll += self.nll
-
-    def state(self) -> CalibrationState:
-        """The sums as a :class:`CalibrationState` of their own."""
-        out = CalibrationState.empty(self.k)
-        self.add_to(out)
-        return out
-
-    @classmethod
-    def of(cls, state: CalibrationState) -> Sketch:
-        """The sketch of a whole state (its occupied cells)."""
-        a = state.to_arrays()
-        first = int(a["auc_first_slot"][0])
-        window = np.stack([a["auc_rejected"], a["auc_accepted"]], axis=1)
-        dense = np.zeros((state.k, 2, AUC_SLOTS))
-        dense[:, :, first : first + window.shape[2]] = window
-        auc = dense.reshape(-1)
-        idx = np.flatnonzero(auc).astype(np.int64)
-        ece = np.stack([a["ece_rejected"], a["ece_accepted"]], axis=2)
-        return cls(state.k, idx, auc[idx], ece, a["ece_sum_predicted"], a["logloss_sum"])
+    if state.k != sketch.k:
+        raise InvalidInput("sketch", f"has K={sketch.k}, the state has K={state.k}")
+    if sketch.cells.size:
+        hist = state._auc
+        rows, slots = np.divmod(sketch.cells, AUC_SLOTS)  # rows: position * 2 + label
+        hist.cover(int(slots.min()), int(slots.max()) + 1)
+        flat = rows * hist.width + (slots - hist.first)
+        np.add.at(hist.counts.reshape(-1), flat, sketch.counts.astype(hist.counts.dtype))
+    state._ece += sketch.ece
+    state._psum += sketch.psum
+    state._nll += sketch.nll
 
 
-def make_sketch(
-    k: int,
-    cells: npt.ArrayLike,
-    cell_counts: npt.ArrayLike,
-    ece_rejected: npt.ArrayLike,
-    ece_accepted: npt.ArrayLike,
-    ece_sum_predicted: npt.ArrayLike,
-    logloss_sum: npt.ArrayLike,
-) -> Sketch:
-    """Validate a sketch's parts (``cells``: absolute flat indices) into a :class:`Sketch`."""
-    check_k(k)
-    idx = np.asarray(cells, dtype=np.int64).reshape(-1)
-    cnt = np.asarray(cell_counts, dtype=np.float64).reshape(-1)
-    if idx.shape != cnt.shape:
-        raise InvalidInput("cell_counts", f"has {cnt.size} entries, cell_deltas {idx.size}")
-    if idx.size and (idx[0] < 0 or idx[-1] >= k * CELLS_PER_POSITION):
-        raise InvalidInput("cell_deltas", f"cells must lie in [0, {k * CELLS_PER_POSITION})")
-    if idx.size > 1 and (idx[1:] <= idx[:-1]).any():
-        raise InvalidInput("cell_deltas", "cells must ascend (gaps >= 1)")
-    if idx.size and not (cnt.min() >= 1 and np.isfinite(cnt).all()):
-        raise InvalidInput("cell_counts", "must be >= 1")
-    grid = k * ECE_BINS
-    sizes = [("ece_rejected", grid), ("ece_accepted", grid), ("ece_sum_predicted", grid)]
-    sizes.append(("logloss_sum", k))
-    given = (ece_rejected, ece_accepted, ece_sum_predicted, logloss_sum)
-    parts = [np.asarray(v, dtype=np.float64).reshape(-1) for v in given]
-    for (field, size), part in zip(sizes, parts, strict=True):
-        if part.size != size:
-            raise InvalidInput(field, f"must have {size} entries, got {part.size}")
-    every = np.concatenate(parts)
-    if not (every.min(initial=0.0) >= 0 and np.isfinite(every).all()):
-        raise InvalidInput("ece_rejected", "the ECE and log-loss sums must be finite and >= 0")
-    rej = every[:grid].reshape(k, ECE_BINS)
-    acc = every[grid : 2 * grid].reshape(k, ECE_BINS)
-    psum = every[2 * grid : 3 * grid].reshape(k, ECE_BINS)
-    nll = every[3 * grid :]
-    both = rej + acc
-    if (psum > both + 1e-3).any():
-        raise InvalidInput("ece_sum_predicted", "a bin's predictions exceed its drafts")
-    ece = np.stack([rej, acc], axis=2)
-    sketch = Sketch(k, idx, cnt, ece, psum, nll)
-    if not np.array_equal(sketch.drafts_per_position(), both.sum(axis=1)):
-        raise InvalidInput(
-            "cell_counts", "the eta histogram and the ECE bins count different drafts"
-        )
-    return sketch
+def sketch_state(sketch: Sketch) -> CalibrationState:
+    """A sketch's sums as a :class:`CalibrationState` of their own."""
+    out = CalibrationState.empty(sketch.k)
+    add_sketch(sketch, out)
+    return out
+
+
+def sketch_of(state: CalibrationState) -> Sketch:
+    """The sketch of a whole state (its occupied cells)."""
+    a = state.to_arrays()
+    first = int(a["auc_first_slot"][0])
+    window = np.stack([a["auc_rejected"], a["auc_accepted"]], axis=1)
+    dense = np.zeros((state.k, 2, AUC_SLOTS))
+    dense[:, :, first : first + window.shape[2]] = window
+    auc = dense.reshape(-1)
+    idx = np.flatnonzero(auc).astype(np.int64)
+    ece = np.stack([a["ece_rejected"], a["ece_accepted"]], axis=2)
+    return Sketch(state.k, idx, auc[idx], ece, a["ece_sum_predicted"], a["logloss_sum"])
 
 
 #: Centre of each AUC slot in ``eta`` (the edge slots at the grid's ends).
@@ -364,4 +224,17 @@ def summarise(
         eta = linear_predictor(at, x)
         stats.add_(fold(x, eta, obs, acc))
         cal.update(eta, obs, acc)
-    return RoundSummary(version, at, stats, len(batches), stats.labelled(), Sketch.of(cal))
+    every = (at.intercept_array(), stats.a, stats.b, stats.c, stats.g0, stats.g1)
+    info = np.stack(every[1:4], axis=1)
+    grad = np.stack(every[4:6], axis=1)
+    return make_summary(
+        at.k,
+        version=version,
+        slope=at.slope,
+        intercepts=every[0],
+        info=info,
+        grad=grad,
+        counts=stats.n,
+        steps=len(batches),
+        sketch=sketch_of(cal),
+    )

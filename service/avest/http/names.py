@@ -47,8 +47,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from avest.core.estimator import DEFAULT_RECENT_DECAY
-from avest.core.metrics import ECE_BINS
 from avest.http.buckets import REFIT_BUCKETS, RPC_BUCKETS  # noqa: F401 (re-exported)
+from avest_wire.bins import ECE_BINS
 
 PREFIX = "avest_"
 

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from avest.core.features import MAX_LOG_ODDS
 from avest.core.labels import labels
+from avest_wire.limits import MAX_LOG_ODDS
 
 FORMAT = "avest-trace/1"
 #: Meta keys every trace carries (TRACE.md); anything else is free-form.

@@ -23,13 +23,13 @@ from typing import Any
 
 from avest.core.estimator import Batch, OnlineEstimator
 from avest.core.rules import Refit
-from avest.core.summary import RoundSummary
 from avest.settings import Settings
 from avest.state.folds import Folds
 from avest.state.guard import StateFile
 from avest.state.pairs import Pair, PairKey, Registry, RuleConfig
 from avest.state.recording import Recording
 from avest.state.store import Store
+from avest_wire.summary import RoundSummary
 
 log = logging.getLogger("avest")
 

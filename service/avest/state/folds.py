@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from avest.core.estimator import Batch, OnlineEstimator
 from avest.core.rules import Refit
-from avest.core.summary import RoundSummary
+from avest_wire.summary import RoundSummary
 
 
 class Folds:

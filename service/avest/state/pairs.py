@@ -21,11 +21,11 @@ from avest.core.estimator import Batch, OnlineEstimator
 from avest.core.model import Coefficients, check_k
 from avest.core.rule_factory import DEFAULT_RULE, RULE_NAMES, make_rule, rule_options
 from avest.core.rules import Refit
-from avest.core.summary import RoundSummary
 from avest.state.costs import CostCurves, check_costs  # noqa: F401 (re-exported)
 from avest.state.errors import Conflict, Exhausted, NotFound  # noqa: F401 (re-exported)
 from avest.state.workers import WorkerTable
 from avest_wire import limits
+from avest_wire.summary import RoundSummary
 
 
 @dataclass(frozen=True)

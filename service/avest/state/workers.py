@@ -19,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
-from avest.core.summary import RoundSummary
+from avest_wire.summary import RoundSummary
 
 #: Workers remembered per pair.
 DEFAULT_CAPACITY = 4096

@@ -58,7 +58,7 @@ import numpy as np
 from avest_client import Backoff, EstimatorClient, Stats
 from avest_client.errors import AvestError
 from avest_client.forwarder import Forwarder
-from avest_client.summary import RoundSummaryData
+from avest_wire.summary import RoundSummary
 from avest_client.vllm import costs
 from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.pair import PairKey
@@ -207,7 +207,7 @@ class SidecarSink(Supervisor, PairSync):
                     return
         fwd.submit(features, num_verified, num_accepted, exclude)
 
-    def submit_summary(self, summary: RoundSummaryData) -> None:
+    def submit_summary(self, summary: RoundSummary) -> None:
         """Queue one round summary (summary mode); non-blocking, like :meth:`submit`."""
         if self._closed or self._forked:
             return

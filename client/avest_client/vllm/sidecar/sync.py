@@ -18,7 +18,7 @@ import grpc
 from avest_client import Backoff, EstimatorClient
 from avest_client.errors import AvestError
 from avest_client.forwarder import Forwarder
-from avest_client.summary import RoundSummaryData
+from avest_wire.summary import RoundSummary
 from avest_client.vllm import costs
 from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.pair import PairKey
@@ -158,7 +158,7 @@ class PairSync:
                 # In order, before anything submitted after this point.
                 while self._buffer:
                     item = self._buffer.popleft()
-                    if isinstance(item, RoundSummaryData):
+                    if isinstance(item, RoundSummary):
                         fwd.submit_summary(item)
                     else:
                         fwd.submit(*item)

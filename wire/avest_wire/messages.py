@@ -1,0 +1,117 @@
+"""Round summaries to and from their messages (``avest.v1.RoundSummary``)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from avest_wire.errors import InvalidInput
+from avest_wire.summary import RoundSummary, Sketch, intake, make_sketch, make_summary
+from avest_wire.v1 import estimator_pb2 as pb
+
+
+def sketch_to_pb(sketch: Sketch) -> pb.CalibrationSketch:
+    cells = sketch.cells
+    deltas = np.diff(cells, prepend=0) if cells.size else cells
+    ece = sketch.ece
+    return pb.CalibrationSketch(
+        cell_deltas=deltas.tolist(),
+        cell_counts=sketch.counts.astype(np.int64).tolist(),
+        ece_rejected=ece[:, :, 0].astype(np.int64).reshape(-1).tolist(),
+        ece_accepted=ece[:, :, 1].astype(np.int64).reshape(-1).tolist(),
+        ece_sum_predicted=sketch.psum.reshape(-1).tolist(),
+        logloss_sum=sketch.nll.tolist(),
+    )
+
+
+def summary_to_pb(summary: RoundSummary) -> pb.RoundSummary:
+    return pb.RoundSummary(
+        coefficients_version=int(summary.version),
+        slope=float(summary.slope),
+        intercepts=list(summary.intercepts),
+        k=summary.k,
+        info=summary.info.reshape(-1).tolist(),
+        grad=summary.grad.reshape(-1).tolist(),
+        counts=summary.counts.tolist(),
+        steps=int(summary.steps),
+        drafts=int(summary.drafts),
+        sketch=sketch_to_pb(summary.sketch) if summary.sketch is not None else None,
+    )
+
+
+def summary_from_pb(s: pb.RoundSummary, k: int) -> RoundSummary:
+    """The summary a message carries for a pair of ``k`` positions.
+
+    :class:`InvalidInput` names the field (``summary.*`` or ``sketch.*``).
+    The fast path (:func:`~avest_wire.summary.intake`) takes a valid message;
+    anything it refuses goes through the thorough checks, which name the field.
+    """
+    if s.k != k:
+        raise InvalidInput("summary.k", f"is {s.k}, the pair has K={k}")
+    sk = s.sketch
+    with_sketch = s.HasField("sketch") and bool(len(sk.cell_deltas) or len(sk.logloss_sum))
+    parts = (
+        (
+            sk.cell_deltas,
+            sk.cell_counts,
+            sk.ece_rejected,
+            sk.ece_accepted,
+            sk.ece_sum_predicted,
+            sk.logloss_sum,
+        )
+        if with_sketch
+        else None
+    )
+    fast = intake(
+        k,
+        version=s.coefficients_version,
+        slope=s.slope,
+        intercepts=s.intercepts,
+        info=s.info,
+        grad=s.grad,
+        counts=s.counts,
+        steps=s.steps,
+        drafts=s.drafts,
+        sketch=parts,
+    )
+    if fast is not None:
+        return fast
+    return _checked(s, k, with_sketch)
+
+
+def _checked(s: pb.RoundSummary, k: int, with_sketch: bool) -> RoundSummary:
+    """The thorough path: every check in turn, naming the field that fails."""
+    sketch = None
+    sk = s.sketch
+    if with_sketch:
+        deltas = np.asarray(sk.cell_deltas, dtype=np.int64)
+        if deltas.size > 1 and deltas[1:].min() < 1:
+            raise InvalidInput("sketch.cell_deltas", "gaps after the first cell must be >= 1")
+        # the other repeated fields go to numpy as they are (one conversion each)
+        try:
+            sketch = make_sketch(
+                k,
+                deltas.cumsum(),
+                sk.cell_counts,
+                sk.ece_rejected,
+                sk.ece_accepted,
+                sk.ece_sum_predicted,
+                sk.logloss_sum,
+            )
+        except InvalidInput as exc:
+            raise InvalidInput(f"sketch.{exc.field}", exc.problem) from None
+    try:
+        return make_summary(
+            k,
+            version=int(s.coefficients_version),
+            slope=float(s.slope),
+            intercepts=s.intercepts,
+            info=s.info,
+            grad=s.grad,
+            counts=s.counts,
+            steps=int(s.steps),
+            drafts=int(s.drafts),
+            sketch=sketch,
+        )
+    except InvalidInput as exc:
+        field = exc.field if exc.field.startswith("sketch") else f"summary.{exc.field}"
+        raise InvalidInput(field, exc.problem) from None
