@@ -29,61 +29,66 @@ AVEST_URL_DEFAULT = "http://localhost:8000"
 SVG_PATH = "/v1/pairs/${pair}/reliability.svg"
 
 
+def recent_vs_all(
+    lay: Layout,
+    title: str,
+    description: str,
+    recent: str,
+    cumulative: str,
+    minimum: float | None = None,
+    threshold: float | None = None,
+) -> dict:
+    """A score of the predictions, a third of the row wide: over recent drafts
+    (solid) and all drafts since registration or reset (dashed)."""
+    return timeseries(
+        lay,
+        title,
+        description,
+        refs((f"{recent}{{{PAIR}}}", "recent"), (f"{cumulative}{{{PAIR}}}", "all drafts")),
+        unit="none",
+        w=8,
+        minimum=minimum,
+        threshold=threshold,
+        decimals=3,
+        overrides=[dashed("all drafts")],
+    )
+
+
 def calibration(lay: Layout) -> list[dict]:
     """The "Calibration" row and its panels."""
-    p: list[dict] = []
-
-    p.append(row(lay, "Calibration"))
-    p.append(
-        timeseries(
+    return [
+        row(lay, "Calibration"),
+        recent_vs_all(
             lay,
             "AUC",
             "Area under the ROC curve of avest's predictions against accept/reject: how "
             "well confidences rank drafts (0.5 = no better than chance), over recent drafts "
             "(solid; about the last 20 refit rounds) and all drafts since registration or "
             "reset (dashed). Empty until both outcomes are seen.",
-            refs((f"{m.RECENT_AUC}{{{PAIR}}}", "recent"), (f"{m.AUC}{{{PAIR}}}", "all drafts")),
-            unit="none",
-            w=8,
-            decimals=3,
-            overrides=[dashed("all drafts")],
-        )
-    )
-    p.append(
-        timeseries(
+            m.RECENT_AUC,
+            m.AUC,
+        ),
+        recent_vs_all(
             lay,
             "ECE",
             "Expected calibration error over 15 probability bins: mean |predicted - "
             "observed| weighted by drafts, over recent drafts (solid; about the last 20 "
             "refit rounds) and all drafts (dashed). Dashed red line: the threshold of "
             "AvestCalibrationDrift, which watches the recent ECE.",
-            refs((f"{m.RECENT_ECE}{{{PAIR}}}", "recent"), (f"{m.ECE}{{{PAIR}}}", "all drafts")),
-            unit="none",
-            w=8,
+            m.RECENT_ECE,
+            m.ECE,
             minimum=0,
             threshold=ECE_THRESHOLD,
-            decimals=3,
-            overrides=[dashed("all drafts")],
-        )
-    )
-    p.append(
-        timeseries(
+        ),
+        recent_vs_all(
             lay,
             "Log loss",
             "Mean log loss of the predictions, nats per draft (lower is better), over "
             "recent drafts (solid; about the last 20 refit rounds) and all drafts (dashed).",
-            refs(
-                (f"{m.RECENT_LOG_LOSS}{{{PAIR}}}", "recent"),
-                (f"{m.LOG_LOSS}{{{PAIR}}}", "all drafts"),
-            ),
-            unit="none",
-            w=8,
-            decimals=3,
-            overrides=[dashed("all drafts")],
-        )
-    )
-    p.extend(reliability(lay))
-    p.append(
+            m.RECENT_LOG_LOSS,
+            m.LOG_LOSS,
+        ),
+        *reliability(lay),
         timeseries(
             lay,
             "Predicted minus observed, by position (recent)",
@@ -103,9 +108,7 @@ def calibration(lay: Layout) -> list[dict]:
             minimum=0,
             threshold=DIVERGENCE_THRESHOLD,
             decimals=3,
-        )
-    )
-    p.append(
+        ),
         timeseries(
             lay,
             "Labelled drafts behind the calibration",
@@ -114,9 +117,7 @@ def calibration(lay: Layout) -> list[dict]:
             [target(f"{m.CALIBRATION_DRAFTS}{{{PAIR}}}", "drafts")],
             w=12,
             h=6,
-        )
-    )
-    p.append(
+        ),
         timeseries(
             lay,
             "Calibration layer",
@@ -134,9 +135,8 @@ def calibration(lay: Layout) -> list[dict]:
             h=6,
             decimals=4,
             overrides=[right_axis_step("served")],
-        )
-    )
-    return p
+        ),
+    ]
 
 
 def _bin_names() -> list[dict[str, Any]]:

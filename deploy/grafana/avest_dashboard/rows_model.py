@@ -21,11 +21,9 @@ from .queries import (
 
 
 def overview(lay: Layout) -> list[dict]:
-    """The "Overview" row and its panels."""
-    p: list[dict] = []
-
-    p.append(row(lay, "Overview"))
-    p.append(
+    """The "Overview" row: the sidecar's scrape, the pair's counters, the pair's key."""
+    return [
+        row(lay, "Overview"),
         stat(
             lay,
             "Sidecar",
@@ -42,53 +40,56 @@ def overview(lay: Layout) -> list[dict]:
                 }
             ],
             thresholds=[{"color": "red", "value": None}, {"color": "green", "value": 1}],
-        )
-    )
-    p.append(
-        stat(
-            lay,
-            "Pairs",
-            "Model pairs registered with (or restored by) the sidecar.",
-            sidecar(m.PAIRS),
-        )
-    )
-    p.append(
-        stat(
-            lay,
-            "Coefficients version",
-            "Version of the pair's coefficients in force: +1 per applied refit; what every "
-            "worker of the pair is pushed.",
-            f"{m.COEFFICIENTS_VERSION}{{{PAIR}}}",
-        )
-    )
-    p.append(
-        stat(
-            lay,
-            "Refit rounds",
-            "Refit rounds closed for the pair (applied or not); one round per refit "
-            "interval of observed steps pooled over all workers.",
-            f"{m.ROUND}{{{PAIR}}}",
-        )
-    )
-    p.append(
-        stat(
-            lay,
-            "Drafts ingested",
-            "Verified drafts per second folded into the pair's estimator, all workers together.",
-            f"sum(rate({m.DRAFTS_OBSERVED}{{{PAIR}}}[{RI}]))",
-            unit="ops",
-        )
-    )
-    p.append(
-        stat(
-            lay,
-            "Open streams",
-            "Open Observe and WatchCoefficients streams: roughly one per connected vLLM "
-            "worker (rank 0 of each tensor-parallel group).",
-            sidecar(m.OPEN_STREAMS),
-        )
-    )
-    pair_table = {
+        ),
+        *(
+            stat(lay, title, description, expr, unit=unit)
+            for title, description, expr, unit in COUNTERS
+        ),
+        pair_table(lay),
+    ]
+
+
+#: The Overview's stat panels after the scrape: (title, description, query, unit).
+COUNTERS = (
+    (
+        "Pairs",
+        "Model pairs registered with (or restored by) the sidecar.",
+        sidecar(m.PAIRS),
+        "short",
+    ),
+    (
+        "Coefficients version",
+        "Version of the pair's coefficients in force: +1 per applied refit; what every "
+        "worker of the pair is pushed.",
+        f"{m.COEFFICIENTS_VERSION}{{{PAIR}}}",
+        "short",
+    ),
+    (
+        "Refit rounds",
+        "Refit rounds closed for the pair (applied or not); one round per refit "
+        "interval of observed steps pooled over all workers.",
+        f"{m.ROUND}{{{PAIR}}}",
+        "short",
+    ),
+    (
+        "Drafts ingested",
+        "Verified drafts per second folded into the pair's estimator, all workers together.",
+        f"sum(rate({m.DRAFTS_OBSERVED}{{{PAIR}}}[{RI}]))",
+        "ops",
+    ),
+    (
+        "Open streams",
+        "Open Observe and WatchCoefficients streams: roughly one per connected vLLM "
+        "worker (rank 0 of each tensor-parallel group).",
+        sidecar(m.OPEN_STREAMS),
+        "short",
+    ),
+)
+
+
+def pair_table(lay: Layout) -> dict:
+    """The selected pair's key as a one-row table of avest_pair_info's labels."""
+    return {
         "datasource": DATASOURCE,
         "description": "The selected pair's key (avest_pair_info): target and draft model, "
         "speculative method, K, update rule and workload labels.",
@@ -123,16 +124,12 @@ def overview(lay: Layout) -> list[dict]:
         ],
         "type": "table",
     }
-    p.append(pair_table)
-    return p
 
 
 def coefficients(lay: Layout) -> list[dict]:
     """The "Coefficients" row and its panels."""
-    p: list[dict] = []
-
-    p.append(row(lay, "Coefficients"))
-    p.append(
+    return [
+        row(lay, "Coefficients"),
         timeseries(
             lay,
             "Slope",
@@ -140,18 +137,14 @@ def coefficients(lay: Layout) -> list[dict]:
             "draft's logit(q_max). Steps mark refits; a flat line while drafts flow means "
             "refits are held or rejected (see Refits by outcome).",
             [target(f"{m.SLOPE}{{{PAIR}}}", "slope")],
-        )
-    )
-    p.append(
+        ),
         timeseries(
             lay,
             "Intercepts by position",
             "Per-position intercepts b_i of the coefficients in force (position 0 is the "
             "first draft token).",
             [target(f"{m.INTERCEPT}{{{PAIR}}}", "b{{position}}")],
-        )
-    )
-    p.append(
+        ),
         timeseries(
             lay,
             "Default rule: tracking weight",
@@ -162,53 +155,53 @@ def coefficients(lay: Layout) -> list[dict]:
             [target(f"{TRACKING_WEIGHT}{{{PAIR}}}", "tracking")],
             minimum=0.0,
             maximum=1.0,
-        )
+        ),
+    ]
+
+
+def predicted_vs_observed(
+    lay: Layout, title: str, description: str, predicted: str, observed: str
+) -> dict:
+    """avest's mean predicted acceptance (solid) and the observed rate (dashed), per position."""
+    return timeseries(
+        lay,
+        title,
+        description,
+        refs(
+            (f"{predicted}{{{PAIR}}}", "predicted {{position}}"),
+            (f"{observed}{{{PAIR}}}", "observed {{position}}"),
+        ),
+        unit="percentunit",
+        minimum=0,
+        maximum=1,
+        overrides=[dashed("observed.*")],
     )
-    return p
 
 
 def acceptance(lay: Layout) -> list[dict]:
     """The "Acceptance" row and its panels."""
-    p: list[dict] = []
-
-    p.append(row(lay, "Acceptance"))
-    p.append(
-        timeseries(
+    return [
+        row(lay, "Acceptance"),
+        predicted_vs_observed(
             lay,
             "Acceptance per position: predicted vs observed (avest)",
             "For drafts whose position was verified: avest's mean predicted acceptance "
             "probability (solid) and the observed acceptance rate (dashed), per position, "
             "cumulative since the pair was registered or reset. Calibrated estimates "
             "put each pair of lines together.",
-            refs(
-                (f"{m.PREDICTED_ACCEPTANCE}{{{PAIR}}}", "predicted {{position}}"),
-                (f"{m.OBSERVED_ACCEPTANCE}{{{PAIR}}}", "observed {{position}}"),
-            ),
-            unit="percentunit",
-            minimum=0,
-            maximum=1,
-            overrides=[dashed("observed.*")],
-        )
-    )
-    p.append(
-        timeseries(
+            m.PREDICTED_ACCEPTANCE,
+            m.OBSERVED_ACCEPTANCE,
+        ),
+        predicted_vs_observed(
             lay,
             "Recent acceptance per position: predicted vs observed (avest)",
             "The same over recent drafts only: each refit round down-weights older drafts "
             f"by {DEFAULT_RECENT_DECAY:g} (a window of about 20 rounds), so a workload shift shows here within "
             "a few thousand steps while the cumulative panel beside it barely moves. "
             "Alert AvestAcceptanceDivergence watches these.",
-            refs(
-                (f"{m.RECENT_PREDICTED_ACCEPTANCE}{{{PAIR}}}", "predicted {{position}}"),
-                (f"{m.RECENT_OBSERVED_ACCEPTANCE}{{{PAIR}}}", "observed {{position}}"),
-            ),
-            unit="percentunit",
-            minimum=0,
-            maximum=1,
-            overrides=[dashed("observed.*")],
-        )
-    )
-    p.append(
+            m.RECENT_PREDICTED_ACCEPTANCE,
+            m.RECENT_OBSERVED_ACCEPTANCE,
+        ),
         timeseries(
             lay,
             "Acceptance through position i: avest vs vLLM",
@@ -234,9 +227,7 @@ def acceptance(lay: Layout) -> list[dict]:
                     "properties": [{"id": "custom.lineWidth", "value": 3}],
                 },
             ],
-        )
-    )
-    p.append(
+        ),
         timeseries(
             lay,
             "Mean acceptance length (tokens per verification, incl. bonus)",
@@ -250,6 +241,5 @@ def acceptance(lay: Layout) -> list[dict]:
                 (vllm_acceptance_length(), "vLLM"),
             ),
             overrides=[dashed("avest observed")],
-        )
-    )
-    return p
+        ),
+    ]
