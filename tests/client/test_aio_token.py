@@ -21,7 +21,7 @@ from avest_client.aio import AsyncEstimatorClient
 from avest_client.credentials import Credentials, aio_channel
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
-from conftest import make_synthetic_trace
+from tests.support.traces import make_synthetic_trace
 
 WORKER = "worker-token-aio"
 ADMIN = "admin-token-aio"

@@ -24,9 +24,8 @@ from avest_client import (
     NotFoundError,
     UnavailableError,
 )
-
-from .client_support import free_port
-from .conftest import service_conftest
+from tests.support import server as service_conftest
+from tests.support.helpers import free_port
 
 ADMIN_TOKEN = service_conftest.ADMIN_TOKEN
 

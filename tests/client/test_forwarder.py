@@ -16,8 +16,9 @@ import pytest
 
 from avest.core.estimator import OnlineEstimator
 from avest_client import AsyncEstimatorClient, Backoff, EstimatorClient, Forwarder
-
-from .client_support import core_replay, free_port, serve_subprocess, wait_until
+from tests.support.helpers import free_port, wait_until
+from tests.support.serve import serve_subprocess
+from tests.support.traces import core_replay
 
 FAST = Backoff(initial_s=0.02, max_s=0.2)
 TARGET, DRAFT, METHOD = "target/model", "draft/model", "draft_model"

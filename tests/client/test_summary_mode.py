@@ -11,8 +11,7 @@ import pytest
 from avest_client import EstimatorClient
 from avest_client.summary import RoundAccumulator
 from avest_wire.messages import summary_to_pb
-
-from .client_support import wait_until
+from tests.support.helpers import wait_until
 
 TARGET, DRAFT, METHOD = "target/model", "draft/model", "draft_model"
 WORKERS, PER_WORKER = 4, 10

@@ -21,11 +21,8 @@ from pathlib import Path
 import pytest
 
 from avest.offline.trace import write_trace
-from conftest import REPO_ROOT, make_synthetic_trace
-
-from .live_server import ServerHandle, server
-
-__all__ = ["server"]  # the fixture, imported
+from tests.support.server import ServerHandle
+from tests.support.traces import REPO_ROOT, make_synthetic_trace
 
 pytestmark = pytest.mark.slow
 

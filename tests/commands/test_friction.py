@@ -23,11 +23,7 @@ import pytest
 
 from avest.commands.cli import main
 from avest.offline.trace import write_trace
-from conftest import REPO_ROOT, make_synthetic_trace
-
-from .live_server import server
-
-__all__ = ["server"]  # the fixture, imported
+from tests.support.traces import REPO_ROOT, make_synthetic_trace
 
 pytestmark = pytest.mark.slow
 

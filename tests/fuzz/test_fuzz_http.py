@@ -14,9 +14,7 @@ The long run::
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -27,11 +25,10 @@ from hypothesis import HealthCheck, settings
 
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
+from tests.support.server import launch
 
 pytestmark = pytest.mark.slow
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from service.conftest import launch  # noqa: E402
 
 EXAMPLES = int(os.environ.get("AVEST_SCHEMATHESIS_EXAMPLES", "25"))
 WORKER_TOKEN = "fuzz-worker"

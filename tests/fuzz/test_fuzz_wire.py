@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -31,11 +29,10 @@ from hypothesis import strategies as st
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
+from tests.support.server import ADMIN, launch
 
 pytestmark = pytest.mark.slow
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from service.conftest import ADMIN, launch  # noqa: E402
 
 EXAMPLES = int(os.environ.get("AVEST_FUZZ_EXAMPLES", "150"))
 FUZZ = settings(

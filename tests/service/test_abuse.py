@@ -15,8 +15,7 @@ from avest_client import AvestError, EstimatorClient
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
-
-from .conftest import ADMIN
+from tests.support.server import ADMIN
 
 K = 4
 

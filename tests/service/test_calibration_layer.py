@@ -15,7 +15,7 @@ from avest.core.numeric import sigmoid
 from avest.http.names import CALIBRATION_LAYER_GAIN, CALIBRATION_LAYER_SERVED
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
-from service.live import Live, register
+from tests.support.live import Live, register
 
 K = 2
 

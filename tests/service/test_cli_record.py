@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_record_writes_the_sampled_raw_steps_as_a_trace(open_server, trace_slice, tmp_path, capsys):
-    from service.live import TOKEN
+    from tests.support.live import TOKEN
 
     live = open_server()
     server = live.handle
@@ -68,7 +68,7 @@ def test_record_writes_the_sampled_raw_steps_as_a_trace(open_server, trace_slice
 
 
 def test_recording_routes_need_the_admin_token(open_server) -> None:
-    from service.live import TOKEN, register
+    from tests.support.live import TOKEN, register
 
     live = open_server()
     pid = register(live)

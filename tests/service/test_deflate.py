@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 
 from avest.http import deflate
-from service.live import Live
+from tests.support.live import Live
 
 
 def _run(gen):  # noqa: ANN001, ANN202

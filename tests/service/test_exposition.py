@@ -22,7 +22,7 @@ from avest.http import metrics as M
 from avest.state.pairs import Pair, PairKey
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
-from service.live import Live, register
+from tests.support.live import Live, register
 
 
 class _App:

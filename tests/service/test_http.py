@@ -23,9 +23,9 @@ from avest.offline.trace import Trace
 from avest.settings import Settings
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
-from service.live import TOKEN
-from service.live import Live as _Live
-from service.live import register as shared_register
+from tests.support.live import TOKEN
+from tests.support.live import Live as _Live
+from tests.support.live import register as shared_register
 
 SVG = "{http://www.w3.org/2000/svg}"
 # -- helpers --------------------------------------------------------------------

@@ -11,8 +11,8 @@ import pytest
 from avest.core.costs import CostTable
 from avest.core.draft_length import best_lengths, expected_tokens
 from avest_wire.v1 import estimator_pb2 as pb
-from service.live import TOKEN, Live
 from service.test_http import feed, register
+from tests.support.live import TOKEN, Live
 
 # Drafting a proposal of K=5 costs 5 ms at any batch (1 ms a position for an
 # autoregressive drafter); verification is flat up to 64 tokens, then 0.5 ms a token.

@@ -11,7 +11,7 @@ import pytest
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
-from service.conftest import ADMIN
+from tests.support.server import ADMIN
 
 pytestmark = pytest.mark.slow
 

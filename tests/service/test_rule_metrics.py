@@ -11,7 +11,7 @@ from avest.core.estimator import make_batch
 from avest.http.names import TRACKING_WEIGHT
 from avest.state.pairs import PairKey, Registry, RuleConfig
 from avest_wire.v1 import estimator_pb2 as pb
-from service.live import Live, register
+from tests.support.live import Live, register
 
 from .test_calibration_layer import K, bent_steps, observe
 

@@ -28,8 +28,7 @@ from avest.offline.replay import messages_for, pair_key, replay, step_bounds
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
-
-from .conftest import ADMIN
+from tests.support.server import ADMIN
 
 pytestmark = pytest.mark.slow
 

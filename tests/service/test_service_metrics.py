@@ -28,8 +28,8 @@ from avest.offline.trace import Trace
 from avest.state.pairs import Pair, PairKey
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
-from service.live import Live as _Live
-from service.live import register as shared_register
+from tests.support.live import Live as _Live
+from tests.support.live import register as shared_register
 
 # -- helpers --------------------------------------------------------------------
 

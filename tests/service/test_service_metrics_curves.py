@@ -13,8 +13,8 @@ import pytest
 from avest.http import metrics as M
 from avest_wire.bins import ECE_BINS
 from avest_wire.v1 import estimator_pb2 as pb
-from service.live import Live
 from service.test_service_metrics import messages, observe, register, scrape, select, value
+from tests.support.live import Live
 
 
 def curve(samples: Any, name: str, pid: str, label: str, n: int) -> list[float]:

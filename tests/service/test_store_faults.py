@@ -18,8 +18,8 @@ from avest.offline.replay import messages_for
 from avest.state.guard import StoreEmptied
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
+from tests.support.server import ServerHandle, launch
 
-from .conftest import ServerHandle, launch
 from .test_service import observe_all, register, stub_for
 
 pytestmark = pytest.mark.slow

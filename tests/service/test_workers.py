@@ -10,7 +10,7 @@ from avest.http import names as N
 from avest.state.workers import OTHER, WorkerTable
 from avest_wire.summary import make_summary
 from avest_wire.v1 import estimator_pb2 as pb
-from service.live import Live, register
+from tests.support.live import Live, register
 
 
 def _summary(k: int, drafts: int, version: int = 0) -> pb.RoundSummary:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.conftest import ADMIN_TOKEN
+from tests.support.server import ADMIN_TOKEN
 
 
 @pytest.fixture(autouse=True)

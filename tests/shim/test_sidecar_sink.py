@@ -35,7 +35,7 @@ from avest_client.vllm.estimator import make_sidecar_estimator
 from avest_client.vllm.pair import PairKey
 from avest_client.vllm.sidecar import sink as sidecar_sink
 from avest_client.vllm.sidecar.sink import SidecarSink
-from service.conftest import ServerHandle, launch
+from tests.support.server import ServerHandle, launch
 
 from .standin import StandinAcceptanceEstimator
 from .tracedrive import Step, steps

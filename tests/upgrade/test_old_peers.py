@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from avest_client import EstimatorClient
-from service.conftest import launch
+from tests.support.server import launch
 
 from .oldrelease import OldServer, run_old
 

@@ -20,8 +20,8 @@ from avest.offline.replay import messages_for, pair_key
 from avest.state.store import Store, StoreTooNew
 from avest.state.store_format import BLOB_FORMAT, STORE_FORMAT
 from avest_wire.v1 import estimator_pb2 as pb
-from service.conftest import launch
 from service.test_service import stub_for
+from tests.support.server import launch
 
 from .oldrelease import OldServer
 

@@ -1,20 +1,12 @@
-"""A real avest server on 127.0.0.1:0, on a thread with its own event loop.
+"""A real avest server on 127.0.0.1:0, in this process, on a thread with its own event loop.
 
-Fixtures:
-
-- ``server``: a started server (function scope) with ``flush_interval_ms=20``
-  and a fresh data directory; stopped cleanly at teardown.
-- ``start_server(data_dir, **overrides)``: a factory for restart tests; every
-  server it starts is stopped at teardown unless the test stopped it.
-
-Both give a :class:`ServerHandle`: ``.grpc_address`` (``"127.0.0.1:PORT"``),
-``.http_url`` (``"http://127.0.0.1:PORT"``), ``.settings``, ``.server`` (the
-:class:`avest.server.Server`), ``.call(coro_fn, *args)`` to run a coroutine
-on the server's loop and get its result, ``.stop()`` (idempotent) and
-``.kill_streams()`` (cancel every RPC at once, acks in flight lost, as a
-crash would, while the state stays for the final snapshot).
-
-Importable from other test folders (``tests/client`` loads it by path).
+:func:`launch` (``data_dir, **overrides``) gives a :class:`ServerHandle`:
+``.grpc_address`` (``"127.0.0.1:PORT"``), ``.http_url`` (``"http://127.0.0.1:PORT"``),
+``.settings``, ``.server`` (the :class:`avest.server.Server`), ``.call(coro_fn, *args)``
+to run a coroutine on the server's loop and get its result, ``.stop()`` (idempotent)
+and ``.kill_streams()`` (cancel every RPC at once, acks in flight lost, as a crash
+would, while the state stays for the final snapshot). The ``server`` and
+``start_server`` fixtures (:mod:`tests.support.fixtures`) stop theirs at teardown.
 """
 
 from __future__ import annotations
@@ -23,11 +15,9 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
-
-import pytest
 
 from avest.server import Server
 from avest.settings import Settings
@@ -141,6 +131,8 @@ ADMIN = (("authorization", f"Bearer {ADMIN_TOKEN}"),)
 
 
 def settings_for(data_dir: str | Path, **overrides: Any) -> Settings:
+    """Settings of a test server: free loopback ports, a 20 ms flush (a test sees its
+    steps saved at once), a 5 s drain and the admin token; ``overrides`` on top."""
     values: dict[str, Any] = dict(
         grpc_address="127.0.0.1:0",
         http_address="127.0.0.1:0",
@@ -157,36 +149,3 @@ def launch(data_dir: str | Path, **overrides: Any) -> ServerHandle:
     """Start a server on ``data_dir`` (settings overridable); the caller stops it."""
     Path(data_dir).mkdir(parents=True, exist_ok=True)
     return ServerHandle(settings_for(data_dir, **overrides))
-
-
-@pytest.fixture
-def start_server() -> Iterator[Callable[..., ServerHandle]]:
-    started: list[ServerHandle] = []
-
-    def start(data_dir: str | Path, **overrides: Any) -> ServerHandle:
-        handle = launch(data_dir, **overrides)
-        started.append(handle)
-        return handle
-
-    yield start
-    errors = []
-    for handle in reversed(started):
-        try:
-            handle.stop()
-        except Exception as exc:  # stop the others anyway
-            errors.append(exc)
-    if errors:
-        raise errors[0]
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[ServerHandle]:
-    handle = launch(tmp_path / "data")
-    try:
-        yield handle
-    finally:
-        handle.stop()
-
-
-# The admin HTTP and metrics tests' live server (a stub and an HTTP client on top).
-from service.live import live, open_server  # noqa: E402, F401

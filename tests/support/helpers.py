@@ -1,0 +1,31 @@
+"""Small helpers the tests share: free loopback ports, polling, loopback HTTP."""
+
+from __future__ import annotations
+
+import socket
+import time
+import urllib.request
+from collections.abc import Callable
+
+
+def free_port() -> int:
+    """A port nothing listens on (bound and released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = 10.0, interval: float = 0.01) -> bool:
+    """Poll ``pred`` until it holds or ``timeout`` seconds pass; its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return pred()
+
+
+def http_get(url: str, timeout: float = 5.0) -> bytes:
+    """The body of a GET on a loopback URL (an HTTP error status raises)."""
+    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - loopback only
+        return bytes(resp.read())
