@@ -13,6 +13,7 @@ from avest.core.estimator import OnlineEstimator
 from avest.core.features import logit_qmax_from_logits, logit_qmax_from_probs
 from avest.core.labels import counts_from_vllm, labels
 from avest.core.model import Coefficients
+from avest.core.rule_factory import DEFAULT_RULE, make_rule
 from avest.core.rules import RecursiveRule, VllmRule
 
 
@@ -39,7 +40,11 @@ def steps(draw):
     return x, d, a
 
 
-@pytest.mark.parametrize("rule", [VllmRule(), RecursiveRule()], ids=["vllm", "recursive"])
+@pytest.mark.parametrize(
+    "rule",
+    [VllmRule(), RecursiveRule(), make_rule(DEFAULT_RULE)],
+    ids=["vllm", "recursive", "tracking"],
+)
 @settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

@@ -84,7 +84,7 @@ class ShadowedTracking(UpdateRule):
     def __init__(self, config: TrackingConfig = DEFAULT_TRACKING) -> None:
         self.config = config
         self.tracking = TrackingRule(config)
-        self.shadow = VllmRule(l2=config.l2, damping=config.damping)
+        self.shadow = VllmRule()  # vLLM's own rule, whatever the tracking step's values
         self.theta = np.zeros((2, 0))
         #: Decayed (vLLM's trajectory - tracking's) predictive log loss, nats.
         self.loss_difference = 0.0
