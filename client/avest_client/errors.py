@@ -9,6 +9,12 @@ from __future__ import annotations
 
 import grpc
 
+_S = grpc.StatusCode
+
+
+#: The class of each status code (filled by each class's definition).
+_BY_CODE: dict[grpc.StatusCode, type[AvestError]] = {}
+
 
 class AvestError(Exception):
     """An RPC to the avest service failed.
@@ -19,6 +25,12 @@ class AvestError(Exception):
     """
 
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+
+    def __init_subclass__(cls, code: grpc.StatusCode | None = None, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.code = code
+            _BY_CODE[code] = cls
 
     def __init__(self, message: str, code: grpc.StatusCode | None = None, method: str = "") -> None:
         super().__init__(message)
@@ -32,82 +44,45 @@ class AvestError(Exception):
         return f"{where}{self.code.name}: {self.message}"
 
 
-class InvalidArgumentError(AvestError, ValueError):
+class InvalidArgumentError(AvestError, ValueError, code=_S.INVALID_ARGUMENT):
     """INVALID_ARGUMENT: a malformed or out-of-range request (the message names the field)."""
 
-    code = grpc.StatusCode.INVALID_ARGUMENT
 
-
-class NotFoundError(AvestError, LookupError):
+class NotFoundError(AvestError, LookupError, code=_S.NOT_FOUND):
     """NOT_FOUND: unknown pair."""
 
-    code = grpc.StatusCode.NOT_FOUND
 
-
-class FailedPreconditionError(AvestError):
+class FailedPreconditionError(AvestError, code=_S.FAILED_PRECONDITION):
     """FAILED_PRECONDITION: the pair's state does not allow the request (e.g. no cost curves)."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
 
-
-class ResourceExhaustedError(AvestError):
+class ResourceExhaustedError(AvestError, code=_S.RESOURCE_EXHAUSTED):
     """RESOURCE_EXHAUSTED: a server limit (message size, rows, number of pairs)."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
-
-class UnavailableError(AvestError, ConnectionError):
+class UnavailableError(AvestError, ConnectionError, code=_S.UNAVAILABLE):
     """UNAVAILABLE: the service cannot be reached (down, restarting, draining)."""
 
-    code = grpc.StatusCode.UNAVAILABLE
 
-
-class DeadlineExceededError(AvestError, TimeoutError):
+class DeadlineExceededError(AvestError, TimeoutError, code=_S.DEADLINE_EXCEEDED):
     """DEADLINE_EXCEEDED: the call's deadline passed."""
 
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
 
-
-class CancelledError(AvestError):
+class CancelledError(AvestError, code=_S.CANCELLED):
     """CANCELLED: the call was cancelled (e.g. the client was closed)."""
 
-    code = grpc.StatusCode.CANCELLED
 
-
-class UnauthenticatedError(AvestError, PermissionError):
+class UnauthenticatedError(AvestError, PermissionError, code=_S.UNAUTHENTICATED):
     """UNAUTHENTICATED: no token, or one the service does not know (``AVEST_TOKEN``)."""
 
-    code = grpc.StatusCode.UNAUTHENTICATED
 
-
-class PermissionDeniedError(AvestError, PermissionError):
+class PermissionDeniedError(AvestError, PermissionError, code=_S.PERMISSION_DENIED):
     """PERMISSION_DENIED: the token's role does not allow this call (admin actions)."""
 
-    code = grpc.StatusCode.PERMISSION_DENIED
 
-
-class WorkerIdCollisionError(AvestError):
+class WorkerIdCollisionError(AvestError, code=_S.ALREADY_EXISTS):
     """ALREADY_EXISTS: another open stream sends as this worker id; give each
     sender its own ``worker_id``."""
-
-    code = grpc.StatusCode.ALREADY_EXISTS
-
-
-_BY_CODE: dict[grpc.StatusCode, type[AvestError]] = {
-    cls.code: cls
-    for cls in (
-        InvalidArgumentError,
-        NotFoundError,
-        FailedPreconditionError,
-        ResourceExhaustedError,
-        UnavailableError,
-        DeadlineExceededError,
-        CancelledError,
-        UnauthenticatedError,
-        PermissionDeniedError,
-        WorkerIdCollisionError,
-    )
-}
 
 
 def from_rpc_error(exc: grpc.RpcError, method: str = "") -> AvestError:
