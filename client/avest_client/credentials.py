@@ -19,6 +19,7 @@ channel every client, forwarder and watcher uses.
 from __future__ import annotations
 
 import os
+from collections import namedtuple
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,48 +78,36 @@ class _SyncToken(
     grpc.StreamUnaryClientInterceptor,
     grpc.StreamStreamClientInterceptor,
 ):
+    """Adds the token to a synchronous call's metadata, whatever its kind."""
+
     def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
         self.metadata = metadata
 
-    def _details(self, details: Any) -> Any:
-        return _CallDetails(
-            details.method,
-            details.timeout,
-            tuple(details.metadata or ()) + self.metadata,
-            details.credentials,
-            getattr(details, "wait_for_ready", None),
-            getattr(details, "compression", None),
+    def _intercept(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(
+            _CallDetails(
+                details.method,
+                details.timeout,
+                tuple(details.metadata or ()) + self.metadata,
+                details.credentials,
+                getattr(details, "wait_for_ready", None),
+                getattr(details, "compression", None),
+            ),
+            request,
         )
 
-    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(self._details(details), request)
-
-    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(self._details(details), request)
-
-    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return continuation(self._details(details), requests)
-
-    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return continuation(self._details(details), requests)
+    intercept_unary_unary = intercept_unary_stream = _intercept
+    intercept_stream_unary = intercept_stream_stream = _intercept
 
 
-class _CallDetails(grpc.ClientCallDetails):  # type: ignore[misc]
-    def __init__(
-        self,
-        method: str,
-        timeout: float | None,
-        metadata: Any,
-        credentials: Any,
-        wait_for_ready: Any,
-        compression: Any,
-    ) -> None:
-        self.method = method
-        self.timeout = timeout
-        self.metadata = metadata
-        self.credentials = credentials
-        self.wait_for_ready = wait_for_ready
-        self.compression = compression
+class _CallDetails(
+    namedtuple(  # gRPC's own idiom for a ClientCallDetails of one's own
+        "_CallDetails",
+        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
+    ),
+    grpc.ClientCallDetails,  # type: ignore[misc]
+):
+    pass
 
 
 class _AioToken:
@@ -133,31 +122,34 @@ class _AioToken:
     def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
         self.metadata = metadata
 
-    def _details(self, details: Any) -> Any:
+    async def _intercept(self, continuation: Any, details: Any, request: Any) -> Any:
         metadata = grpc.aio.Metadata(*(tuple(details.metadata or ()) + self.metadata))
-        return grpc.aio.ClientCallDetails(
-            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+        return await continuation(
+            grpc.aio.ClientCallDetails(
+                details.method,
+                details.timeout,
+                metadata,
+                details.credentials,
+                details.wait_for_ready,
+            ),
+            request,
         )
 
 
 class _AioUnaryUnaryToken(_AioToken, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._details(details), request)
+    intercept_unary_unary = _AioToken._intercept
 
 
 class _AioUnaryStreamToken(_AioToken, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._details(details), request)
+    intercept_unary_stream = _AioToken._intercept
 
 
 class _AioStreamUnaryToken(_AioToken, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return await continuation(self._details(details), requests)
+    intercept_stream_unary = _AioToken._intercept
 
 
 class _AioStreamStreamToken(_AioToken, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return await continuation(self._details(details), requests)
+    intercept_stream_stream = _AioToken._intercept
 
 
 def _aio_token_interceptors(
