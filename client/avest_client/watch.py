@@ -29,6 +29,16 @@ _FATAL_WATCH_CODES = frozenset(
 )
 
 
+def stream_error(
+    exc: grpc.RpcError, end: type[Exception], method: str = "WatchCoefficients"
+) -> Exception:
+    """What a broken watch stream raises: ``end`` (iteration is over) if it was
+    cancelled, else the :class:`AvestError` of its status."""
+    if exc.code() == grpc.StatusCode.CANCELLED:
+        return end()
+    return from_rpc_error(exc, method)
+
+
 class CoefficientsWatch(Iterator[Coefficients]):
     """Iterator over a pair's coefficient versions (first the current ones).
 
@@ -46,9 +56,7 @@ class CoefficientsWatch(Iterator[Coefficients]):
         try:
             msg = next(self._call)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.CANCELLED:
-                raise StopIteration from None
-            raise from_rpc_error(exc, self._method) from None
+            raise stream_error(exc, StopIteration, self._method) from None
         return codec.coefficients(msg.coefficients)
 
     def cancel(self) -> None:
@@ -61,17 +69,13 @@ class CoefficientsWatch(Iterator[Coefficients]):
         self.cancel()
 
 
-class Watcher:
-    """A background watch: calls ``callback(coefficients)`` for each new version.
-
-    Runs on a daemon thread, reconnects with backoff when the stream breaks,
-    delivers each version at most once and in increasing order; gives up on
-    NOT_FOUND / INVALID_ARGUMENT (calling ``on_error``).
-    """
+class Follow:
+    """What a background watch keeps, on a thread or a task: the callback, the
+    last version delivered, and the error it gave up on."""
 
     def __init__(
         self,
-        client: Watchable,
+        client: Any,
         pair_id: str,
         callback: Callable[[Coefficients], Any],
         on_error: Callable[[AvestError], Any] | None = None,
@@ -82,14 +86,49 @@ class Watcher:
         self._callback = callback
         self._on_error = on_error
         self._backoff = backoff or Backoff(initial_s=0.1, max_s=5.0)
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._current: CoefficientsWatch | None = None
         #: Last version delivered (-1: none yet).
         self.version = -1
         self.error: AvestError | None = None
+        self._start()
+
+    def _start(self) -> None:
+        """Start following (a thread, a task)."""
+        raise NotImplementedError
+
+    def _fresh(self, c: Coefficients) -> bool:
+        """Whether ``c`` is a version not delivered yet (and, if so, it is the last one now)."""
+        if c.version <= self.version:
+            return False
+        self.version = c.version
+        return True
+
+    def _gives_up(self, exc: AvestError) -> bool:
+        """Whether the watch ends on ``exc`` (calling ``on_error``) instead of reconnecting."""
+        if exc.code not in _FATAL_WATCH_CODES:
+            return False
+        self.error = exc
+        if self._on_error is not None:
+            self._on_error(exc)
+        return True
+
+
+class Watcher(Follow):
+    """A background watch: calls ``callback(coefficients)`` for each new version.
+
+    Runs on a daemon thread, reconnects with backoff when the stream breaks,
+    delivers each version at most once and in increasing order; gives up on
+    NOT_FOUND / INVALID_ARGUMENT (calling ``on_error``). ``client`` is a
+    :class:`Watchable` (an ``EstimatorClient``).
+    """
+
+    _client: Watchable
+
+    def _start(self) -> None:
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._current: CoefficientsWatch | None = None
         self._thread = threading.Thread(
-            target=self._run, name=f"avest-watch-{pair_id}", daemon=True
+            target=self._run, name=f"avest-watch-{self._pair_id}", daemon=True
         )
         self._thread.start()
 
@@ -108,8 +147,7 @@ class Watcher:
                     watch.cancel()
                 for c in watch:
                     attempt = 0
-                    if c.version > self.version:
-                        self.version = c.version
+                    if self._fresh(c):
                         try:
                             self._callback(c)
                         except Exception:
@@ -117,12 +155,7 @@ class Watcher:
                 if self._stop.is_set():
                     return
             except AvestError as exc:
-                if self._stop.is_set():
-                    return
-                if exc.code in _FATAL_WATCH_CODES:
-                    self.error = exc
-                    if self._on_error is not None:
-                        self._on_error(exc)
+                if self._stop.is_set() or self._gives_up(exc):
                     return
                 log.debug("avest watch of %s broke: %s", self._pair_id, exc)
             self._stop.wait(self._backoff.delay(attempt))
