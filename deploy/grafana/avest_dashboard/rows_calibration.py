@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from avest.core.metrics import ECE_BINS
-from avest.http import metrics as m
-from avest.http.names import CALIBRATION_LAYER_GAIN, CALIBRATION_LAYER_SERVED
+from avest.metrics import registry as m
+from avest.metrics.names import CALIBRATION_LAYER_GAIN, CALIBRATION_LAYER_SERVED
 
 from .panels import (
     DATASOURCE,
@@ -21,7 +21,7 @@ from .panels import (
     text,
     timeseries,
 )
-from .queries import DIVERGENCE_THRESHOLD, ECE_THRESHOLD, PAIR, pair
+from .queries import DIVERGENCE_THRESHOLD, ECE_THRESHOLD, pair
 
 #: The sidecar's admin HTTP address as the viewer's browser reaches it (the
 #: ``avest_url`` variable): what the SVG link points at.
@@ -44,7 +44,7 @@ def recent_vs_all(
         lay,
         title,
         description,
-        refs((f"{recent}{{{PAIR}}}", "recent"), (f"{cumulative}{{{PAIR}}}", "all drafts")),
+        refs((pair(recent), "recent"), (pair(cumulative), "all drafts")),
         unit="none",
         w=8,
         minimum=minimum,
@@ -97,8 +97,8 @@ def calibration(lay: Layout) -> list[dict]:
             "the AvestAcceptanceDivergence threshold (the alert watches exactly this).",
             [
                 target(
-                    f"abs({m.RECENT_PREDICTED_ACCEPTANCE}{{{PAIR}}}"
-                    f" - {m.RECENT_OBSERVED_ACCEPTANCE}{{{PAIR}}})",
+                    f"abs({pair(m.RECENT_PREDICTED_ACCEPTANCE)}"
+                    f" - {pair(m.RECENT_OBSERVED_ACCEPTANCE)})",
                     "position {{position}}",
                 )
             ],
@@ -114,7 +114,7 @@ def calibration(lay: Layout) -> list[dict]:
             "Labelled drafts behind the calibration",
             "Drafts the cumulative calibration gauges are computed over (since registration "
             "or reset). The calibration alerts wait for 10,000 before judging a pair.",
-            [target(f"{m.CALIBRATION_DRAFTS}{{{PAIR}}}", "drafts")],
+            [target(pair(m.CALIBRATION_DRAFTS), "drafts")],
             w=12,
             h=6,
         ),
@@ -127,8 +127,8 @@ def calibration(lay: Layout) -> list[dict]:
             "Score, Budget and the shims' tables use it now; it is served only while the "
             "gain is clearly positive. Empty for a pair without a layer yet.",
             refs(
-                (f"{CALIBRATION_LAYER_GAIN}{{{PAIR}}}", "gain"),
-                (f"{CALIBRATION_LAYER_SERVED}{{{PAIR}}}", "served"),
+                (pair(CALIBRATION_LAYER_GAIN), "gain"),
+                (pair(CALIBRATION_LAYER_SERVED), "served"),
             ),
             unit="none",
             w=12,

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from avest.core.estimator import DEFAULT_RECENT_DECAY
-from avest.http import metrics as m
-from avest.http.names import TRACKING_WEIGHT
+from avest.metrics import registry as m
+from avest.metrics.names import TRACKING_WEIGHT
 
 from .panels import DATASOURCE, Layout, dashed, refs, row, stat, target, timeseries
 from .queries import (
-    PAIR,
     RI,
     VLLM_ACCEPTED,
     VLLM_ACCEPTED_PER_POS,
@@ -61,20 +60,20 @@ COUNTERS = (
         "Coefficients version",
         "Version of the pair's coefficients in force: +1 per applied refit; what every "
         "worker of the pair is pushed.",
-        f"{m.COEFFICIENTS_VERSION}{{{PAIR}}}",
+        pair(m.COEFFICIENTS_VERSION),
         "short",
     ),
     (
         "Refit rounds",
         "Refit rounds closed for the pair (applied or not); one round per refit "
         "interval of observed steps pooled over all workers.",
-        f"{m.ROUND}{{{PAIR}}}",
+        pair(m.ROUND),
         "short",
     ),
     (
         "Drafts ingested",
         "Verified drafts per second folded into the pair's estimator, all workers together.",
-        f"sum(rate({m.DRAFTS_OBSERVED}{{{PAIR}}}[{RI}]))",
+        f"sum(rate({pair(m.DRAFTS_OBSERVED)}[{RI}]))",
         "ops",
     ),
     (
@@ -97,7 +96,7 @@ def pair_table(lay: Layout) -> dict:
         "gridPos": lay.place(24, 3),
         "id": lay.id(),
         "options": {"showHeader": True, "cellHeight": "sm"},
-        "targets": [target(f"{m.PAIR_INFO}{{{PAIR}}}", "__auto", instant=True)],
+        "targets": [target(pair(m.PAIR_INFO), "__auto", instant=True)],
         "title": "Pair",
         "transformations": [
             {
@@ -136,14 +135,14 @@ def coefficients(lay: Layout) -> list[dict]:
             "Shared slope w of the pair's logistic model p_i = sigmoid(w * x + b_i), x the "
             "draft's logit(q_max). Steps mark refits; a flat line while drafts flow means "
             "refits are held or rejected (see Refits by outcome).",
-            [target(f"{m.SLOPE}{{{PAIR}}}", "slope")],
+            [target(pair(m.SLOPE), "slope")],
         ),
         timeseries(
             lay,
             "Intercepts by position",
             "Per-position intercepts b_i of the coefficients in force (position 0 is the "
             "first draft token).",
-            [target(f"{m.INTERCEPT}{{{PAIR}}}", "b{{position}}")],
+            [target(pair(m.INTERCEPT), "b{{position}}")],
         ),
         timeseries(
             lay,
@@ -152,7 +151,7 @@ def coefficients(lay: Layout) -> list[dict]:
             "run beside it on the same sums, has the rest. Near 1 while the carried "
             "information predicts better (stationary traffic); at 0.2 or below while the "
             "workload moves faster than tracking follows. Empty for pairs on another rule.",
-            [target(f"{TRACKING_WEIGHT}{{{PAIR}}}", "tracking")],
+            [target(pair(TRACKING_WEIGHT), "tracking")],
             minimum=0.0,
             maximum=1.0,
         ),
@@ -168,8 +167,8 @@ def predicted_vs_observed(
         title,
         description,
         refs(
-            (f"{predicted}{{{PAIR}}}", "predicted {{position}}"),
-            (f"{observed}{{{PAIR}}}", "observed {{position}}"),
+            (pair(predicted), "predicted {{position}}"),
+            (pair(observed), "observed {{position}}"),
         ),
         unit="percentunit",
         minimum=0,

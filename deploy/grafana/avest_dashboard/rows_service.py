@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from avest.http import metrics as m
+from avest.metrics import registry as m
 
 from .panels import HIDE_WHEN_ZERO, Layout, dashed, refs, row, target, timeseries
-from .queries import PAIR, RI, SIDECAR, sidecar
+from .queries import RI, SIDECAR, pair, sidecar
 
 NOT_OK = 'code!="OK"'
 REFIT_BUCKET = f"sum by (le) (rate({sidecar(m.REFIT_DURATION + '_bucket')}[{RI}]))"
@@ -54,8 +54,8 @@ def ingestion(lay: Layout) -> list[dict]:
             "the pair, pooled over workers. Zero while vLLM serves traffic means the shim "
             "is not forwarding (alert AvestPairNoObservations).",
             refs(
-                (f"sum(rate({m.DRAFTS_OBSERVED}{{{PAIR}}}[{RI}]))", "drafts/s"),
-                (f"sum(rate({m.STEPS_OBSERVED}{{{PAIR}}}[{RI}]))", "steps/s"),
+                (f"sum(rate({pair(m.DRAFTS_OBSERVED)}[{RI}]))", "drafts/s"),
+                (f"sum(rate({pair(m.STEPS_OBSERVED)}[{RI}]))", "steps/s"),
             ),
             unit="ops",
         ),
@@ -65,7 +65,7 @@ def ingestion(lay: Layout) -> list[dict]:
             "Refits per rate window by outcome: applied; slope_held (the slope step was "
             "dropped: negative or NaN); rejected (non-finite solve, nothing changed). "
             "Alerts: AvestRefitsFailing, AvestRefitsRejected.",
-            f"sum by (outcome) (increase({m.REFITS}{{{PAIR}}}[{RI}]))",
+            f"sum by (outcome) (increase({pair(m.REFITS)}[{RI}]))",
             "{{outcome}}",
             unit="short",
             overrides=tuple(fixed_color(name, color) for name, color in OUTCOME_COLORS),
