@@ -3,7 +3,7 @@
     python deploy/grafana/build_dashboard.py          # write it
     python deploy/grafana/build_dashboard.py --check  # exit 1 if it is stale
 
-Metric names come from :mod:`avest.http.names` (the service's single definition)
+Metric names come from :mod:`avest.metrics.names` (the service's single definition)
 and from vLLM 0.33's ``SpecDecodingProm``. The dashboard is portable: every
 panel, target and query variable names its datasource through the ``datasource``
 variable (Grafana's default Prometheus datasource unless picked otherwise), and
@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from avest.http import metrics as m
+from avest.metrics import registry as m
 
 # The dashboard's builders live beside this file (deploy/grafana/avest_dashboard/);
 # make them importable however this file is run or loaded.

@@ -32,10 +32,10 @@ from avest.grpc.interceptor import RpcInterceptor
 from avest.grpc.service import EstimatorService
 from avest.grpc.warden import Warden
 from avest.http.api import build_http
-from avest.http.metrics import Metrics
 from avest.http.protocol import guarded_protocol, quiet_loop_errors
+from avest.metrics.registry import Metrics
+from avest.policy.access import Access, is_loopback
 from avest.settings import Settings, split_address
-from avest.state.access import Access, is_loopback
 from avest.state.app import Avest
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc

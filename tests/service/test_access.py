@@ -211,7 +211,7 @@ def test_a_public_bind_without_a_worker_token_is_refused(tmp_path: Path) -> None
 
 
 def test_the_role_tables() -> None:
-    from avest.state.access import WORKER_METHODS, Access, Role, grpc_role, http_role
+    from avest.policy.access import WORKER_METHODS, Access, Role, grpc_role, http_role
 
     methods = pb.DESCRIPTOR.services_by_name["EstimatorService"].methods_by_name
     for name in methods:

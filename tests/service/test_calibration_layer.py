@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from avest.core.calibration import SLOTS
 from avest.core.numeric import sigmoid
-from avest.http.names import CALIBRATION_LAYER_GAIN, CALIBRATION_LAYER_SERVED
+from avest.metrics.names import CALIBRATION_LAYER_GAIN, CALIBRATION_LAYER_SERVED
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
 from tests.support.live import Live, register

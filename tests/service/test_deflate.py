@@ -9,7 +9,7 @@ import zlib
 import httpx
 import numpy as np
 
-from avest.http import deflate
+from avest.metrics import deflate
 from tests.support.live import Live
 
 
@@ -85,7 +85,7 @@ def test_a_gzip_scrape_is_the_text_scrape_compressed() -> None:
 
     from prometheus_client import CollectorRegistry
 
-    from avest.http import metrics as M
+    from avest.metrics import registry as M
     from service.test_exposition import _App, _pairs, _samples
 
     pairs = _pairs(40, k=4)

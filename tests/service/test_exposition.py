@@ -1,7 +1,7 @@
 """The sliced exposition: the same text as prometheus_client's, with the loop given back.
 
 ``/metrics`` renders the per-pair families a slice at a time
-(:mod:`avest.http.exposition`). What it writes must be what
+(:mod:`avest.metrics.exposition`). What it writes must be what
 ``generate_latest`` writes for the same registry (escaping, label order,
 number format), and a coroutine that becomes ready during a scrape must run
 before the scrape ends, not after it (``bench/bench_scrape.py`` measures the
@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from avest.core.estimator import OnlineEstimator
-from avest.http import metrics as M
+from avest.metrics import registry as M
 from avest.state.pairs import Pair, PairKey
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb

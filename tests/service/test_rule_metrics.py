@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 
 from avest.core.estimator import make_batch
-from avest.http.names import TRACKING_WEIGHT
+from avest.metrics.names import TRACKING_WEIGHT
 from avest.state.pairs import PairKey, Registry, RuleConfig
 from avest_wire.v1 import estimator_pb2 as pb
 from tests.support.live import Live, register

@@ -23,7 +23,7 @@ from avest.core.estimator import OnlineEstimator
 from avest.core.metrics import CalibrationState, CalibrationSummary
 from avest.core.rules import OUTCOMES
 from avest.grpc.interceptor import method_label
-from avest.http import metrics as M
+from avest.metrics import registry as M
 from avest.offline.trace import Trace
 from avest.state.pairs import Pair, PairKey
 from avest_wire import matrix as wire

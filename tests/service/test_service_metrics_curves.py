@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from avest.http import metrics as M
+from avest.metrics import registry as M
 from avest_wire.bins import ECE_BINS
 from avest_wire.v1 import estimator_pb2 as pb
 from service.test_service_metrics import messages, observe, register, scrape, select, value

@@ -6,7 +6,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from avest.http import names as N
+from avest.metrics import names as N
 from avest.state.workers import OTHER, WorkerTable
 from avest_wire.summary import make_summary
 from avest_wire.v1 import estimator_pb2 as pb

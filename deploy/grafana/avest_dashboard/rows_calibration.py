@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from avest.core.metrics import ECE_BINS
-from avest.http import metrics as m
-from avest.http.names import CALIBRATION_LAYER_GAIN, CALIBRATION_LAYER_SERVED
+from avest.metrics import registry as m
+from avest.metrics.names import CALIBRATION_LAYER_GAIN, CALIBRATION_LAYER_SERVED
 
 from .panels import (
     DATASOURCE,

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from avest.core.estimator import DEFAULT_RECENT_DECAY
-from avest.http import metrics as m
-from avest.http.names import TRACKING_WEIGHT
+from avest.metrics import registry as m
+from avest.metrics.names import TRACKING_WEIGHT
 
 from .panels import DATASOURCE, Layout, dashed, refs, row, stat, target, timeseries
 from .queries import (

@@ -23,8 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 def run(args: argparse.Namespace) -> int:
     from avest import settings
+    from avest.policy.throttle import install_storm_filter
     from avest.server import BindError, serve
-    from avest.state.throttle import install_storm_filter
 
     try:
         s = settings.from_sources(args)

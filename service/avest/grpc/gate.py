@@ -3,7 +3,7 @@
 A server interceptor in front of every handler:
 
 - **access**: the call's ``authorization`` metadata against
-  :class:`avest.state.access.Access` (UNAUTHENTICATED / PERMISSION_DENIED,
+  :class:`avest.policy.access.Access` (UNAUTHENTICATED / PERMISSION_DENIED,
   before the request is even parsed);
 - **rate**: unary calls per client address, a token bucket
   (RESOURCE_EXHAUSTED);
@@ -24,8 +24,8 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from avest.grpc.interceptor import method_label
-from avest.state.access import Access, Role, grpc_role
-from avest.state.throttle import LogLimiter, TokenBucket
+from avest.policy.access import Access, Role, grpc_role
+from avest.policy.throttle import LogLimiter, TokenBucket
 
 #: What a request that does not parse is delivered as.
 MALFORMED: Any = type("Malformed", (), {"__repr__": lambda self: "<malformed message>"})()

@@ -1,6 +1,6 @@
 """gRPC server interceptor timing every call by method and final status.
 
-Observes :data:`avest.http.names.RPC_DURATION`: unary calls from request to
+Observes :data:`avest.metrics.names.RPC_DURATION`: unary calls from request to
 response, streams from start to end (so a stream's duration is its lifetime),
 labelled by :func:`method_label` and the status code name the call ended with.
 """

@@ -13,9 +13,9 @@ import grpc
 from avest.grpc.gate import MALFORMED, malformed_reply
 from avest.grpc.refusals import Refused
 from avest.grpc.turns import Turns
+from avest.policy.throttle import TokenBucket
 from avest.state.app import Avest
 from avest.state.pairs import Pair
-from avest.state.throttle import TokenBucket
 from avest_wire import limits
 from avest_wire.v1 import estimator_pb2 as pb
 

@@ -33,10 +33,10 @@ from avest.grpc.observe import ObserveStream
 from avest.grpc.refusals import Refused, refusals
 from avest.grpc.summaries import summary_from_pb
 from avest.grpc.turns import Turns
-from avest.state.access import Access, may_replace_costs
+from avest.policy.access import Access, may_replace_costs
+from avest.policy.throttle import KeyedRates, LogLimiter, TokenBucket
 from avest.state.app import Avest
 from avest.state.pairs import CostCurves, Exhausted, NotFound, Pair, PairKey, check_sequence
-from avest.state.throttle import KeyedRates, LogLimiter, TokenBucket
 from avest_wire import limits
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb

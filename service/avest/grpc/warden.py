@@ -23,7 +23,7 @@ import socket
 import struct
 from dataclasses import dataclass
 
-from avest.state.throttle import LogLimiter
+from avest.policy.throttle import LogLimiter
 
 log = logging.getLogger("avest.grpc")
 

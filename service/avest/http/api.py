@@ -26,7 +26,7 @@ blocking I/O.
 ``GET /docs``, ``GET /openapi.json``        the API reference (self-contained HTML), OpenAPI
 ==========================================  ==========================================
 
-Access (:mod:`avest.state.access`): ``/healthz``, ``/readyz`` and ``/metrics``
+Access (:mod:`avest.policy.access`): ``/healthz``, ``/readyz`` and ``/metrics``
 are open (probes and Prometheus; a token sent there is ignored); every other
 ``GET`` needs the worker or admin token when a worker token is configured;
 everything else needs the admin token (401 without a token or with an unknown
@@ -51,9 +51,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from avest import __version__
-from avest.http.deflate import accepts_gzip
 from avest.http.docs import docs_page
-from avest.http.exposition import pieces
 from avest.http.models import (
     ErrorOut,
     HistoryEntryOut,
@@ -69,7 +67,9 @@ from avest.http.models import (
     pair_out,
 )
 from avest.http.recording import add_recording_routes
-from avest.state.access import Access, http_role
+from avest.metrics.deflate import accepts_gzip
+from avest.metrics.exposition import pieces
+from avest.policy.access import Access, http_role
 from avest.state.pairs import NotFound, Pair
 
 #: Module level: the handlers' annotations are strings resolved in this module.

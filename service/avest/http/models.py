@@ -182,7 +182,7 @@ def calibration_out(s: CalibrationSummary) -> CalibrationOut:
 
 
 def pair_out(pair: Pair, metrics: Any) -> PairOut:
-    """``metrics``: the :class:`avest.http.metrics.Metrics` whose summary cache to use."""
+    """``metrics``: the :class:`avest.metrics.registry.Metrics` whose summary cache to use."""
     est = pair.estimator
     key = pair.key
     return PairOut(

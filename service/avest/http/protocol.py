@@ -16,7 +16,7 @@ from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from avest.state.throttle import LogLimiter
+from avest.policy.throttle import LogLimiter
 
 _logs = LogLimiter("avest.http")
 

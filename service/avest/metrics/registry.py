@@ -2,12 +2,12 @@
 
 The pieces live in their own modules and are re-exported here, so that the
 server, the tests and ``deploy/grafana/build_dashboard.py`` import everything
-from ``avest.http.metrics``:
+from ``avest.metrics.registry``:
 
-- :mod:`avest.http.names`: every metric's name, type, labels and help
+- :mod:`avest.metrics.names`: every metric's name, type, labels and help
   (:data:`METRICS`, :data:`SPECS`, :func:`exposed_names`, the name constants),
   and what the labels and calibration gauges mean;
-- :mod:`avest.http.collector`: the per-pair series, read from the registry
+- :mod:`avest.metrics.collector`: the per-pair series, read from the registry
   on each scrape;
 - :mod:`avest.grpc.interceptor` (the gRPC adapter's) times calls by method and code into
   :attr:`Metrics.rpc_duration`; the server attaches it.
@@ -29,9 +29,9 @@ from prometheus_client import (
 
 from avest.core.metrics import CalibrationState, CalibrationSummary, Reliability
 from avest.core.rules import Refit
-from avest.http.collector import PairCollector, queue_depth
-from avest.http.exposition import Exposition
-from avest.http.names import (
+from avest.metrics.collector import PairCollector, queue_depth
+from avest.metrics.exposition import Exposition
+from avest.metrics.names import (
     AUC,
     CALIBRATION_DRAFTS,
     COEFFICIENTS_VERSION,
@@ -75,7 +75,7 @@ from avest.http.names import (
     exposed_names,
     family_name,
 )
-from avest.http.worker_metrics import WorkerCollector
+from avest.metrics.workers import WorkerCollector
 
 __all__ = [
     "AUC",
@@ -199,7 +199,7 @@ class Metrics:
 
     async def exposition_async(self, gzip: bool = False) -> tuple[list[bytes], str]:
         """The same exposition as parts (joined, the text), rendered in slices that
-        give the event loop back (:mod:`avest.http.exposition`): RPCs are served
+        give the event loop back (:mod:`avest.metrics.exposition`): RPCs are served
         during a scrape, and a pair that did not change since the last scrape is
         not rendered again; ``gzip``: the parts of its gzip encoding."""
         return await self.text.render_async(gzip=gzip), CONTENT_TYPE_LATEST

@@ -1,7 +1,7 @@
 """Names, types, labels and help of every avest Prometheus metric.
 
 Every metric is defined once, here, in :data:`METRICS` (the dashboards, alert
-rules and tests import the constants below, through :mod:`avest.http.metrics`,
+rules and tests import the constants below, through :mod:`avest.metrics.registry`,
 rather than spelling names). All names start with ``avest_``, use base units
 (seconds, Unix time) and carry bounded labels only:
 
@@ -47,7 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from avest.core.estimator import DEFAULT_RECENT_DECAY
-from avest.http.buckets import REFIT_BUCKETS, RPC_BUCKETS  # noqa: F401 (re-exported)
+from avest.metrics.buckets import REFIT_BUCKETS, RPC_BUCKETS  # noqa: F401 (re-exported)
 from avest_wire.bins import ECE_BINS
 
 PREFIX = "avest_"

@@ -23,7 +23,7 @@ is small and rendered by prometheus_client itself, a collector and a family at
 a time. The lines are those ``generate_latest`` writes (same escaping, label
 order and number format); the sliced families come last. The body is a list
 of parts, handed to the HTTP server in :data:`PIECE_BYTES` pieces, or gzipped
-from segments compressed once per change (:mod:`avest.http.deflate`).
+from segments compressed once per change (:mod:`avest.metrics.deflate`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
-from avest.http.deflate import Segments
+from avest.metrics.deflate import Segments
 
 #: Longest stretch of rendering between two yields to the event loop.
 SLICE_S = 0.0005
@@ -253,7 +253,7 @@ class Exposition:
 
     async def render_async(self, slice_s: float = SLICE_S, gzip: bool = False) -> list[bytes]:
         """The exposition's parts, giving the event loop back every ``slice_s``
-        seconds; ``gzip``: the parts of its gzip encoding (:mod:`avest.http.deflate`)."""
+        seconds; ``gzip``: the parts of its gzip encoding (:mod:`avest.metrics.deflate`)."""
         parts: list[bytes] = await _drive(self.render(slice_s))
         if gzip:
             parts = await _drive(self._segments.gzip_body(parts))

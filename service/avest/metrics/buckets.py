@@ -1,6 +1,6 @@
-"""Histogram buckets of the service's two timing metrics (see :mod:`avest.http.names`)."""
+"""Histogram buckets of the service's two timing metrics (see :mod:`avest.metrics.names`)."""
 
-#: Buckets of :data:`~avest.http.names.RPC_DURATION`: unary calls take 0.1 ms to tens of ms,
+#: Buckets of :data:`~avest.metrics.names.RPC_DURATION`: unary calls take 0.1 ms to tens of ms,
 #: streams (Observe, WatchCoefficients) last seconds to hours.
 RPC_BUCKETS = (
     0.0001,
@@ -25,7 +25,7 @@ RPC_BUCKETS = (
     900.0,
     3600.0,
 )
-#: Buckets of :data:`~avest.http.names.REFIT_DURATION` (one Newton step on K+1 parameters).
+#: Buckets of :data:`~avest.metrics.names.REFIT_DURATION` (one Newton step on K+1 parameters).
 REFIT_BUCKETS = (
     0.00001,
     0.000025,

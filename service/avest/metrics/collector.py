@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from avest import __version__
 from avest.core.metrics import CalibrationSummary, Reliability
 from avest.core.rules import OUTCOMES
-from avest.http.names import (
+from avest.metrics.names import (
     AUC,
     CALIBRATION_DRAFTS,
     CALIBRATION_LAYER_GAIN,
@@ -57,7 +57,7 @@ from avest.http.names import (
 
 
 class PairSource(Protocol):
-    """What the collector reads on a scrape (the service's :class:`~avest.http.metrics.Metrics`)."""
+    """What the collector reads on a scrape (the service's :class:`~avest.metrics.registry.Metrics`)."""
 
     app: Any
     open_streams: Callable[[], int]
@@ -117,7 +117,7 @@ class PairCollector:
     """Reads the registry on each scrape: every pair's gauges and totals.
 
     ``collect()`` renders every pair at once (prometheus_client's path, and
-    ``registry.get_sample_value``); :mod:`avest.http.exposition` renders the
+    ``registry.get_sample_value``); :mod:`avest.metrics.exposition` renders the
     same families a few pairs at a time through :meth:`families`,
     :meth:`add_globals` and :meth:`add_pair`, with ``collect()`` paused, and
     keeps each pair's text until its :meth:`stamp` moves.

@@ -1,7 +1,7 @@
 """Per-pair worker tables as metrics, read on each scrape, with bounded cardinality.
 
 Each pair exposes how many workers it remembers and how many it forgot; the
-:data:`~avest.http.names.WORKER_SERIES` most recently seen workers get series
+:data:`~avest.metrics.names.WORKER_SERIES` most recently seen workers get series
 of their own (drafts, steps, summaries, coefficient lag, last seen), and
 everything else is folded into one ``worker="other"`` series per family, so
 a pair adds at most ``5 x (WORKER_SERIES + 1) + 2`` series whatever the
@@ -15,7 +15,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from avest.http.names import (
+from avest.metrics.names import (
     SPECS,
     WORKER_DRAFTS,
     WORKER_LAG,
@@ -33,7 +33,7 @@ from avest.http.names import (
 class WorkerCollector:
     """Reads every pair's :class:`~avest.state.workers.WorkerTable` on a scrape.
 
-    Sliced and cached per pair by :mod:`avest.http.exposition` like the pair
+    Sliced and cached per pair by :mod:`avest.metrics.exposition` like the pair
     collector (``collect()`` paused meanwhile).
     """
 

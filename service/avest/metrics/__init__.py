@@ -1,0 +1,1 @@
+"""The Prometheus metrics: read from the state at scrape time, fed by both adapters."""
