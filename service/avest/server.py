@@ -61,11 +61,14 @@ class _EmbeddedUvicorn(uvicorn.Server):
 class Server:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.app = Avest(settings)
+        self.app = Avest(settings.state_config())
         self.metrics = Metrics(self.app)
         self.access = Access(settings.worker_token, settings.admin_token)
         self.service = EstimatorService(
-            self.app, on_refused=self.metrics.refused, access=self.access
+            self.app,
+            settings.stream_limits(),
+            on_refused=self.metrics.refused,
+            access=self.access,
         )
         self.metrics.set_open_streams(lambda: self.service.open_streams)
         self.health = health.aio.HealthServicer()

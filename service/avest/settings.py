@@ -17,6 +17,8 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from avest.core.rule_factory import RULE_NAMES
+from avest.grpc.limits import StreamLimits
+from avest.state.config import StateConfig
 
 ENV_PREFIX = "AVEST_"
 
@@ -155,7 +157,32 @@ class Settings(BaseSettings):
 
     @property
     def database(self) -> Path:
-        return Path(self.data_dir) / "avest.sqlite3"
+        return self.state_config().database
+
+    def state_config(self) -> StateConfig:
+        """What the state reads of these settings."""
+        return StateConfig(
+            data_dir=self.data_dir,
+            default_rule=self.default_rule,
+            refit_interval=self.refit_interval,
+            forgetting=self.forgetting,
+            prior=self.prior,
+            max_pairs=self.max_pairs,
+            flush_interval_ms=self.flush_interval_ms,
+            fold_thread_cells=self.fold_thread_cells,
+            allow_empty_store=self.allow_empty_store,
+            worker_ttl_s=self.worker_ttl_s,
+            pair_ttl_s=self.pair_ttl_s,
+        )
+
+    def stream_limits(self) -> StreamLimits:
+        """What the gRPC adapter reads of these settings."""
+        return StreamLimits(
+            max_rows=self.max_rows,
+            steps_per_turn=self.steps_per_turn,
+            pair_rate=self.pair_rate,
+            stream_step_rate=self.stream_step_rate,
+        )
 
 
 def env_name(field_name: str) -> str:

@@ -49,7 +49,7 @@ def _batch(rng: np.random.Generator) -> Any:
 async def _run(tmp_path) -> None:  # noqa: ANN001
     settings = Settings(data_dir=str(tmp_path), refit_interval=1000, flush_interval_ms=3_600_000)
     store = HeldStore(settings.database)
-    app = Avest(settings, store)
+    app = Avest(settings.state_config(), store)
     await app.start()
     durable_calls: list[list[tuple[str, str, int]]] = []
     app.hooks.durable.append(durable_calls.append)
@@ -80,7 +80,7 @@ async def _run(tmp_path) -> None:  # noqa: ANN001
     assert not pair.dirty and not pair.changed_workers
     await app.close()
 
-    again = Avest(settings, Store(settings.database))
+    again = Avest(settings.state_config(), Store(settings.database))
     await again.start()
     assert again.registry.pairs[pair.id].applied == {"other-worker": 3, "leaving": 1}
     await again.close()

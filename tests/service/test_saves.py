@@ -41,7 +41,7 @@ async def _run(tmp_path) -> None:  # noqa: ANN001
         data_dir=str(tmp_path), default_rule="vllm", refit_interval=3, flush_interval_ms=3_600_000
     )
     store = RecordingStore(settings.database)
-    app = Avest(settings, store)
+    app = Avest(settings.state_config(), store)
     await app.start()
     rng = np.random.default_rng(0)
     busy, _ = app.register(PairKey.of("t", "busy", "eagle", K))
@@ -78,7 +78,7 @@ async def _run(tmp_path) -> None:  # noqa: ANN001
     await app.close()
 
     # Restart: every entry and the latest curves come back.
-    again = Avest(settings, Store(settings.database))
+    again = Avest(settings.state_config(), Store(settings.database))
     await again.start()
     back = again.registry.pairs[busy.id]
     assert [(h.version, h.round) for h in back.history] == history

@@ -29,6 +29,7 @@ from avest.grpc.convert import (
     coefficients_pb,
     pair_pb,
 )
+from avest.grpc.limits import StreamLimits
 from avest.grpc.observe import ObserveStream
 from avest.grpc.refusals import Refused, refusals
 from avest.grpc.summaries import summary_from_pb
@@ -49,10 +50,12 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
     def __init__(
         self,
         app: Avest,
+        limits: StreamLimits,
         on_refused: Callable[[str, str], None] | None = None,
         access: Access | None = None,
     ) -> None:
         self.app = app
+        self.limits = limits
         #: Who may replace cost curves (``None``: anyone, as in-process tests build it).
         self.access = access
         self.on_refused = on_refused or (lambda method, reason: None)
@@ -61,9 +64,9 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         self.watchers: dict[str, set[asyncio.Queue[pb.Coefficients | None]]] = {}
         self.open_streams = 0
         self.owners: dict[tuple[str, str], ObserveStream] = {}
-        self.turns = Turns(app.settings.steps_per_turn)
+        self.turns = Turns(limits.steps_per_turn)
         #: Calls and steps per pair, whoever sends them (``pair_rate``).
-        self.pair_rates = KeyedRates(app.settings.pair_rate)
+        self.pair_rates = KeyedRates(limits.pair_rate)
         self._logs = LogLimiter("avest.grpc")
         #: Set when the server drains: streams stop applying steps, so the
         #: final snapshot covers (and acknowledges) everything applied.
@@ -77,7 +80,7 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
 
     def step_rate(self) -> TokenBucket | None:
         """A new stream's step-rate bucket (``None``: no limit)."""
-        rate = self.app.settings.stream_step_rate
+        rate = self.limits.stream_step_rate
         return TokenBucket(rate, rate) if rate > 0 else None
 
     def malformed(self, method: str) -> None:
@@ -321,9 +324,9 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
     def _check_shape(self, pair: Pair, rows: int, k: int) -> None:
         if k != pair.k:
             raise InvalidInput("k", f"is {k}, the pair has K={pair.k}")
-        if rows > self.app.settings.max_rows:
+        if rows > self.limits.max_rows:
             raise Exhausted(
-                "rows", f"{rows} exceeds the limit of {self.app.settings.max_rows} rows per message"
+                "rows", f"{rows} exceeds the limit of {self.limits.max_rows} rows per message"
             )
 
     def validate_observe(self, req: pb.ObserveRequest) -> tuple[Pair, Any]:

@@ -23,7 +23,7 @@ from typing import Any
 
 from avest.core.estimator import Batch, OnlineEstimator
 from avest.core.rules import Refit
-from avest.settings import Settings
+from avest.state.config import StateConfig
 from avest.state.folds import Folds
 from avest.state.guard import StateFile
 from avest.state.pairs import Pair, PairKey, Registry, RuleConfig
@@ -62,18 +62,16 @@ class Hooks:
 
 
 class Avest:
-    def __init__(self, settings: Settings, store: Store | None = None) -> None:
-        self.settings = settings
+    def __init__(self, config: StateConfig, store: Store | None = None) -> None:
+        self.config = config
         self.registry = Registry(
-            RuleConfig(
-                settings.default_rule, settings.refit_interval, settings.forgetting, settings.prior
-            ),
-            max_pairs=settings.max_pairs,
+            RuleConfig(config.default_rule, config.refit_interval, config.forgetting, config.prior),
+            max_pairs=config.max_pairs,
         )
-        self.state_file = StateFile(settings.data_dir, settings.database)
+        self.state_file = StateFile(config.data_dir, config.database)
         if store is None:
-            self.state_file.check_present(settings.allow_empty_store)
-            store = Store(settings.database)
+            self.state_file.check_present(config.allow_empty_store)
+            store = Store(config.database)
         self.store = store
         self.hooks = Hooks()
         #: Pairs whose stored state failed to load: ``id -> reason`` (kept aside).
@@ -84,7 +82,7 @@ class Avest:
         self.store_errors: dict[str, int] = {"write": 0, "delete": 0}
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="avest-store")
         #: Heavy steps, folded on worker threads.
-        self.folds = Folds(settings.fold_thread_cells)
+        self.folds = Folds(config.fold_thread_cells)
         self._flush_now = asyncio.Event()
         #: One write at a time: a caller waiting on flush() also waits for the
         #: write already under way, so "after flush" means "durable".
@@ -142,7 +140,7 @@ class Avest:
                 "store damaged: rebuilt from the readable pairs; damaged file kept as %s", aside
             )
         self.state_file.check_loaded(
-            len(self.registry.pairs) + len(self.quarantined), self.settings.allow_empty_store
+            len(self.registry.pairs) + len(self.quarantined), self.config.allow_empty_store
         )
         self.state_file.record(len(self.registry.pairs))
         self._flusher = asyncio.create_task(self._flush_loop(), name="avest-flush")
@@ -339,7 +337,7 @@ class Avest:
         self.store_error = f"store {operation} failed: {type(exc).__name__}: {exc}"
 
     async def _flush_loop(self) -> None:
-        interval = self.settings.flush_interval_ms / 1000.0
+        interval = self.config.flush_interval_ms / 1000.0
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._flush_now.wait(), timeout=interval)
@@ -361,14 +359,14 @@ class Avest:
         if now - self._maintained < MAINTAIN_EVERY_S:
             return
         self._maintained = now
-        worker_ttl = self.settings.worker_ttl_s
+        worker_ttl = self.config.worker_ttl_s
         if worker_ttl > 0:
             pruned = sum(
                 len(p.prune_workers(now - worker_ttl)) for p in self.registry.pairs.values()
             )
             if pruned:
                 log.info("pruned %d idle worker record(s)", pruned)
-        pair_ttl = self.settings.pair_ttl_s
+        pair_ttl = self.config.pair_ttl_s
         if pair_ttl > 0:
             for pair in list(self.registry.pairs.values()):
                 if pair.updated < now - pair_ttl and not self.in_use(pair):

@@ -1,0 +1,36 @@
+"""What the state needs to know of the process: its store, its rules, its bounds.
+
+The process settings (:mod:`avest.settings`) hold every flag; the state reads
+only these, so it can be built (and tested) without flags, adapters or TLS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class StateConfig:
+    #: Directory of the SQLite database and the state file.
+    data_dir: str
+    #: Update rule of pairs that do not name one, and its interval and options.
+    default_rule: str
+    refit_interval: int
+    forgetting: float
+    prior: float
+    #: Registrations beyond this many pairs are refused.
+    max_pairs: int
+    #: Applied batches are made durable (and acknowledged) this often.
+    flush_interval_ms: int
+    #: A raw step of at least this many draft cells is folded on a worker thread.
+    fold_thread_cells: int
+    #: Start although the state file says the store held pairs and it is gone.
+    allow_empty_store: bool
+    #: Idle workers' records and idle pairs are dropped after these (0: never).
+    worker_ttl_s: float
+    pair_ttl_s: float
+
+    @property
+    def database(self) -> Path:
+        return Path(self.data_dir) / "avest.sqlite3"
