@@ -32,6 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from avest_client.ledger import Ledger, Step
+from avest_wire.limits import MAX_K, MAX_LOG_ODDS
 from avest_wire.messages import summary_to_pb
 from avest_wire.summary import RoundSummary
 from avest_wire.v1 import estimator_pb2 as pb
@@ -64,11 +65,6 @@ class StepData:
     exclude: npt.NDArray[np.bool_] | None
 
 
-#: Largest |feature| the service accepts (logit q_max is clamped to this).
-MAX_FEATURE = 40.0
-MAX_K = 64
-
-
 def encode_step(
     features: npt.ArrayLike,
     num_verified: npt.ArrayLike,
@@ -92,8 +88,8 @@ def encode_step(
         finite = np.isfinite(x32)
         if not finite.all():
             raise ValueError("features must be finite")
-        if float(np.abs(x32).max()) > MAX_FEATURE:
-            raise ValueError(f"features must lie in [-{MAX_FEATURE}, {MAX_FEATURE}]")
+        if float(np.abs(x32).max()) > MAX_LOG_ODDS:
+            raise ValueError(f"features must lie in [-{MAX_LOG_ODDS}, {MAX_LOG_ODDS}]")
     counts = []
     for name, v in (("num_verified", num_verified), ("num_accepted", num_accepted)):
         a = np.asarray(v)
