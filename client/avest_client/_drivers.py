@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from avest_client._stream import ChannelOptions, Session, reconnect_options
+from avest_client._stream import ChannelOptions, Metadata, Session, reconnect_options
 from avest_client.credentials import Credentials, aio_channel, sync_channel
 from avest_client.ledger import Ledger
 from avest_wire.v1 import estimator_pb2 as pb
@@ -167,12 +167,12 @@ class ThreadDriver(_Driver):
         session.stream_opened()
         call = stub.Observe(self._requests(alive))
         self._call = call
-        code, details = grpc.StatusCode.OK, ""
+        code, details, trailing = grpc.StatusCode.OK, "", None
         try:
             for resp in call:
                 session.on_response(resp)
         except grpc.RpcError as exc:
-            code, details = exc.code(), exc.details() or ""
+            code, details, trailing = exc.code(), exc.details() or "", exc.trailing_metadata()
         except Exception as exc:  # transport oddities: a broken stream
             code, details = grpc.StatusCode.UNKNOWN, repr(exc)
         finally:
@@ -180,7 +180,7 @@ class ThreadDriver(_Driver):
             self._call = None
             with self._cond:
                 self._cond.notify_all()
-        return session.stream_ended(code, details, control.closing)
+        return session.stream_ended(code, details, control.closing, trailing)
 
     def _requests(self, alive: list[bool]) -> Iterator[pb.ObserveRequest]:
         """The stream's request iterator (consumed by a gRPC thread)."""
@@ -293,21 +293,22 @@ class AsyncDriver(_Driver):
                 reader.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await reader
-        code, details = reader.result()
-        return session.stream_ended(code, details, control.closing)
+        code, details, trailing = reader.result()
+        return session.stream_ended(code, details, control.closing, trailing)
 
-    async def _read(self, call: Any) -> tuple[grpc.StatusCode, str]:
+    async def _read(self, call: Any) -> tuple[grpc.StatusCode, str, Metadata]:
+        """Read the stream to its end: its status code, message and trailing metadata."""
         session = self.session
         try:
             async for resp in call:
                 session.on_response(resp)
         except grpc.aio.AioRpcError as exc:
-            return exc.code(), exc.details() or ""
+            return exc.code(), exc.details() or "", exc.trailing_metadata()
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            return grpc.StatusCode.UNKNOWN, repr(exc)
-        return await call.code(), (await call.details()) or ""
+            return grpc.StatusCode.UNKNOWN, repr(exc), None
+        return await call.code(), (await call.details()) or "", await call.trailing_metadata()
 
     async def _write(self, call: Any) -> None:
         ledger, session, control = self.ledger, self.session, self.control

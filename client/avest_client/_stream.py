@@ -3,7 +3,7 @@
 The protocol (what to send, what an acknowledgement releases, which step a
 refusal names, how long to wait before reconnecting) lives in
 :class:`Session` on top of the pure :class:`~avest_client.ledger.Ledger`;
-it does no I/O. Two thin transports run it:
+it does no I/O. Two thin transports (:mod:`avest_client._drivers`) run it:
 
 * :class:`ThreadDriver` (sync :class:`~avest_client.forwarder.Forwarder`):
   the synchronous gRPC stack on a daemon thread. The sync stack, not
@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,12 +34,14 @@ import numpy.typing as npt
 from avest_client.ledger import Ledger, Step
 from avest_wire.limits import MAX_K, MAX_LOG_ODDS
 from avest_wire.messages import summary_to_pb
+from avest_wire.refusal import refused_sequence_from
 from avest_wire.summary import RoundSummary
 from avest_wire.v1 import estimator_pb2 as pb
 
 log = logging.getLogger("avest_client.forwarder")
 
-#: Refusals of one step: the server names it as "sequence N of worker ...".
+#: Refusals of one step: the server names it as "sequence N of worker ..." (a
+#: server before 0.2 in this text only; see :mod:`avest_wire.refusal`).
 _REFUSED_STEP = re.compile(r"^sequence (\d+) of worker ")
 #: Codes with which the server refuses a step; resending it would be refused again.
 REFUSAL_CODES = frozenset(
@@ -51,6 +53,8 @@ REFUSAL_CODES = frozenset(
 )
 
 ChannelOptions = Sequence[tuple[str, Any]]
+#: A status's trailing metadata as the gRPC stacks give it: ``(key, value)`` pairs.
+Metadata = Iterable[tuple[str, str | bytes]] | None
 
 
 @dataclass(frozen=True)
@@ -134,8 +138,12 @@ class Backoff:
         return d * random.uniform(0.5, 1.0)
 
 
-def refused_sequence(details: str | None) -> int | None:
-    """The sequence number a refusal message names, if any."""
+def refused_sequence(details: str | None, trailing: Metadata = None) -> int | None:
+    """The sequence number a refusal names, if any: the status's structured
+    entry, else (a server that sends none) the number its message starts with."""
+    seq = refused_sequence_from(trailing)
+    if seq is not None:
+        return seq
     m = _REFUSED_STEP.match(details or "")
     return int(m.group(1)) if m else None
 
@@ -261,8 +269,11 @@ class Session:
             step.payload = None
         return step.message
 
-    def stream_ended(self, code: grpc.StatusCode, details: str, closing: bool) -> float:
-        """Digest how a stream ended; returns the delay before the next one."""
+    def stream_ended(
+        self, code: grpc.StatusCode, details: str, closing: bool, trailing: Metadata = None
+    ) -> float:
+        """Digest how a stream ended (its status and trailing metadata); returns the
+        delay before the next one."""
         self.connected = False
         if code == grpc.StatusCode.OK:
             if closing:
@@ -281,9 +292,9 @@ class Session:
             log.error("avest refused the stream of %s: %s", self.worker_id, details)
             return self.next_delay()
         if code in REFUSAL_CODES:
-            # A refused step: drop it, never resend it. Without a sequence in
-            # the message the oldest held step goes, so progress is certain.
-            seq = refused_sequence(details)
+            # A refused step: drop it, never resend it. When the refusal names
+            # no sequence the oldest held step goes, so progress is certain.
+            seq = refused_sequence(details, trailing)
             if self.ledger.refuse(seq):
                 log.warning("avest refused a step of %s: %s", self.worker_id, details)
             if code == grpc.StatusCode.INVALID_ARGUMENT and seq is not None:

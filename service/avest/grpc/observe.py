@@ -16,7 +16,7 @@ from avest.grpc.turns import Turns
 from avest.policy.throttle import TokenBucket
 from avest.state.app import Avest
 from avest.state.pairs import Pair
-from avest_wire import limits
+from avest_wire import limits, refusal
 from avest_wire.v1 import estimator_pb2 as pb
 
 log = logging.getLogger("avest.grpc")
@@ -144,10 +144,12 @@ class ObserveStream:
                     self._claim(pair.id, req.worker_id)
                 except Refused as r:
                     service.on_refused("Observe", r.reason)
+                    # The step's sequence, as text (what 0.1 clients read) and as data.
                     self.error = Refused(
                         r.code,
                         f"sequence {req.sequence} of worker {limits.echo(req.worker_id)}: "
                         f"{r.message}",
+                        refusal.refused_sequence_metadata(req.sequence),
                     )
                     break
                 key = (pair.id, req.worker_id)
@@ -196,7 +198,7 @@ class ObserveStream:
                     break
                 yield self._response(msg)
             if self.error is not None:
-                await self.context.abort(self.error.code, self.error.message)
+                await self.context.abort(self.error.code, self.error.message, self.error.metadata)
         finally:
             consumer.cancel()
             self.release()

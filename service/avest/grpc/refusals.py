@@ -13,12 +13,17 @@ from avest_wire.matrix import MatrixError
 
 
 class Refused(Exception):
-    """A refusal with its gRPC status code; raised before any state changes."""
+    """A refusal with its gRPC status code (and trailing metadata); raised before any
+    state changes."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str, metadata: tuple[tuple[str, str], ...] = ()
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        #: Trailing metadata sent with the status (e.g. the refused step's sequence).
+        self.metadata = metadata
         self.reason = {
             grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument",
             grpc.StatusCode.NOT_FOUND: "not_found",
