@@ -29,10 +29,8 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -41,6 +39,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from serve_proc import ADMIN_TOKEN, serve
 
 from avest.core.estimator import OnlineEstimator
 from avest.core.rule_factory import make_rule
@@ -53,64 +52,27 @@ from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 B, K = 64, 8
 LAT_B, LAT_K = 256, 16
 REFIT_INTERVAL = 100
-ADMIN_TOKEN = "bench-admin-token"
 
 
 def start_server(
     data_dir: str, extra: Sequence[str] = (), tree: Path | None = None
-) -> tuple[subprocess.Popen[str], str]:
-    """``avest serve`` from this checkout, or from the source ``tree`` given (its
-    ``service``, ``client`` and ``wire`` first on the server's path)."""
-    env = None
-    if tree is not None:
-        paths = [str(tree / "service"), str(tree / "client"), str(tree / "wire")]
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")]),
-        }
-    proc = subprocess.Popen(
+) -> tuple[subprocess.Popen[bytes], str]:
+    """``avest serve`` from this checkout, or from the source ``tree`` given; its
+    process (``avest_http``: its HTTP URL) and gRPC address."""
+    served = serve(
+        Path(data_dir),
         [
-            sys.executable,
-            "-c",
-            "import sys; from avest.commands.cli import main; sys.exit(main())",
-            "serve",
-            "--grpc-address",
-            "127.0.0.1:0",
-            "--http-address",
-            "127.0.0.1:0",
-            "--data-dir",
-            data_dir,
-            "--log-level",
-            "warning",
-            "--max-pairs",
-            "4096",
+            *("--log-level", "warning", "--max-pairs", "4096"),
             # Admin token for SetCostCurves; no call-rate or step-rate limits
             # (the benchmark measures the server, from one client address).
-            "--admin-token",
-            ADMIN_TOKEN,
-            "--rpc-rate",
-            "0",
-            "--stream-step-rate",
-            "0",
+            *("--admin-token", ADMIN_TOKEN, "--rpc-rate", "0", "--stream-step-rate", "0"),
             *extra,
         ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
+        tokens=False,
+        tree=tree,
     )
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        m = re.search(r"avest serving grpc=(\S+) http=(\S+)", line)
-        if m:
-            proc.avest_http = m.group(2)  # type: ignore[attr-defined]
-            return proc, m.group(1)
-        if proc.poll() is not None:
-            break
-    proc.kill()
-    raise RuntimeError("avest serve did not start")
+    served.proc.avest_http = served.http_url  # type: ignore[attr-defined]
+    return served.proc, served.grpc_address
 
 
 def cpu_s(pid: int) -> float:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -42,12 +41,12 @@ import httpx
 import numpy as np
 from grpc_floor import unary_floor
 from prometheus_client.parser import text_string_to_metric_families
+from serve_proc import ADMIN_TOKEN, CLI, serve
 
 from avest_client import EstimatorClient
 from avest_client.errors import InvalidArgumentError
 
 B, K = 256, 16
-ADMIN_TOKEN = "bench-admin-token"
 BLOCK = 50
 DRAFT = [(r, 1.0 + 0.01 * r) for r in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)]
 _CAPTURED = [1, 2, 4, *range(8, 257, 8), *range(272, 513, 16)]
@@ -58,31 +57,19 @@ VERIFY += [(768, 9.0), (1024, 11.0), (2048, 18.0), (4096, 33.0), (8192, 65.0)]
 class Server:
     def __init__(self, tree: Path | None, profile: str | None) -> None:
         self.data = tempfile.mkdtemp(prefix="avest-bench-rpc-")
-        env = dict(os.environ)
-        if tree is not None:
-            paths = [str(tree / "service"), str(tree / "client"), str(tree / "wire")]
-            env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")])
-        run = "import sys; from avest.commands.cli import main; sys.exit(main())"
-        prefix = [sys.executable, "-c"]
+        command = None
         if profile:
             script = Path(self.data) / "serve.py"
-            script.write_text(run + "\n")
-            prefix, run = [sys.executable, "-m", "cProfile", "-o", profile], str(script)
-        self.proc = subprocess.Popen(
-            [*prefix, run, "serve", "--grpc-address", "127.0.0.1:0", "--http-address",
-             "127.0.0.1:0", "--data-dir", self.data, "--log-level", "warning",
-             "--admin-token", ADMIN_TOKEN, "--rpc-rate", "0"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-        )  # fmt: skip
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            m = re.search(r"avest serving grpc=(\S+) http=(\S+)", self.proc.stdout.readline())
-            if m:
-                self.grpc, self.http = m.group(1), m.group(2)
-                return
-        self.proc.kill()
-        raise RuntimeError("avest serve did not start")
+            script.write_text(CLI + "\n")
+            command = [sys.executable, "-m", "cProfile", "-o", profile, str(script)]
+        served = serve(
+            Path(self.data),
+            ["--log-level", "warning", "--admin-token", ADMIN_TOKEN, "--rpc-rate", "0"],
+            tokens=False,
+            tree=tree,
+            command=command,
+        )
+        self.proc, self.grpc, self.http = served.proc, served.grpc_address, served.http_url
 
     def rpc_seconds(self) -> dict[str, tuple[float, float]]:
         """``{method: (sum, count)}`` of the server's RPC duration histogram (OK calls)."""

@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
+from serve_proc import serve
 
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
@@ -32,22 +32,9 @@ from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 K = 64
 
 
-def spawn(data_dir: str, *extra: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [
-            sys.executable, "-m", "avest.commands.cli", "serve",
-            "--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0",
-            "--data-dir", data_dir, *extra,
-        ],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    while True:
-        m = re.search(r"grpc=(\S+)", proc.stdout.readline())
-        if m:
-            return proc, m.group(1)
-        if proc.poll() is not None:
-            raise SystemExit("avest serve did not start")
+def spawn(data_dir: str, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+    served = serve(Path(data_dir), extra, tokens=False)
+    return served.proc, served.grpc_address
 
 
 def step(pair_id: str, seed: int) -> pb.ObserveRequest:

@@ -1,45 +1,39 @@
-"""``avest serve`` in a subprocess for the benchmarks: its addresses, RSS and log size."""
+"""``avest serve`` in a subprocess for the benchmarks: the tests' launcher
+(:func:`tests.support.serve.serve`) with the benchmarks' tokens, a source tree to
+run instead of this checkout, and an open-files cap.
+
+The benchmarks run as scripts (``python bench/NAME.py``), so the repository root
+is put on the import path here, once, for ``tests.support``.
+"""
 
 from __future__ import annotations
 
-import re
+import os
 import resource
-import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))
+
+from tests.support.serve import CLI, Served  # noqa: E402
+from tests.support.serve import serve as serve_avest  # noqa: E402
+
+__all__ = ["ADMIN_TOKEN", "CLI", "WORKER_TOKEN", "Served", "serve", "tree_env"]
 
 WORKER_TOKEN = "bench-worker-token"
 ADMIN_TOKEN = "bench-admin-token"
 
 
-class Served:
-    def __init__(self, proc: subprocess.Popen[bytes], grpc_address: str, http_url: str, log: Path):
-        self.proc = proc
-        self.grpc_address = grpc_address
-        self.http_url = http_url
-        self.log = log
-
-    def rss_mib(self) -> float:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return float("nan")
-
-    def log_bytes(self) -> int:
-        return self.log.stat().st_size
-
-    def stop(self) -> float:
-        """SIGTERM; seconds until it exited."""
-        t0 = time.monotonic()
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        return time.monotonic() - t0
+def tree_env(tree: Path | None) -> dict[str, str] | None:
+    """The environment that runs the source ``tree`` given (its ``service``, ``client``
+    and ``wire`` first on the path) instead of this checkout; ``None`` for this one."""
+    if tree is None:
+        return None
+    paths = [str(tree / "service"), str(tree / "client"), str(tree / "wire")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])}
 
 
 def serve(
@@ -48,39 +42,24 @@ def serve(
     *,
     nofile: int | None = None,
     tokens: bool = True,
+    tree: Path | None = None,
+    command: Sequence[str] | None = None,
 ) -> Served:
-    """Start ``avest serve`` on free loopback ports; ``nofile`` caps its open files."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    log = data_dir / "serve.log"
-    args = [
-        sys.executable,
-        "-c",
-        "import sys; from avest.commands.cli import main; sys.exit(main())",
-        "serve",
-        "--grpc-address",
-        "127.0.0.1:0",
-        "--http-address",
-        "127.0.0.1:0",
-        "--data-dir",
-        str(data_dir),
-    ]
-    if tokens:
-        args += ["--worker-token", WORKER_TOKEN, "--admin-token", ADMIN_TOKEN]
-    args += list(extra)
+    """Start ``avest serve`` on free loopback ports, its log in ``data_dir/serve.log``.
+    ``tokens``: worker and admin tokens required; ``nofile`` caps its open files."""
+    args = ["--worker-token", WORKER_TOKEN, "--admin-token", ADMIN_TOKEN] if tokens else []
 
     def limit() -> None:
         if nofile is not None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
-    out = log.open("wb")
-    proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, preexec_fn=limit)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        m = re.search(rb"avest serving grpc=(\S+) http=(https?://\S+)", log.read_bytes())
-        if m:
-            return Served(proc, m.group(1).decode(), m.group(2).decode(), log)
-        if proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"avest serve did not start:\n{log.read_text()[-2000:]}")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    return serve_avest(
+        data_dir,
+        *args,
+        *extra,
+        command=command,
+        env=tree_env(tree),
+        log=data_dir / "serve.log",
+        preexec_fn=limit,
+    )

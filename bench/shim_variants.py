@@ -4,31 +4,24 @@ sidecar (healthy, absent or slow) in a subprocess; and the step inputs they are 
 
 from __future__ import annotations
 
-import os
-import re
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from serve_proc import serve  # first: it puts the repository root on the path (tests)
 
-ROOT = str(Path(__file__).resolve().parents[1])
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from tests.shim.standin import StandinAcceptanceEstimator  # noqa: E402
-
-from avest_client.vllm import costs  # noqa: E402
-from avest_client.vllm.config import ShimConfig  # noqa: E402
-from avest_client.vllm.estimator import make_sidecar_estimator  # noqa: E402
-from avest_client.vllm.pair import PairKey  # noqa: E402
-from avest_client.vllm.sidecar.sink import SidecarSink  # noqa: E402
+from avest_client.vllm import costs
+from avest_client.vllm.config import ShimConfig
+from avest_client.vllm.estimator import make_sidecar_estimator
+from avest_client.vllm.pair import PairKey
+from avest_client.vllm.sidecar.sink import SidecarSink
+from tests.shim.standin import StandinAcceptanceEstimator
 
 SLOW_S = 0.5
 CPU = torch.device("cpu")
@@ -89,37 +82,13 @@ class Sidecar:
 
     def __init__(self, slow: bool = False) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="avest-bench-")
-        head = (
-            [sys.executable, "-c", SLOW_SERVER]
-            if slow
-            else [sys.executable, "-m", "avest.commands.cli"]
+        served = serve(
+            Path(self._dir.name),
+            ["--log-level", "warning"],
+            tokens=False,
+            command=[sys.executable, "-c", SLOW_SERVER] if slow else None,
         )
-        args = ["serve", "--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0"]
-        args += ["--data-dir", self._dir.name, "--log-level", "warning"]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            head + args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
-        )
-        self.address = self._wait_for_address(60.0)
-
-    def _wait_for_address(self, timeout: float) -> str:
-        found: list[str] = []
-
-        def read() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                m = re.search(r"avest serving grpc=(\S+)", line)
-                if m:
-                    found.append(m.group(1))
-                    return
-
-        t = threading.Thread(target=read, daemon=True)
-        t.start()
-        t.join(timeout)
-        if not found:
-            self.stop()
-            raise RuntimeError("avest serve did not announce its address")
-        return found[0]
+        self.proc, self.address = served.proc, served.grpc_address
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -12,17 +12,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.serve import Served, serve
+
 from .harness import (
     ALERTS,
     PROMETHEUS_HINT,
-    AvestService,
     Fed,
     Prometheus,
     feed_sample_trace,
     free_port,
     prometheus_config,
     require_tool,
-    start_avest,
     start_prometheus,
     start_vllm_sim,
     stop_process,
@@ -31,7 +31,7 @@ from .harness import (
 
 @dataclass
 class LiveAvest:
-    service: AvestService
+    service: Served
     fed: Fed
     vllm_sim_url: str
 
@@ -42,7 +42,7 @@ def live_avest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveAvest]:
     (2 workers, refit every 10 steps, one refused request), plus the simulated
     vLLM counters of the same trace on another port."""
     data = tmp_path_factory.mktemp("avest-data")
-    service = start_avest(data)
+    service = serve(data, "--refit-interval", "10", "--flush-interval-ms", "20")
     sim = None
     try:
         sim_port = free_port()
@@ -52,7 +52,7 @@ def live_avest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveAvest]:
     finally:
         if sim is not None:
             stop_process(sim)
-        stop_process(service.proc)
+        service.stop()
 
 
 @dataclass

@@ -2,8 +2,9 @@
 real Prometheus server on loopback, PromQL taken from the dashboards and the
 alert rules.
 
-Nothing here mocks: the service is ``avest serve`` in a subprocess, fed over
-gRPC with the generated stub; Prometheus is the real server scraping it.
+Nothing here mocks: the service is ``avest serve`` in a subprocess
+(:func:`tests.support.serve.serve`), fed over gRPC with the generated stub;
+Prometheus is the real server scraping it.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,12 +20,15 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.support.helpers import free_port, http_get
+from tests.support.serve import stop_process
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -73,99 +75,6 @@ def require_tool(name: str, how: str) -> str:
 
 
 PROMETHEUS_HINT = "install the Debian package `prometheus` (scripts/check does, as root)"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def http_get(url: str, timeout: float = 5.0) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - loopback only
-        return bytes(resp.read())
-
-
-def stop_process(proc: subprocess.Popen[Any], grace: float = 10.0) -> None:
-    """SIGTERM, wait, then SIGKILL: the subprocess never outlives the test."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=grace)
-
-
-# -- the avest service ----------------------------------------------------------
-
-
-@dataclass
-class AvestService:
-    proc: subprocess.Popen[str]
-    grpc_address: str
-    http_url: str
-    output: list[str] = field(default_factory=list)
-
-    def metrics_text(self) -> str:
-        return http_get(self.http_url + "/metrics").decode()
-
-
-ANNOUNCE = re.compile(r"^avest serving grpc=(\S+) http=(https?://\S+)\s*$")
-
-
-def start_avest(
-    data_dir: Path,
-    timeout: float = 30.0,
-    *,
-    grpc_address: str = "127.0.0.1:0",
-    http_address: str = "127.0.0.1:0",
-    refit_interval: int = 10,
-    args: Sequence[str] = (),
-) -> AvestService:
-    """``avest serve`` on loopback (free ports unless given); waits for its announcement
-    line. ``args``: more ``avest serve`` flags."""
-    cmd = [
-        sys.executable,
-        "-c",
-        "import sys; from avest.commands.cli import main; sys.exit(main())",
-        "serve",
-        "--grpc-address",
-        grpc_address,
-        "--http-address",
-        http_address,
-        "--data-dir",
-        str(data_dir),
-        "--refit-interval",
-        str(refit_interval),
-        "--flush-interval-ms",
-        "20",
-        *args,
-    ]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
-    lines: list[str] = []
-    found: list[re.Match[str]] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            m = ANNOUNCE.search(line)
-            if m and not found:
-                found.append(m)
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, name="avest-output", daemon=True).start()
-    if not ready.wait(timeout) or not found:
-        stop_process(proc)
-        raise RuntimeError("avest serve did not announce itself:\n" + "\n".join(lines[-40:]))
-    grpc_address, http_url = found[0].group(1), found[0].group(2)
-    return AvestService(proc, grpc_address, http_url.rstrip("/"), lines)
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from deploy.harness import AvestService, free_port, http_get, start_avest, stop_process
+from tests.support.helpers import free_port, http_get
+from tests.support.serve import Served as AvestService
+from tests.support.serve import serve as start_avest
+from tests.support.serve import stop_process
 
 pytestmark = pytest.mark.slow
 
@@ -180,11 +183,9 @@ def finish(proc: subprocess.Popen[str], out: Path, timeout: float = 900) -> Run:
 def serve(data: Path, grpc_port: int | None = None, http_port: int | None = None) -> AvestService:
     return start_avest(
         data,
-        60.0,
+        *("--refit-interval", str(REFIT), "--flush-interval-ms", "20", "--default-rule", "vllm"),
         grpc_address=f"127.0.0.1:{grpc_port or 0}",
         http_address=f"127.0.0.1:{http_port or 0}",
-        refit_interval=REFIT,
-        args=("--default-rule", "vllm"),
     )
 
 

@@ -39,8 +39,7 @@ def test_replay_resumes_after_a_crash_and_a_rerun_counts_nothing_twice(tmp_path,
     import time
 
     from avest.offline.replay import replay
-
-    from .test_shutdown import spawn
+    from tests.support.serve import spawn
 
     trace = trace_slice("chat", 0, 400)
     with socket.socket() as s:

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
-import subprocess
-import sys
 import time
 
 import grpc
@@ -28,6 +25,7 @@ from avest.offline.replay import messages_for, pair_key, replay, step_bounds
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
+from tests.support.serve import spawn
 from tests.support.server import ADMIN
 
 pytestmark = pytest.mark.slow
@@ -231,33 +229,7 @@ def test_restart_resumes_the_same_coefficients(start_server, tmp_path, trace_sli
 
 
 def _spawn(data_dir):
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "avest.commands.cli",
-            "serve",
-            "--grpc-address",
-            "127.0.0.1:0",
-            "--http-address",
-            "127.0.0.1:0",
-            "--data-dir",
-            str(data_dir),
-            "--flush-interval-ms",
-            "10",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        m = re.search(r"grpc=(\S+)", line)
-        if m:
-            return proc, m.group(1)
-    proc.kill()
-    raise RuntimeError("server did not start")
+    return spawn(data_dir, "--flush-interval-ms", "10")
 
 
 def test_sigkill_mid_stream_loses_nothing_acknowledged(tmp_path, trace_slice):

@@ -4,14 +4,13 @@ everything it acknowledged survives the restart."""
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 
 from avest_wire.v1 import estimator_pb2 as pb
+from tests.support.serve import spawn
 
 from .test_service import stub_for
 from .test_store_faults import register_k, synthetic_steps
@@ -20,26 +19,6 @@ pytestmark = pytest.mark.slow
 
 PAIRS = 150
 GRACE_S = 2.0
-
-
-def spawn(data_dir, *extra: str) -> tuple[subprocess.Popen, str]:
-    import re
-
-    proc = subprocess.Popen(
-        [
-            sys.executable, "-m", "avest.commands.cli", "serve",
-            "--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0",
-            "--data-dir", str(data_dir), *extra,
-        ],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        m = re.search(r"grpc=(\S+)", proc.stdout.readline())
-        if m:
-            return proc, m.group(1)
-    proc.kill()
-    raise AssertionError("server did not start")
 
 
 def fill(stub, pairs: int) -> tuple[list[str], threading.Event, dict[str, int], threading.Thread]:

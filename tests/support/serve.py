@@ -130,8 +130,15 @@ def serve(
     raise RuntimeError(f"avest serve did not announce itself ({' '.join(argv)}):\n{tail}")
 
 
-def serve_subprocess(data_dir: str | Path, port: int = 0) -> tuple[subprocess.Popen[bytes], str]:
-    """``avest serve`` flushing every 20 ms on gRPC port ``port`` (``0``: any free one);
-    ``(process, gRPC address)``. The caller stops the process."""
-    served = serve(data_dir, "--flush-interval-ms", "20", grpc_address=f"127.0.0.1:{port}")
+def spawn(
+    data_dir: str | Path, *args: str, grpc_address: str = "127.0.0.1:0"
+) -> tuple[subprocess.Popen[bytes], str]:
+    """:func:`serve` for tests that handle the process themselves (kill it, restart
+    it): ``(process, gRPC address)``. The caller stops the process."""
+    served = serve(data_dir, *args, grpc_address=grpc_address)
     return served.proc, served.grpc_address
+
+
+def serve_subprocess(data_dir: str | Path, port: int = 0) -> tuple[subprocess.Popen[bytes], str]:
+    """:func:`spawn` flushing every 20 ms on gRPC port ``port`` (``0``: any free one)."""
+    return spawn(data_dir, "--flush-interval-ms", "20", grpc_address=f"127.0.0.1:{port}")

@@ -2,7 +2,7 @@
 
 ``old_venv()`` returns the venv (``AVEST_OLD_RELEASE_VENV`` or ``<repo>/.venv-0.1.0``),
 creating it with ``scripts/old-release`` when absent (``scripts/check`` does that
-first). ``OldServer`` runs that release's ``avest serve``; ``run_old`` runs a Python
+first). ``OldServer`` runs that release's ``avest serve`` (:func:`tests.support.serve.serve`); ``run_old`` runs a Python
 script with that release's packages.
 """
 
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.support.serve import serve
 
 REPO = Path(__file__).resolve().parents[2]
 RELEASE = "0.1.0"
@@ -63,50 +63,21 @@ class OldServer:
 
     def __init__(self, data_dir: Path, *extra: str) -> None:
         self.log = data_dir.parent / f"old-server-{time.monotonic_ns()}.log"
-        data_dir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
-            [
-                str(old_venv() / "bin" / "avest"),
-                "serve",
-                "--grpc-address",
-                "127.0.0.1:0",
-                "--http-address",
-                "127.0.0.1:0",
-                "--data-dir",
-                str(data_dir),
-                "--flush-interval-ms",
-                "20",
-                *extra,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=self.log.open("w"),
-            text=True,
+        self.served = serve(
+            data_dir,
+            *("--flush-interval-ms", "20", *extra),
+            command=[str(old_venv() / "bin" / "avest")],
             env=_clean_env(),
+            log=self.log,
         )
-        deadline = time.monotonic() + 60
-        assert self.proc.stdout is not None
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            m = re.search(r"grpc=(\S+) http=(\S+)", line)
-            if m:
-                self.grpc_address, self.http_url = m.group(1), m.group(2)
-                return
-            if self.proc.poll() is not None:
-                break
-        self.proc.kill()
-        raise AssertionError(f"old server did not start: {self.log.read_text()[-2000:]}")
+        self.proc = self.served.proc
+        self.grpc_address, self.http_url = self.served.grpc_address, self.served.http_url
 
     def version(self) -> str:
         return str(run_old("import avest, json; print(json.dumps(avest.__version__))", timeout=30))
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                return self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        return self.proc.wait()
+        return self.served.stop(30.0)
 
     def __enter__(self) -> OldServer:
         return self
