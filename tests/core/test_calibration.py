@@ -19,8 +19,7 @@ from avest.core.metrics import CalibrationState
 from avest.core.model import linear_predictor
 from avest.core.rule_factory import make_rule
 from avest.core.tracking import TrackingRule
-
-from .test_tracking import draw_step
+from tests.support.steps import draw_step
 
 MAX_LOGIT = DEFAULT_LAYER.max_logit
 MIN_SLOPE = DEFAULT_LAYER.min_slope

@@ -13,8 +13,7 @@ from avest.core.model import Coefficients
 from avest.core.summary import sketch_state, summarise, summary_coefficients, summary_stats
 from avest_wire.bins import CELLS_PER_POSITION
 from avest_wire.summary import RoundSummary, intake, make_sketch, make_summary
-
-from .test_summary import synthetic_steps
+from tests.support.steps import synthetic_steps
 
 
 def _wire(k: int, seed: int = 0, steps: int = 6) -> dict[str, Any]:

@@ -12,8 +12,7 @@ from avest.core.metrics import CalibrationState
 from avest.core.model import Coefficients
 from avest.core.rule_factory import make_rule
 from avest.core.summary import add_sketch, observe_sketch, sketch_state, summarise
-
-from .test_summary import K, batches, synthetic_steps
+from tests.support.steps import K, batches, synthetic_steps
 
 
 def _summaries(n: int, at: Coefficients, seed: int = 0):

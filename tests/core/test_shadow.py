@@ -14,8 +14,7 @@ from avest.core.rules import VllmRule
 from avest.core.shadow import TRACKING, VLLM, ShadowedTracking, loss_change, shifted
 from avest.core.stats import fold
 from avest.core.tracking import TrackingRule
-
-from .test_tracking import draw_step, replay
+from tests.support.steps import draw_step, replay
 
 
 def _round(seed: int, k: int = 4, rows: int = 4000):

@@ -7,7 +7,7 @@ import pytest
 
 from avest.core.calibration import Recalibrator
 from avest.core.errors import InvalidInput
-from avest.core.estimator import OnlineEstimator, make_batch
+from avest.core.estimator import OnlineEstimator
 from avest.core.metrics import CalibrationState
 from avest.core.model import Coefficients, linear_predictor
 from avest.core.rule_factory import make_rule
@@ -22,27 +22,7 @@ from avest.core.summary import (
     summary_stats,
 )
 from avest_wire.summary import make_sketch, make_summary
-
-K = 5
-
-
-def synthetic_steps(n: int, rows: int = 16, k: int = K, seed: int = 0):
-    """Decode steps drawn from a logistic truth: slope 0.55, falling intercepts."""
-    rng = np.random.default_rng(seed)
-    truth = Coefficients.of(0.55, np.linspace(0.8, -0.6, k))
-    out = []
-    for _ in range(n):
-        x = rng.normal(2.0, 2.5, size=(rows, k))
-        p = 1.0 / (1.0 + np.exp(-linear_predictor(truth, x)))
-        acc = rng.random((rows, k)) < p
-        a = np.argmin(np.concatenate([acc, np.zeros((rows, 1), bool)], axis=1), axis=1)
-        d = np.minimum(a + rng.integers(0, 2, rows), k)
-        out.append((x, d, a))
-    return out
-
-
-def batches(steps, k=K):
-    return [make_batch(x, d, a, k) for x, d, a in steps]
+from tests.support.steps import K, batches, synthetic_steps
 
 
 @pytest.mark.parametrize("rule", ["vllm", "recursive", "tracking"])

@@ -9,7 +9,6 @@ import pytest
 
 from avest.core.estimator import OnlineEstimator
 from avest.core.labels import labels
-from avest.core.metrics import CalibrationState
 from avest.core.mle import fit_mle
 from avest.core.model import Coefficients, linear_predictor
 from avest.core.rule_factory import DEFAULT_RULE, make_rule
@@ -17,28 +16,7 @@ from avest.core.rules import APPLIED, SLOPE_HELD, VllmRule, arrowhead_dense
 from avest.core.shadow import ShadowedTracking
 from avest.core.stats import RoundStats, fold
 from avest.core.tracking import TrackingConfig, TrackingRule, round_steps, solve_arrowhead
-
-
-def draw_step(rng, rows, k, slope, intercepts, loc=1.0, scale=2.5):
-    x = rng.normal(loc, scale, size=(rows, k)).clip(-40, 40)
-    p = 1 / (1 + np.exp(-(slope * x + np.asarray(intercepts))))
-    success = rng.random((rows, k)) < p
-    accepted = np.where(success.all(axis=1), k, np.argmin(success, axis=1))
-    return x, np.full(rows, k), accepted
-
-
-def replay(estimator, steps, first_scored):
-    """Predict-then-learn; the calibration of the steps from ``first_scored`` on."""
-    k = estimator.k
-    whole, half = CalibrationState.empty(k), CalibrationState.empty(k)
-    for i, (x, d, a) in enumerate(steps):
-        obs, acc = labels(d.astype(np.int64), a.astype(np.int64), k)
-        eta = linear_predictor(estimator.coefficients, x)
-        whole.update(eta, obs, acc)
-        if i >= first_scored:
-            half.update(eta, obs, acc)
-        estimator.observe(x, d, a)
-    return whole.summary(), half.summary()
+from tests.support.steps import draw_step, replay
 
 
 def test_default_rule_is_tracking():
