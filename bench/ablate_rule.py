@@ -14,7 +14,8 @@ Traces: the three in ``--traces`` (the ones the default was chosen on), the
 small engine traces in ``bench/data``, and variants made here: each shared
 trace with its steps in reverse order, the three concatenated (cut to K = 5),
 and synthetic traces with a known truth (stationary, drifting, an abrupt
-shift of the intercepts, a fall of the slope, drafts piled at the +40 clamp).
+shift of the intercepts, a fall of the slope, drafts at the +40 clamp: part
+of them, or all).
 
     python bench/ablate_rule.py --json /tmp/ablation.json
 """
@@ -76,11 +77,6 @@ VARIANTS = [
     Variant("no-shift-discount", "layer not aged at a detected shift", layer=_l(shift_weight=0.0)),
     Variant("no-min-slope", "layer map merely monotone", layer=_l(min_slope=0.0)),
     Variant("no-serve-z", "layer served without the standard-error test", layer=_l(serve_z=0.0)),
-    Variant(
-        "no-serve-margin",
-        "layer served without the loss margins",
-        layer=_l(serve_margin=0.0, serve_margin_nats=0.0),
-    ),
     Variant("no-shrinkage", "layer bins not shrunk to the logistic", layer=_l(pseudo_count=1e-6)),
 ]
 
@@ -139,9 +135,11 @@ def synthetic(seed: int, kind: str, k: int = 5, n: int = 500, rows: int = 24) ->
         x = rng.normal(1.0, 2.5, size=(rows, k))
         if kind == "clamp":
             x[rng.random(rows) < 0.4] = 40.0  # confident drafts at vLLM's float32 clamp
+        if kind == "piled":
+            x[:] = 40.0  # every draft at the clamp: only the intercepts can fit
         x = x.clip(-40, 40)
         p = 1 / (1 + np.exp(-(slope * x + b)))
-        if kind == "clamp":
+        if kind in ("clamp", "piled"):
             p = np.where(x >= 40.0, 0.3, p)
         ok = rng.random((rows, k)) < p
         xs.append(x)
@@ -168,6 +166,7 @@ def trace_set(shared: Path) -> dict[str, Trace]:
         ("jump", (5,)),
         ("slope-fall", (6,)),
         ("clamp", (7,)),
+        ("piled", (8,)),
     ):
         out.update({f"syn-{kind}:{s}": synthetic(s, kind) for s in seeds})
     return out

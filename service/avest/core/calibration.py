@@ -46,7 +46,7 @@ SLOTS = BINS + 2
 
 @dataclass(frozen=True)
 class LayerConfig:
-    """Every tuned value of the calibration layer (``0`` turns a test or bound off)."""
+    """Every tuned value of the calibration layer (``0`` turns a test or the rise off)."""
 
     #: Drafts' worth of shrinkage toward the logistic rate in every bin: a bin
     #: with a few drafts keeps the logistic's rate; more needs more evidence.
@@ -54,13 +54,9 @@ class LayerConfig:
     #: Histogram and serving-test weight kept per refit (about a five-round
     #: memory): follows drift within a few rounds; higher is steadier.
     decay: float = 0.8
-    #: The map must beat the logistic's decayed loss by this fraction and by
-    #: ``serve_margin_nats``, so a map that has only just caught up is not
-    #: served (switching back and forth costs more than either map's error).
-    serve_margin: float = 0.005
-    serve_margin_nats: float = 2.0
-    #: ... and by this many standard errors of the summed per-draft differences
-    #: (a one-sided sequential test): a map that wins on noise is not served.
+    #: The map's decayed loss must beat the logistic's by this many standard
+    #: errors of the summed per-draft differences (a one-sided sequential
+    #: test): a map that wins on noise, or has only just caught up, is not served.
     serve_z: float = 2.5
     #: Log-odds of served confidences are kept within this range (a
     #: probability within 6e-6 of 0 or 1).
@@ -155,16 +151,12 @@ class Recalibrator:
     def active(self) -> bool:
         """Serve the map only while its recent predictive log loss is lower by a margin.
 
-        The margin (0.5 % of the logistic's loss, at least 2 nats, and
-        :attr:`LayerConfig.serve_z` standard errors of the summed per-draft differences:
-        a one-sided sequential test on the decayed sums) keeps a map that has
-        only just caught up, or wins on noise, from being served.
+        The margin, :attr:`LayerConfig.serve_z` standard errors of the summed
+        per-draft differences (a one-sided sequential test on the decayed
+        sums), keeps a map that has only just caught up, or wins on noise,
+        from being served.
         """
-        gain, cfg = self.gain, self.config
-        return bool(
-            gain > max(cfg.serve_margin_nats, cfg.serve_margin * self.loss[1])
-            and gain > cfg.serve_z * float(np.sqrt(self.spread[0]))
-        )
+        return bool(self.gain > self.config.serve_z * float(np.sqrt(self.spread[0])))
 
     def mapped(self, eta: npt.ArrayLike) -> FloatArray:
         """The learned map applied to ``eta`` (whether or not it is served)."""
