@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Any, Protocol
+from typing import Protocol
 
 
 class Armed(Protocol):
-    """What a forked child resets on an inherited sink (the sink's own fields)."""
+    """A sink a forked child must disarm."""
 
-    _forked: bool
-    _connected: bool
-    _coef: Any
+    def disarm(self) -> None:
+        """Claim no connection, serve no coefficients, take no steps from now."""
 
 
 #: Sinks of this process, so a forked child can disarm the copies it inherits.
@@ -23,9 +22,7 @@ def after_fork_in_child() -> None:
     # The parent's threads and channel do not exist here: an inherited sink
     # must neither claim a connection nor serve coefficients nobody updates.
     for sink in list(LIVE):
-        sink._forked = True
-        sink._connected = False
-        sink._coef = None
+        sink.disarm()
     LIVE.clear()
 
 

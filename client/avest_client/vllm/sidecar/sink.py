@@ -17,7 +17,8 @@ Threads and what each does:
   the step goes to the client forwarder's bounded queue, or, until the pair
   is registered, to a buffer of the same capacity (``AVEST_QUEUE_SIZE``) that
   also drops the oldest. Never blocks on the network.
-* The supervisor thread (``avest-sink``), every ``poll_s``: registers the pair
+* The supervisor thread (``avest-sink``, :meth:`SidecarSink._tick`), every
+  ``poll_s``: registers the pair
   (retrying with capped, jittered backoff while the sidecar is absent), then
   creates and starts the client forwarder with the pair id, moving the
   buffered steps into it in order; sends the cost curves vLLM profiled
@@ -49,45 +50,29 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import deque
 from dataclasses import asdict
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
 
-from avest_client import Backoff, EstimatorClient, Stats
-from avest_client.errors import AvestError
+from avest_client._stream import Backoff
+from avest_client.client import EstimatorClient
 from avest_client.forwarder import Forwarder
-from avest_wire.summary import RoundSummary
+from avest_client.ledger import Stats
 from avest_client.vllm import costs
 from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.pair import PairKey
-from avest_client.vllm.sidecar.fork import LIVE as _LIVE
-from avest_client.vllm.sidecar.fork import after_fork_in_child as _after_fork_in_child
-from avest_client.vllm.sidecar.labels import (
-    DEFAULT_HARDWARE,
-    SAMPLE_METHOD_LABEL,
-    default_hardware,
-    pair_labels,
-)
-from avest_client.vllm.sidecar.supervisor import POLL_S, Supervisor, logger
-from avest_client.vllm.sidecar.sync import FATAL_CODES, REPOLL_S, PairSync
+from avest_client.vllm.sidecar import fork, logger
+from avest_client.vllm.sidecar.handoff import Handoff
+from avest_client.vllm.sidecar.health import StreamHealth
+from avest_client.vllm.sidecar.labels import default_hardware, pair_labels
+from avest_client.vllm.sidecar.sync import CostSender, Registrar
 from avest_client.vllm.sink import Coefficients
+from avest_wire.summary import RoundSummary
 
-__all__ = [
-    "DEFAULT_HARDWARE",
-    "FATAL_CODES",
-    "POLL_S",
-    "REPOLL_S",
-    "SAMPLE_METHOD_LABEL",
-    "SidecarSink",
-    "_LIVE",
-    "_after_fork_in_child",
-    "default_hardware",
-    "logger",
-    "make_sink",
-    "pair_labels",
-]
+#: How often the supervisor looks at the forwarder, the cost curves and the clock.
+POLL_S = 0.02
 
 
 def make_sink(config: ShimConfig, pair_key: PairKey) -> SidecarSink:
@@ -102,8 +87,14 @@ def make_sink(config: ShimConfig, pair_key: PairKey) -> SidecarSink:
     return SidecarSink(config, pair_key)
 
 
-class SidecarSink(Supervisor, PairSync):
-    """See the module docstring. Implements :class:`avest_client.vllm.sink.Sink`."""
+class SidecarSink:
+    """See the module docstring. Implements :class:`avest_client.vllm.sink.Sink`.
+
+    Its parts each own their state: the :class:`.handoff.Handoff` of steps to
+    the forwarder, the :class:`.sync.Registrar` and :class:`.sync.CostSender`,
+    the :class:`.health.StreamHealth` of the stream. The sink itself holds the
+    two values the step reads, written by its supervisor thread only.
+    """
 
     def __init__(
         self,
@@ -119,55 +110,31 @@ class SidecarSink(Supervisor, PairSync):
         self.pair_key = pair_key
         self.labels = pair_labels(pair_key)
         self.hardware = hardware or config.hardware or default_hardware()
-        self._recorder = costs.RECORDER if recorder is None else recorder
         self._backoff = backoff or Backoff(initial_s=0.05, max_s=5.0)
         self._poll_s = poll_s
         self._timeout = config.timeout_s
-        self._capacity = config.queue_size
         self._pid = os.getpid()
         # Lazy: no channel until the supervisor's first call (after the fork).
         self._client = EstimatorClient(str(config.address), timeout=self._timeout)
-        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._closed = False
         self._forked = False
+        self._failures_logged = 0
         # What the step reads (written by the supervisor only).
         self._connected = False
         self._coef: Coefficients | None = None
-        # Before registration: steps wait here (drop-oldest, same capacity).
-        self._buffer: deque[Any] = deque()  # step tuples and round summaries
-        self._fwd: Forwarder | None = None
-        # Supervisor state.
-        self.pair_id = ""
-        self.rule = ""
-        self.refit_interval = 0
-        self.registrations = 0
-        self.cost_curves_sent = 0
-        self.error: AvestError | None = None  # a refusal that made the sink give up
-        self._need_register = True
-        self._register_at = 0.0
-        self._attempt = 0
-        self._registered_at = 0.0
-        self._stream_seen = False
-        self._known: Coefficients | None = None  # from RegisterPair / GetCoefficients
-        self._stale_above: int | None = None  # the forwarder's view is stale up to this version
-        self._repoll_at = 0.0
-        self._reconnects_seen = 0
-        self._error_seen = ""
-        self._costs_sent_version = 0
-        self._costs_due = False
-        self._costs_at = 0.0
-        self._costs_attempt = 0
-        self._submitted = 0
-        self._buffer_dropped = 0
-        self._unsent_at_close = 0
-        self._failures_logged = 0
-        self._progress_at = 0.0
-        self._acked_seen = 0
-        self._was_streaming = False
-        self._stalled = False
-        self.stalls = 0
-        _LIVE.add(self)
+        self._handoff = Handoff(config.queue_size)
+        self._registrar = Registrar(
+            config, pair_key, self.labels, self._client, self._backoff, self._stop
+        )
+        self._costs = CostSender(
+            costs.RECORDER if recorder is None else recorder,
+            self._client,
+            self.hardware,
+            self._backoff,
+        )
+        self._health = StreamHealth(self._timeout)
+        fork.LIVE.add(self)
         self._thread = threading.Thread(target=self._run, name="avest-sink", daemon=True)
         self._thread.start()
 
@@ -182,7 +149,7 @@ class SidecarSink(Supervisor, PairSync):
 
     def latest_calibration(self) -> tuple[tuple[float, ...], tuple[float, ...], bool] | None:
         """The calibration table pushed with the stream's coefficients (None before any)."""
-        fwd = self._fwd
+        fwd = self._handoff.forwarder
         return None if fwd is None else fwd.latest_calibration()
 
     def submit(
@@ -194,35 +161,17 @@ class SidecarSink(Supervisor, PairSync):
     ) -> None:
         if self._closed or self._forked:
             return
-        self._submitted += 1  # one caller thread (the shim's forwarder)
-        fwd = self._fwd
-        if fwd is None:
-            with self._lock:
-                fwd = self._fwd
-                if fwd is None:
-                    if len(self._buffer) >= self._capacity:
-                        self._buffer.popleft()
-                        self._buffer_dropped += 1
-                    self._buffer.append((features, num_verified, num_accepted, exclude))
-                    return
-        fwd.submit(features, num_verified, num_accepted, exclude)
+        fwd = self._handoff.offer((features, num_verified, num_accepted, exclude))
+        if fwd is not None:
+            fwd.submit(features, num_verified, num_accepted, exclude)
 
     def submit_summary(self, summary: RoundSummary) -> None:
         """Queue one round summary (summary mode); non-blocking, like :meth:`submit`."""
         if self._closed or self._forked:
             return
-        self._submitted += 1
-        fwd = self._fwd
-        if fwd is None:
-            with self._lock:
-                fwd = self._fwd
-                if fwd is None:
-                    if len(self._buffer) >= self._capacity:
-                        self._buffer.popleft()
-                        self._buffer_dropped += 1
-                    self._buffer.append(summary)
-                    return
-        fwd.submit_summary(summary)
+        fwd = self._handoff.offer(summary)
+        if fwd is not None:
+            fwd.submit_summary(summary)
 
     def close(self, timeout: float | None = None) -> None:
         """Send what is queued and wait for its acknowledgements, for at most ``timeout`` s.
@@ -233,29 +182,114 @@ class SidecarSink(Supervisor, PairSync):
         if self._closed:
             return
         self._closed = True
+        self._handoff.shut()
         self._stop.set()
         t = self._timeout if timeout is None else max(0.0, timeout)
         deadline = time.monotonic() + t
         if self._forked or os.getpid() != self._pid:
             return  # the threads and channel belong to the parent
-        with self._lock:
-            fwd = self._fwd
-            self._unsent_at_close = len(self._buffer)
-            self._buffer.clear()
+        fwd = self._handoff.drain()
         if fwd is not None:
             fwd.close(timeout=t)
         self._client.close()  # cancels a registration or cost-curve call in flight
         self._thread.join(max(0.1, deadline - time.monotonic()))
         self._connected = False
-        _LIVE.discard(self)
+        fork.LIVE.discard(self)
+
+    def disarm(self) -> None:
+        """In a forked child: the parent's threads and channel do not exist here."""
+        self._forked = True
+        self._connected = False
+        self._coef = None
+
+    # -- the supervisor (the avest-sink thread) ----------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._tick(time.monotonic())
+            except Exception:  # noqa: BLE001 - keep supervising whatever happens
+                if self._failures_logged < 5:
+                    self._failures_logged += 1
+                    logger.exception("avest: sink supervisor step failed")
+            self._stop.wait(self._poll_s)
+
+    def _tick(self, now: float) -> None:
+        reg = self._registrar
+        if reg.error is not None:
+            self._connected = False
+            return
+        fwd = self._handoff.forwarder
+        if fwd is not None and self._health.needs_register(fwd, fwd.stats):
+            reg.needed = True
+        if reg.due(now):
+            self._register(now)
+        if reg.pair_id:
+            self._costs.send(now, reg.pair_id)
+            reg.repoll(now)
+        fwd = self._handoff.forwarder
+        if fwd is None:
+            self._connected = False
+            return
+        serves = self._health.serves(fwd, fwd.stats, time.monotonic())
+        best = reg.serve(fwd.latest_coefficients())
+        if best != self._coef:
+            self._coef = best
+        self._connected = serves and reg.registrations > 0
+
+    def _register(self, now: float) -> None:
+        fwd = self._handoff.forwarder
+        reg = self._registrar.register(now, fwd)
+        if self._registrar.error is not None:
+            self._connected = False
+        if reg is None:
+            return
+        self._costs.again()
+        if fwd is None:
+            # The stream opens in a moment: connected meanwhile (the warm start
+            # applies at once), for at most AVEST_TIMEOUT_S.
+            self._health.opening(time.monotonic())
+            self._start_forwarder(reg.pair_id)
+            logger.info(
+                "avest: registered pair %s (%s, refit every %d); coefficients version %d",
+                reg.pair_id,
+                reg.rule,
+                reg.refit_interval,
+                reg.coefficients.version,
+            )
+
+    def _start_forwarder(self, pair_id: str) -> None:
+        fwd = self._client.forwarder(
+            pair_id,
+            queue_size=self.config.queue_size,
+            k=self.pair_key.num_speculative_tokens,
+            connect_timeout=self._timeout,
+            backoff=self._backoff,
+        )
+        fwd.start()
+        if not self._handoff.attach(fwd):  # closed meanwhile
+            fwd.close(timeout=0.0)
+            return
+        self._health.attached(fwd)
 
     # -- observability -----------------------------------------------------------
+
+    # What the parts know, read through the sink. ``error``: a refusal that made
+    # the sink give up (local refits only), or None.
+    pair_id = property(attrgetter("_registrar.pair_id"))
+    rule = property(attrgetter("_registrar.rule"))
+    refit_interval = property(attrgetter("_registrar.refit_interval"))
+    registrations = property(attrgetter("_registrar.registrations"))
+    error = property(attrgetter("_registrar.error"))
+    cost_curves_sent = property(attrgetter("_costs.sent"))
+    stalls = property(attrgetter("_health.stalls"))
+    _recorder = property(attrgetter("_costs.recorder"))
 
     @property
     def dropped(self) -> int:
         """Steps discarded unsent: the pre-registration buffer's and the forwarder's drops."""
-        fwd = self._fwd
-        return self._buffer_dropped + (fwd.stats.dropped if fwd is not None else 0)
+        fwd = self._handoff.forwarder
+        return self._handoff.dropped + (fwd.stats.dropped if fwd is not None else 0)
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -265,18 +299,18 @@ class SidecarSink(Supervisor, PairSync):
         (+ ``unsent_at_close`` after :meth:`close`); ``dropped`` counts the
         pre-registration buffer's drops and the forwarder's.
         """
-        fwd = self._fwd
-        with self._lock:
-            buffered = len(self._buffer)
+        handoff = self._handoff
+        fwd = handoff.forwarder
+        buffered = handoff.held()
         out: dict[str, Any] = asdict(fwd.stats if fwd is not None else Stats())
         fwd_dropped = out["dropped"]
         out.update(
-            received=self._submitted,
+            received=handoff.received,
             buffered=buffered,
-            buffer_dropped=self._buffer_dropped,
+            buffer_dropped=handoff.dropped,
             forwarder_dropped=fwd_dropped,
-            dropped=self._buffer_dropped + fwd_dropped,
-            unsent_at_close=self._unsent_at_close,
+            dropped=handoff.dropped + fwd_dropped,
+            unsent_at_close=handoff.unsent_at_close,
             connected=self._connected,
             pair_id=self.pair_id,
             registrations=self.registrations,
@@ -291,14 +325,14 @@ class SidecarSink(Supervisor, PairSync):
     @property
     def forwarder(self) -> Forwarder | None:
         """The client forwarder, once the pair is registered."""
-        return self._fwd
+        return self._handoff.forwarder
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every step received so far is acknowledged (tests, benchmarks)."""
         deadline = time.monotonic() + timeout
         while True:
-            fwd = self._fwd
-            if fwd is not None and not self._buffer:
+            fwd = self._handoff.forwarder
+            if fwd is not None and self._handoff.empty:
                 return fwd.flush(max(0.0, deadline - time.monotonic()))
             if time.monotonic() >= deadline:
                 return False

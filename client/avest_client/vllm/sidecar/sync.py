@@ -1,31 +1,31 @@
-"""The sidecar sink's pair synchronisation: registration, cost curves, coefficient repolls.
+"""The sidecar sink's pair synchronisation: registration, warm start, cost curves.
 
-A mixin of :class:`avest_client.vllm.sidecar.sink.SidecarSink`, run by its
-supervisor thread (:mod:`.sidecar_supervisor`); the state it reads and writes
-is set up by the sink's constructor.
+Run by the sink's supervisor thread. :class:`Registrar` registers the pair
+(with capped, jittered backoff while the sidecar is absent), keeps the
+coefficients the sidecar answers with (the warm start, and those fetched
+while the stream's view is stale) and chooses what the step serves.
+:class:`CostSender` sends the cost curves vLLM profiled, again after each
+registration.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
-from collections import deque
-from typing import Any
+from collections.abc import Iterable
 
 import grpc
 
-from avest_client import Backoff, EstimatorClient
+from avest_client._stream import Backoff
+from avest_client.client import EstimatorClient
 from avest_client.errors import AvestError
 from avest_client.forwarder import Forwarder
-from avest_wire.summary import RoundSummary
+from avest_client.types import Registration
 from avest_client.vllm import costs
 from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.pair import PairKey
+from avest_client.vllm.sidecar import logger
 from avest_client.vllm.sink import Coefficients
-
-#: The sink's logger (the name it had before these methods left sidecar_sink).
-logger = logging.getLogger("avest_client.vllm.sidecar_sink")
 
 #: How often coefficients are fetched directly while the stream's view is stale.
 REPOLL_S = 1.0
@@ -42,54 +42,77 @@ FATAL_CODES = frozenset(
 )
 
 
-class PairSync:
-    """Registers the pair, starts the client forwarder, sends cost curves, repolls."""
+def _plain(version: int, slope: float, intercepts: Iterable[float]) -> Coefficients:
+    return (int(version), float(slope), [float(b) for b in intercepts])
 
-    config: ShimConfig
-    pair_key: PairKey
-    labels: dict[str, str]
-    hardware: str
-    pair_id: str
-    rule: str
-    refit_interval: int
-    registrations: int
-    cost_curves_sent: int
-    error: AvestError | None
-    _client: EstimatorClient
-    _recorder: costs.CostCurveRecorder
-    _backoff: Backoff
-    _lock: threading.Lock
-    _stop: threading.Event
-    _buffer: deque[Any]
-    _fwd: Forwarder | None
-    _known: Coefficients | None
 
-    def _try_register(self, now: float) -> None:
-        key = self.pair_key
+class Registrar:
+    """The pair's registration and the coefficients the sidecar answered with."""
+
+    def __init__(
+        self,
+        config: ShimConfig,
+        pair_key: PairKey,
+        labels: dict[str, str],
+        client: EstimatorClient,
+        backoff: Backoff,
+        stopping: threading.Event,
+    ) -> None:
+        self._config = config
+        self._key = pair_key
+        self._labels = labels
+        self._client = client
+        self._backoff = backoff
+        self._stopping = stopping
+        self.pair_id = ""
+        self.rule = ""
+        self.refit_interval = 0
+        #: Successful registrations (the first, and one after each reconnect).
+        self.registrations = 0
+        #: A refusal that made the sink give up.
+        self.error: AvestError | None = None
+        #: Register at the next chance (at first, after a reconnect or NOT_FOUND).
+        self.needed = True
+        self._at = 0.0
+        self._attempt = 0
+        self._known: Coefficients | None = None  # from RegisterPair / GetCoefficients
+        self._stale_above: int | None = None  # the stream's view is stale up to this version
+        self._repoll_at = 0.0
+
+    def due(self, now: float) -> bool:
+        return self.needed and now >= self._at
+
+    def register(self, now: float, fwd: Forwarder | None) -> Registration | None:
+        """One attempt; the registration, or None (retry later, or :attr:`error` set).
+
+        ``fwd`` is the client forwarder (None before the first registration): a
+        sidecar that answers with an older version than its stream pushed lost
+        its state, and the stream's view is stale until it catches up.
+        """
+        key = self._key
         try:
             reg = self._client.register(
-                key.target, key.draft, key.method, key.num_speculative_tokens, self.labels
+                key.target, key.draft, key.method, key.num_speculative_tokens, self._labels
             )
         except AvestError as exc:
-            if self._stop.is_set():
-                return
+            if self._stopping.is_set():
+                return None
             if exc.code in FATAL_CODES:
                 self.error = exc
-                self._connected = False
                 logger.error("avest: the sidecar refused the pair; local refits only: %s", exc)
-                return
+                return None
             delay = self._backoff.delay(self._attempt)
             if self._attempt == 0:
                 logger.warning(
                     "avest: cannot register with the sidecar at %s (%s); retrying, "
                     "local refits meanwhile",
-                    self.config.address,
+                    self._config.address,
                     exc,
                 )
             self._attempt += 1
-            self._register_at = now + delay
-            return
-        if self.config.mode == "summary" and not reg.accepts_round_summaries:
+            self._at = now + delay
+            return None
+        if self._config.mode == "summary" and not reg.accepts_round_summaries:
             # An older sidecar (0.1.0) would take a summary for an empty step:
             # send it nothing, and let vLLM's own estimator refit locally.
             self.error = AvestError(
@@ -98,86 +121,98 @@ class PairSync:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "RegisterPair",
             )
-            self._connected = False
-            self._need_register = False
+            self.needed = False
             logger.warning(
                 "avest: the sidecar at %s does not pool round summaries (an older "
                 "release); local refits only (AVEST_MODE=raw forwards raw steps to it)",
-                self.config.address,
+                self._config.address,
             )
-            return
+            return None
         c = reg.coefficients
-        known: Coefficients = (int(c.version), float(c.slope), [float(b) for b in c.intercepts])
+        known = _plain(c.version, c.slope, c.intercepts)
         if self.pair_id and reg.pair_id != self.pair_id:
             logger.warning("avest: pair id changed %s -> %s", self.pair_id, reg.pair_id)
         self.rule, self.refit_interval = reg.rule, reg.refit_interval
         self._attempt = 0
-        self._need_register = False
+        self.needed = False
         self._known = known
-        self._costs_due = True
-        self._costs_attempt = 0
-        self._costs_at = 0.0
         self.registrations += 1
-        fwd = self._fwd
         if fwd is None:
-            # The stream opens in a moment: connected meanwhile (the warm start
-            # applies at once), for at most AVEST_TIMEOUT_S.
-            self._registered_at, self._stream_seen = time.monotonic(), False
             self.pair_id = reg.pair_id
-            self._start_forwarder(reg.pair_id)
-            logger.info(
-                "avest: registered pair %s (%s, refit every %d); coefficients version %d",
-                reg.pair_id,
-                reg.rule,
-                reg.refit_interval,
+            return reg
+        live = fwd.latest_coefficients()
+        if live is not None and known[0] < live[0]:
+            # A sidecar that lost its state counts from the start again.
+            logger.warning(
+                "avest: the sidecar's coefficients went back from version %d to %d",
+                live[0],
                 known[0],
             )
-        else:
-            live = fwd.latest_coefficients()
-            if live is not None and known[0] < live[0]:
-                # A sidecar that lost its state counts from the start again.
-                logger.warning(
-                    "avest: the sidecar's coefficients went back from version %d to %d",
-                    live[0],
-                    known[0],
-                )
-                self._stale_above = live[0]
-                self._repoll_at = time.monotonic() + REPOLL_S
+            self._stale_above = live[0]
+            self._repoll_at = time.monotonic() + REPOLL_S
+        return reg
 
-    def _start_forwarder(self, pair_id: str) -> None:
-        fwd = self._client.forwarder(
-            pair_id,
-            queue_size=self._capacity,
-            k=self.pair_key.num_speculative_tokens,
-            connect_timeout=self._timeout,
-            backoff=self._backoff,
-        )
-        fwd.start()
-        with self._lock:
-            if not self._closed:
-                # In order, before anything submitted after this point.
-                while self._buffer:
-                    item = self._buffer.popleft()
-                    if isinstance(item, RoundSummary):
-                        fwd.submit_summary(item)
-                    else:
-                        fwd.submit(*item)
-                self._fwd = fwd
-        if self._fwd is not fwd:  # closed meanwhile
-            fwd.close(timeout=0.0)
+    def repoll(self, now: float) -> None:
+        """While the stream's view is stale, fetch the coefficients once every REPOLL_S."""
+        if self._stale_above is None or now < self._repoll_at:
             return
-        self._reconnects_seen = fwd.stats.reconnects
+        self._repoll_at = now + REPOLL_S
+        try:
+            c = self._client.coefficients(self.pair_id)
+        except AvestError:
+            return
+        self._known = _plain(c.version, c.slope, c.intercepts)
 
-    def _maybe_send_costs(self, now: float) -> None:
-        snap = self._recorder.snapshot()
-        if snap is None or now < self._costs_at:
+    def serve(self, live: Coefficients | None) -> Coefficients | None:
+        """What the step serves: the stream's coefficients (``live``) unless stale,
+        or the registration's (or repoll's) when newer."""
+        if self._stale_above is not None:
+            if live is not None and live[0] > self._stale_above:
+                self._stale_above = None  # the stream's view caught up
+            else:
+                live = None
+        known = self._known
+        return known if live is None or (known is not None and known[0] > live[0]) else live
+
+
+class CostSender:
+    """Sends the profiled cost curves (:data:`.costs.RECORDER`) once known, and after
+    each registration (a restarted sidecar has none)."""
+
+    def __init__(
+        self,
+        recorder: costs.CostCurveRecorder,
+        client: EstimatorClient,
+        hardware: str,
+        backoff: Backoff,
+    ) -> None:
+        self.recorder = recorder
+        self._client = client
+        self._hardware = hardware
+        self._backoff = backoff
+        #: Cost-curve sets the sidecar took.
+        self.sent = 0
+        self._sent_version = 0
+        self._due = False
+        self._at = 0.0
+        self._attempt = 0
+
+    def again(self) -> None:
+        """Send the curves at the next chance even if this version went already."""
+        self._due = True
+        self._attempt = 0
+        self._at = 0.0
+
+    def send(self, now: float, pair_id: str) -> None:
+        snap = self.recorder.snapshot()
+        if snap is None or now < self._at:
             return
         version, draft, verify, limit = snap
-        if version == self._costs_sent_version and not self._costs_due:
+        if version == self._sent_version and not self._due:
             return
         try:
             self._client.set_cost_curves(
-                self.pair_id, draft, verify, cudagraph_limit=limit, hardware=self.hardware
+                pair_id, draft, verify, cudagraph_limit=limit, hardware=self._hardware
             )
         except AvestError as exc:
             if exc.code in (
@@ -187,20 +222,12 @@ class PairSync:
             ):
                 # Cost curves are an admin action: a worker token is refused.
                 logger.error("avest: the sidecar refused the cost curves: %s", exc)
-                self._costs_sent_version, self._costs_due = version, False
+                self._sent_version, self._due = version, False
                 return
-            self._costs_at = now + self._backoff.delay(self._costs_attempt)
-            self._costs_attempt += 1
+            self._at = now + self._backoff.delay(self._attempt)
+            self._attempt += 1
             return
-        self._costs_sent_version, self._costs_due = version, False
-        self._costs_attempt = 0
-        self.cost_curves_sent += 1
-        logger.info("avest: cost curves for %r sent to pair %s", self.hardware, self.pair_id)
-
-    def _repoll(self, now: float) -> None:
-        self._repoll_at = now + REPOLL_S
-        try:
-            c = self._client.coefficients(self.pair_id)
-        except AvestError:
-            return
-        self._known = (int(c.version), float(c.slope), [float(b) for b in c.intercepts])
+        self._sent_version, self._due = version, False
+        self._attempt = 0
+        self.sent += 1
+        logger.info("avest: cost curves for %r sent to pair %s", self._hardware, pair_id)
