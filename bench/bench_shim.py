@@ -133,7 +133,7 @@ def bench_throughput_memory(batch: int, k: int, steps: int) -> dict:
     """Drafts per second from capture to a no-op sink (queue large enough to drop nothing)."""
     sink = BenchSink(False, k=k)
     est = shim_class(lambda config, pair: sink, "bench", steps + 8, k)(batch, k, CPU)
-    fwd = est._avest.forwarder
+    fwd = est._avest.transfer
     idx, feats, sampled, rejected = make_inputs(batch, k, seed=1)
     t0 = time.perf_counter()
     for i in range(steps):
@@ -178,7 +178,7 @@ def bench_throughput_sidecar(batch: int, k: int, steps: int) -> dict:
             est.load_features(idx, feats[j])
             est.step(idx, sampled[j], rejected[j])
         stepped = time.perf_counter() - t0
-        est._avest.forwarder.flush(120)
+        est._avest.transfer.flush(120)
         ok = sink.flush(300)
         elapsed = time.perf_counter() - t0
         s = sink.stats

@@ -235,7 +235,7 @@ def main() -> int:
         applied.append((st["version"], est.slope.item(), est.intercepts.tolist(), same_storage))
     t_steps = time.monotonic()
 
-    check(rt.forwarder is None or rt.forwarder.flush(60), "forwarder flushed")
+    check(rt.transfer is None or rt.transfer.flush(60), "forwarder flushed")
     check(sink.flush(60), f"sink flushed ({sink.stats})")
     # The refit the last steps caused reaches the tensors at the next step boundary.
     deadline = time.monotonic() + 30

@@ -157,8 +157,8 @@ def test_register_patches_the_speculator_name(fake_vllm, monkeypatch):
     assert config.address == "127.0.0.1:7070" and config.labels == (("temp", "1.0"),)
     assert pair.num_speculative_tokens == 3 and pair.labels == (("temp", "1.0"),)
     est.step(torch.tensor([1]), torch.tensor([2]), torch.tensor([0]))
-    assert est._avest.forwarder.flush(5) and len(sink.snapshot()) == 1
-    assert est._avest.forwarder.exclusion is exclusion.REGISTRY
+    assert est._avest.transfer.flush(5) and len(sink.snapshot()) == 1
+    assert est._avest.transfer.exclusion is exclusion.REGISTRY
     # request flags and cost curves are recorded through the wrapped vLLM methods
     sampler = fake_vllm.sampler.Sampler()
     sampler.add_request(4, types.SimpleNamespace(presence_penalty=0.5))
@@ -176,7 +176,7 @@ def test_production_path_without_network_sink_is_plain_vllm(fake_vllm, caplog):
     plugin.register()
     est = fake_vllm.spec.OnlineAcceptanceEstimator(8, 2, torch.device("cpu"))
     assert "no sink" in caplog.text
-    assert est._avest.sink is None and est._avest.forwarder is None
+    assert est._avest.sink is None and est._avest.transfer is None
     est.step(torch.tensor([0]), torch.tensor([1]), torch.tensor([0]))
 
 

@@ -60,7 +60,7 @@ def test_trace_rows_reach_the_sink_exactly(device):
     expected = list(steps(trace, 32))
     for s in expected:
         drive(est, s.to(device))
-    assert est._avest.forwarder.flush(10)
+    assert est._avest.transfer.flush(10)
     got = sink.snapshot()
     assert len(got) == len(expected)
     for sub, s in zip(got, expected, strict=True):
@@ -87,7 +87,7 @@ def test_count_conversion_handles_prefill_and_trimmed_rows():
     rejected = torch.tensor([0, 0, 1, 0], dtype=torch.int32)
     est.load_features(idx, torch.arange(16, dtype=torch.float32).reshape(4, 4))
     est.step(idx, sampled, rejected)
-    est._avest.forwarder.flush(5)
+    est._avest.transfer.flush(5)
     (sub,) = sink.snapshot()
     assert sub.num_accepted.tolist() == [0, 4, 1, 2]
     assert sub.num_verified.tolist() == [0, 4, 2, 2]
@@ -103,7 +103,7 @@ def test_snapshot_is_taken_inside_step_before_propose_overwrites():
     est.step(idx, torch.tensor([2, 1]), torch.tensor([1, 1]))
     est.features.fill_(99.0)  # the next propose overwrites every slot
     sink.gate.set()
-    assert est._avest.forwarder.flush(30)
+    assert est._avest.transfer.flush(30)
     assert sink.snapshot()[0].features.tolist() == [[1.0, 2.0], [3.0, 4.0]]
 
 
@@ -116,7 +116,7 @@ def test_flush_waits_until_the_sink_has_the_step():
     idx = torch.tensor([1, 2])
     est.load_features(idx, torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
     est.step(idx, torch.tensor([2, 1]), torch.tensor([1, 1]))
-    fwd = est._avest.forwarder
+    fwd = est._avest.transfer
     deadline = time.monotonic() + 30
     while fwd.queue.delivered < 1:  # the consumer took the step; it waits in submit
         assert time.monotonic() < deadline
@@ -146,7 +146,7 @@ def test_exclusion_flags_follow_the_request_slots():
     idx = torch.tensor([5, 4, 3, 2, 0])
     est.step(idx, torch.ones(5, dtype=torch.int32), torch.zeros(5, dtype=torch.int32))
     reg.record(5, SP())  # slot reused by a plain request after the step: snapshot holds
-    est._avest.forwarder.flush(5)
+    est._avest.transfer.flush(5)
     assert sink.snapshot()[0].exclude.tolist() == [True, False, True, True, False]
 
 
@@ -171,7 +171,7 @@ def test_drop_counter_is_exact_when_the_consumer_is_blocked():
     assert stats["captured"] == n + 1
     assert stats["dropped"] == n - q  # exact: everything beyond the queue's capacity
     gate.set()
-    assert est._avest.forwarder.flush(5)
+    assert est._avest.transfer.flush(5)
     firsts = [s.features[0, 0] for s in sink.snapshot()]
     assert firsts == [0.0, *range(n - q + 1, n + 1)]  # oldest dropped, newest kept
     assert est.avest_stats()["submitted"] == q + 1
@@ -207,7 +207,7 @@ def test_slow_or_failing_sink_never_slows_the_step():
     est2 = cls2(8, 2, CPU)
     for _ in range(3):
         est2.step(torch.tensor([0]), torch.tensor([1]), torch.tensor([0]))
-    est2._avest.forwarder.flush(5)
+    est2._avest.transfer.flush(5)
     assert est2.avest_stats()["submit_errors"] == 3
 
 
@@ -232,7 +232,7 @@ def test_capture_failure_disables_forwarding_only():
     with pytest.raises(IndexError):
         # a bad index fails in the base step first: vLLM's own error surfaces unchanged
         est.step(torch.tensor([9]), torch.tensor([1]), torch.tensor([0]))
-    est._avest.forwarder.capture = None  # type: ignore[assignment]  # break the forwarder
+    est._avest.transfer.capture = None  # type: ignore[assignment]  # break the transfer
     est.step(torch.tensor([0]), torch.tensor([1]), torch.tensor([0]))
     est.step(torch.tensor([0]), torch.tensor([1]), torch.tensor([0]))
     assert est._avest._forward_failed

@@ -54,8 +54,8 @@ WORKER = textwrap.dedent(
     run(synthetic_trace(steps=120, batch=8, k=4, seed=1))
     if rounds is not None:
         assert rounds.flush(10)
-    if est._avest.forwarder is not None:
-        assert est._avest.forwarder.flush(10)
+    if est._avest.transfer is not None:
+        assert est._avest.transfer.flush(10)
     est.avest_close()  # the exporter's last update
     """
 )

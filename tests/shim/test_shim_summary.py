@@ -12,9 +12,9 @@ import torch
 
 from avest_client import EstimatorClient
 from avest_client.summary import RoundAccumulator
-from avest_wire.bins import AUC_SLOTS
 from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.estimator import make_sidecar_estimator
+from avest_wire.bins import AUC_SLOTS
 
 from .fakes import FakeSink, FakeSinkFactory
 from .standin import StandinAcceptanceEstimator
@@ -237,7 +237,7 @@ def test_a_new_version_ends_the_round_and_raw_steps_go_only_as_sampled():
             sink.push(4, 0.7, [0.0] * 5)
         drive(est, s)
     assert est._avest.rounds.flush(10)
-    assert est._avest.forwarder.flush(10)
+    assert est._avest.transfer.flush(10)
     # steps 1..51 at version 3 (the step that sees version 4 was drafted at 3), then 4
     assert [(s.version, s.steps) for s in sink.summaries] == [(3, 51), (4, 100)]
     assert len(sink.received) == 16  # every tenth step also raw

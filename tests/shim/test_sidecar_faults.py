@@ -97,7 +97,7 @@ def test_sidecar_down_from_the_start_is_plain_vllm_at_full_speed(trace_slice):
     assert not st["governed"] and st["updates"] == 0 and st["skipped_refits"] == 0
     assert shim_us < plain_us + SLACK_US, (shim_us, plain_us)
     # nothing was registered; the sink kept the newest 64 steps
-    assert est._avest.forwarder.flush(5)
+    assert est._avest.transfer.flush(5)
     s = sink.stats
     assert s["registrations"] == 0 and s["received"] == 450
     assert s["buffered"] == 64 and s["dropped"] == 450 - 64
@@ -116,7 +116,7 @@ def test_drop_counter_is_exact_and_late_sidecar_gets_the_newest(
     sink = sink_of(est)
     for s in trace:
         run(est, [s])
-        assert est._avest.forwarder.flush(5)  # the shim's ring hands every step over
+        assert est._avest.transfer.flush(5)  # the shim's ring hands every step over
     st = est.avest_stats()
     assert st["captured"] == st["submitted"] == n and st["dropped"] == 0
     assert sink.stats["received"] == n
@@ -153,7 +153,7 @@ def test_killed_mid_run_local_refits_then_resume_and_resend(start_sidecar, tmp_p
     run(est, trace[100:106])  # version 10 in force; no refit, so no acknowledgement
     assert est.avest_stats()["version"] == 10 and est.avest_stats()["governed"]
     pooled = (est.slope.item(), est.intercepts.tolist())
-    assert est._avest.forwarder.flush(5)
+    assert est._avest.transfer.flush(5)
     wait_until(lambda: sink.stats["sent"] == 106, what="sent")
 
     srv.kill_streams()  # a crash: open streams end, acks in flight are lost
@@ -171,7 +171,7 @@ def test_killed_mid_run_local_refits_then_resume_and_resend(start_sidecar, tmp_p
     assert (est.slope.item(), est.intercepts.tolist()) != pooled
     assert not est.avest_stats()["governed"]
     assert shim_us < plain_us + SLACK_US, (shim_us, plain_us)
-    assert est._avest.forwarder.flush(5)
+    assert est._avest.transfer.flush(5)
     assert sink.stats["pending"] == unacked + 244 and sink.stats["dropped"] == 0
 
     # Back on the same data directory and port: forwarding resumes by itself,
@@ -231,7 +231,7 @@ def test_slow_sidecar_does_not_slow_the_step(start_sidecar, tmp_path, trace_slic
     assert sink.connected  # slow is not lost: pooled coefficients still govern
     assert sink.stats["stalls"] == 0
     assert est.avest_stats()["governed"] and est._refits == 0
-    assert est._avest.forwarder.flush(5)
+    assert est._avest.transfer.flush(5)
     s, st = sink.stats, est.avest_stats()
     # every step is accounted for: dropped by the shim's ring (its consumer is a
     # thread polling every ms), or received by the sink and then acknowledged,
@@ -292,7 +292,7 @@ def test_sidecar_that_lost_its_state(start_sidecar, tmp_path):
     # the new sidecar counts from version 0 again; the sink follows it down
     wait_until(lambda: sink.connected and sink.latest_coefficients()[0] < 20, what="follow")
     run(est, trace[200:260])
-    assert est._avest.forwarder.flush(5) and sink.flush(15), sink.stats
+    assert est._avest.transfer.flush(5) and sink.flush(15), sink.stats
     fresh = client.coefficients(sink.pair_id)
     assert 1 <= fresh.version < 20
     wait_until(

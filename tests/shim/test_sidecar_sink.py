@@ -125,7 +125,7 @@ def run(est, trace: list[Step]) -> None:  # noqa: ANN001
 
 def delivered(est, timeout: float = 20.0) -> None:  # noqa: ANN001
     """Everything stepped so far is acknowledged by the sidecar."""
-    assert est._avest.forwarder.flush(timeout)
+    assert est._avest.transfer.flush(timeout)
     assert sink_of(est).flush(timeout), sink_of(est).stats
 
 
@@ -427,7 +427,7 @@ FORK_SCRIPT = textwrap.dedent(
                     est.load_features(idx, torch.ones(2, 3))
                     est.step(idx, torch.tensor([2, 4], dtype=torch.int32),
                              torch.tensor([1, 0], dtype=torch.int32))
-                assert est._avest.forwarder.flush(10) and sink.flush(10), sink.stats
+                assert est._avest.transfer.flush(10) and sink.flush(10), sink.stats
                 status = 0 if sink.stats["acked"] == 20 else 2
                 est.avest_close()
             finally:

@@ -74,8 +74,8 @@ def run(rank: int, world: int, init_file: str, out_dir: str, sink_fails: bool = 
                     "refits": est._refits,
                 }
             )
-        if est._avest.forwarder is not None:
-            est._avest.forwarder.flush(10)
+        if est._avest.transfer is not None:
+            est._avest.transfer.flush(10)
         result = {
             "log": log,
             "factory_calls": len(factory.calls),

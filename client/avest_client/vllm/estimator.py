@@ -40,7 +40,7 @@ from avest_client.vllm.prom import Exporter
 from avest_client.vllm.rounds import SummaryRound
 from avest_client.vllm.sink import Sink
 from avest_client.vllm.tp import SingleProcessGroup, TPGroup
-from avest_client.vllm.transfer import Forwarder
+from avest_client.vllm.transfer import StepTransfer
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class _Runtime:
         self.rounds: SummaryRound | None = None
         self.exporter: Exporter | None = None
         self.sink: Sink | None = None
-        self.forwarder: Forwarder | None = None
+        self.transfer: StepTransfer | None = None
         self.pair: PairKey | None = None
         if self.group.rank == 0:
             # Rank 0 alone talks to the sidecar. Nothing here may fail the
@@ -93,12 +93,12 @@ class _Runtime:
                     logger.exception("avest: summary mode setup failed; not forwarding")
             if self.sink is not None and (opts.config.mode == "raw" or self.raw_every):
                 try:
-                    self.forwarder = Forwarder(
+                    self.transfer = StepTransfer(
                         self.sink, max_num_reqs, k, est.features.device,
                         opts.config.queue_size, opts.exclusion,
                     )  # fmt: skip
                 except Exception:  # noqa: BLE001
-                    logger.exception("avest: forwarder setup failed; not forwarding")
+                    logger.exception("avest: step transfer setup failed; not forwarding")
         self.governor = Governor(self.group, self.sink, k, opts.config.sync_steps)
         self.tables = TableSync(self.group, self.sink, opts.config.sync_steps, est.slope.device)
         self.skipped_refits = 0
@@ -117,7 +117,7 @@ class _Runtime:
         est.intercepts.copy_(values[1:], non_blocking=True)
 
     def forward(self, est: Any, idx_mapping: Any, num_sampled: Any, num_rejected: Any) -> None:
-        fwd = self.forwarder
+        fwd = self.transfer
         if fwd is None or self._forward_failed:
             return
         try:
@@ -163,7 +163,7 @@ class _Runtime:
                 self.forward(est, idx_mapping, num_sampled, num_rejected)
 
     def stats(self) -> dict[str, Any]:
-        fwd = self.forwarder
+        fwd = self.transfer
         rounds = self.rounds
         return {
             "mode": self.mode,
@@ -202,8 +202,8 @@ class _Runtime:
                     logger.exception("avest: sending the last round failed")
             self.rounds.flush(2.0 if timeout is None else timeout / 2)
             self.rounds.close()
-        if self.forwarder is not None:
-            self.forwarder.close()
+        if self.transfer is not None:
+            self.transfer.close()
         if self.sink is not None:
             try:
                 if timeout is None:

@@ -1,6 +1,6 @@
 """Moving each step's features and verdicts off the device and to the sink, off the step.
 
-On the step (vLLM's thread), :meth:`Forwarder.capture` does the least that
+On the step (vLLM's thread), :meth:`StepTransfer.capture` does the least that
 must happen before the next ``propose`` overwrites ``features``:
 
 * CUDA: on the current (decode) stream, copy the whole ``features`` buffer
@@ -51,7 +51,10 @@ class _Slot:
     mask: np.ndarray | None = None  # exclusion flags by request-state index, at capture
 
 
-class Forwarder:
+class StepTransfer:
+    """A step's drafts off the device and to the sink: ``capture`` on the step, the rest
+    on its own thread (see the module docstring)."""
+
     def __init__(
         self,
         sink: Sink,
@@ -60,7 +63,7 @@ class Forwarder:
         device: torch.device | str,
         queue_size: int,
         exclusion: ExclusionRegistry | None = None,
-        name: str = "avest-forwarder",
+        name: str = "avest-transfer",
     ) -> None:
         self.sink = sink
         self.device = torch.device(device)
