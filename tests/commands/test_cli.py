@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from avest.commands.cli import main
-from avest.core.estimator import OnlineEstimator
 from avest.core.rule_factory import make_rule
 from avest.core.rules import RecursiveRule, VllmRule
 from avest.offline.evaluate import METHODS
 from avest.offline.trace import write_trace
+from tests.support.traces import replay_core
 
 pytestmark = pytest.mark.slow
 
@@ -22,14 +22,6 @@ def chat_slice(trace_slice, tmp_path):
     path = tmp_path / "chat-slice.npz"
     write_trace(path, trace_slice("chat", 0, 250))
     return path, trace_slice("chat", 0, 250)
-
-
-def replay_core(trace, rule, n, calibrate=False):
-    est = OnlineEstimator(trace.k, rule, n, calibrate=calibrate)
-    starts = np.concatenate(([0], np.flatnonzero(np.diff(trace.step)) + 1, [trace.rows]))
-    for lo, hi in zip(starts[:-1], starts[1:], strict=True):
-        est.observe(trace.features[lo:hi], trace.num_verified[lo:hi], trace.num_accepted[lo:hi])
-    return est
 
 
 def test_evaluate_json_on_a_slice_of_a_shared_trace(chat_slice, capsys):

@@ -441,7 +441,7 @@ def test_vllm_serve_command_is_well_formed() -> None:
 
 
 def compose_binary() -> list[str]:
-    from deploy.test_deploy_docker import COMPOSE_HINT, compose_command
+    from tests.support.docker import COMPOSE_HINT, compose_command
 
     cmd = compose_command()
     if cmd is None:
@@ -543,7 +543,7 @@ def test_image_help_lists_every_setting() -> None:
     """``docker run --rm avest:local --help``: the image's entrypoint (``avest
     serve``, from the Dockerfile) with ``--help``, run here."""
     from avest.settings import Settings, env_name
-    from deploy.test_deploy_docker import stages
+    from tests.support.docker import stages
 
     entrypoint = json.loads(
         next(rest for word, rest in stages(REPO / "Dockerfile")[-1] if word == "ENTRYPOINT")

@@ -10,9 +10,7 @@ Prometheus is the real server scraping it.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -27,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.helpers import free_port, http_get
+from tests.support.helpers import find_tool, free_port, http_get
 from tests.support.serve import stop_process
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,15 +54,6 @@ PROMETHEUS_BUILTIN = frozenset({"up", "scrape_duration_seconds", "scrape_samples
 
 
 # -- external tools ------------------------------------------------------------
-
-
-def find_tool(name: str) -> str | None:
-    """``name`` on PATH, or next to this Python (a venv's bin is often not on PATH)."""
-    found = shutil.which(name)
-    if found:
-        return found
-    beside = Path(sys.executable).parent / name
-    return str(beside) if beside.is_file() and os.access(beside, os.X_OK) else None
 
 
 def require_tool(name: str, how: str) -> str:

@@ -34,6 +34,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.support.docker import env_of, stages
+
 from .harness import (
     COMPOSE,
     DASHBOARDS,
@@ -48,7 +50,6 @@ from .harness import (
     require_tool,
     substitute_grafana,
 )
-from .test_deploy_docker import env_of, stages
 
 pytestmark = pytest.mark.slow
 

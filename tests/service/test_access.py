@@ -7,9 +7,7 @@ overwrite cost curves, and admin actions were open when no token was set.
 
 from __future__ import annotations
 
-import shutil
 import ssl
-import subprocess
 from pathlib import Path
 
 import grpc
@@ -234,37 +232,6 @@ def test_the_role_tables() -> None:
 
 
 # -- TLS ---------------------------------------------------------------------------------
-
-
-def _openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True)
-
-
-@pytest.fixture
-def pki(tmp_path: Path) -> Path:
-    if shutil.which("openssl") is None:
-        pytest.fail("openssl is needed to make test certificates")
-    d = tmp_path / "pki"
-    d.mkdir()
-    _openssl(
-        "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=avest-test-ca",
-        "-keyout", str(d / "ca.key"), "-out", str(d / "ca.crt"),
-    )  # fmt: skip
-    for name, ext in (
-        ("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
-        ("client", "extendedKeyUsage=clientAuth"),
-    ):
-        _openssl(
-            "req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
-            "-keyout", str(d / f"{name}.key"), "-out", str(d / f"{name}.csr"),
-        )  # fmt: skip
-        (d / f"{name}.ext").write_text(ext + "\n")
-        _openssl(
-            "x509", "-req", "-in", str(d / f"{name}.csr"), "-CA", str(d / "ca.crt"),
-            "-CAkey", str(d / "ca.key"), "-CAcreateserial", "-days", "2",
-            "-extfile", str(d / f"{name}.ext"), "-out", str(d / f"{name}.crt"),
-        )  # fmt: skip
-    return d
 
 
 def test_tls_on_grpc_and_http_with_mutual_tls(start_server, tmp_path, pki: Path) -> None:  # noqa: ANN001

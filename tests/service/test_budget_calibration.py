@@ -15,7 +15,7 @@ from avest.core.numeric import sigmoid
 from avest_client import EstimatorClient
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
-from service.test_calibration_layer import K, bent_steps, observe
+from tests.support.calibration import K, bent_steps, observe
 from tests.support.live import Live, register
 
 R = 48

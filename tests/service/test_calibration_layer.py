@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import pytest
@@ -15,46 +14,8 @@ from avest.core.numeric import sigmoid
 from avest.metrics.names import CALIBRATION_LAYER_GAIN, CALIBRATION_LAYER_SERVED
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
+from tests.support.calibration import K, bent_steps, observe
 from tests.support.live import Live, register
-
-K = 2
-
-
-def bent_steps(
-    n: int, rows: int = 64, seed: int = 0
-) -> list[tuple[np.ndarray, list[int], list[int]]]:
-    """Acceptance that a logistic in x cannot follow: 0.95 above x = 0, 0.3 below."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        x = rng.normal(0.0, 3.0, size=(rows, K))
-        ok = rng.random((rows, K)) < np.where(x > 0.0, 0.95, 0.3)
-        accepted = np.where(ok.all(axis=1), K, np.argmin(ok, axis=1))
-        out.append((x.astype(np.float32), [K] * rows, accepted.tolist()))
-    return out
-
-
-def observe(live: Live, pair_id: str, steps: list[Any]) -> None:
-    msgs = []
-    for i, (x, d, a) in enumerate(steps):
-        data, rows, k = wire.encode(x)
-        msgs.append(
-            pb.ObserveRequest(
-                pair_id=pair_id,
-                worker_id="w0",
-                sequence=i + 1,
-                features=data,
-                rows=rows,
-                k=k,
-                num_verified=d,
-                num_accepted=a,
-            )
-        )
-    acked = 0
-    for resp in live.stub.Observe(iter(msgs), timeout=60):
-        if resp.HasField("ack"):
-            acked = max(acked, resp.ack.acked_sequence)
-    assert acked == len(msgs)
 
 
 def metric(live: Live, name: str, pair_id: str) -> float:

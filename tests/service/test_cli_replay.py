@@ -10,7 +10,7 @@ import pytest
 from avest.commands.cli import main
 from avest.core.rules import VllmRule
 from avest.offline.trace import write_trace
-from commands.test_cli import replay_core
+from tests.support.traces import replay_core
 
 pytestmark = pytest.mark.slow
 

@@ -86,7 +86,9 @@ def test_a_gzip_scrape_is_the_text_scrape_compressed() -> None:
     from prometheus_client import CollectorRegistry
 
     from avest.metrics import registry as M
-    from service.test_exposition import _App, _pairs, _samples
+    from tests.support.metrics import StubApp as _App
+    from tests.support.metrics import escaped_pairs as _pairs
+    from tests.support.metrics import samples_by_family as _samples
 
     pairs = _pairs(40, k=4)
     metrics = M.Metrics(_App(pairs), registry=CollectorRegistry())

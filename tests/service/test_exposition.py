@@ -11,47 +11,18 @@ latency this buys).
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from avest.core.estimator import OnlineEstimator
 from avest.metrics import registry as M
-from avest.state.pairs import Pair, PairKey
-from avest_wire import matrix as wire
+from avest.state.pairs import Pair
 from avest_wire.v1 import estimator_pb2 as pb
-from tests.support.live import Live, register
-
-
-class _App:
-    def __init__(self, pairs: list[Pair]) -> None:
-        self.hooks = SimpleNamespace(refit=[], removed=[])
-        self.registry = SimpleNamespace(pairs={p.id: p for p in pairs})
-
-
-def _pairs(n: int, k: int = 3) -> list[Pair]:
-    rng = np.random.default_rng(5)
-    out = []
-    for i in range(n):
-        # label values that need escaping: quote, backslash, newline
-        key = PairKey.of(f'tar"get\\{i}', f"draft\n{i}", "eagle", k, {"t": f'a"{i}'})
-        est = OnlineEstimator(k, refit_interval=4)
-        for _ in range(6 + i % 3):
-            est.observe(rng.normal(1, 2, (8, k)), [k] * 8, rng.integers(0, k + 1, 8))
-        out.append(Pair(key=key, rule_name="vllm", estimator=est))
-    return out
-
-
-def _samples(text: str) -> dict[str, list[tuple[str, tuple, str]]]:
-    """Every family's samples (values by repr: NaN equals NaN), process metrics left
-    out (they move between two reads)."""
-    return {
-        f.name: sorted((s.name, tuple(sorted(s.labels.items())), repr(s.value)) for s in f.samples)
-        for f in text_string_to_metric_families(text)
-        if not f.name.startswith("process_")
-    }
+from tests.support.live import Live, observe, observe_requests, register
+from tests.support.metrics import StubApp as _App
+from tests.support.metrics import escaped_pairs as _pairs
+from tests.support.metrics import samples_by_family as _samples
 
 
 def test_the_sliced_text_is_prometheus_clients_text():
@@ -180,25 +151,8 @@ def _batch(rng: np.random.Generator, k: int):  # noqa: ANN202
 
 
 def _observe(live: Live, pid: str, steps: list, first: int) -> None:
-    msgs = []
-    for i, st in enumerate(steps):
-        data, rows, k = wire.encode(st.features)
-        msgs.append(
-            pb.ObserveRequest(
-                pair_id=pid,
-                worker_id="w0",
-                sequence=first + i,
-                features=data,
-                rows=rows,
-                k=k,
-                num_verified=st.num_verified.tolist(),
-                num_accepted=st.num_accepted.tolist(),
-            )
-        )
-    acked = 0
-    for resp in live.stub.Observe(iter(msgs), timeout=60):
-        if resp.HasField("ack"):
-            acked = max(acked, resp.ack.acked_sequence)
+    rows = ((st.features, st.num_verified, st.num_accepted) for st in steps)
+    acked = observe(live, observe_requests(rows, pid, first=first))
     assert acked == first + len(steps) - 1
 
 

@@ -20,8 +20,8 @@ import numpy as np
 from avest.core.estimator import make_batch
 from avest.settings import Settings
 from avest.state.app import Avest
-from avest.state.pairs import PairKey
 from avest.state.store import Store
+from avest_wire.pair import PairKey
 
 K = 4
 

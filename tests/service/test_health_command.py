@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from avest.commands.cli import main
-from service.test_access import pki  # noqa: F401  (the test certificates)
 
 ENV = ("AVEST_HTTP_ADDRESS", "AVEST_TLS_CERT", "AVEST_TLS_KEY", "AVEST_TLS_CLIENT_CA")
 

@@ -19,42 +19,14 @@ import avest
 from avest.core.estimator import DEFAULT_RECENT_DECAY
 from avest.core.model import INIT_INTERCEPT, INIT_SLOPE
 from avest.http.api import build_http
-from avest.offline.trace import Trace
 from avest.settings import Settings
-from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
+from tests.support.http import feed, register
 from tests.support.live import TOKEN
 from tests.support.live import Live as _Live
-from tests.support.live import register as shared_register
 
 SVG = "{http://www.w3.org/2000/svg}"
 # -- helpers --------------------------------------------------------------------
-
-
-def register(live: _Live, k: int = 5, refit_interval: int = 10, **labels: str) -> str:
-    return shared_register(
-        live, k, refit_interval, target="target <model> & co", rule=pb.UPDATE_RULE_VLLM, **labels
-    )
-
-
-def feed(live: _Live, trace: Trace, pair_id: str) -> None:
-    msgs = []
-    for i, st in enumerate(trace.steps()):
-        data, rows, k = wire.encode(st.features)
-        msgs.append(
-            pb.ObserveRequest(
-                pair_id=pair_id,
-                worker_id="w0",
-                sequence=i + 1,
-                features=data,
-                rows=rows,
-                k=k,
-                num_verified=st.num_verified.tolist(),
-                num_accepted=st.num_accepted.tolist(),
-            )
-        )
-    for _ in live.stub.Observe(iter(msgs), timeout=60):
-        pass
 
 
 @pytest.fixture

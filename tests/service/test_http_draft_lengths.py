@@ -11,7 +11,7 @@ import pytest
 from avest.core.costs import CostTable
 from avest.core.draft_length import best_lengths, expected_tokens
 from avest_wire.v1 import estimator_pb2 as pb
-from service.test_http import feed, register
+from tests.support.http import feed, register
 from tests.support.live import TOKEN, Live
 
 # Drafting a proposal of K=5 costs 5 ms at any batch (1 ms a position for an

@@ -17,10 +17,8 @@ import pytest
 from avest.state import app as app_module
 from avest_wire.v1 import estimator_pb2 as pb
 from tests.support.live import TOKEN
+from tests.support.rpc import observe_all, register_k, stub_for, synthetic_steps
 from tests.support.server import launch
-
-from .test_service import observe_all, stub_for
-from .test_store_faults import register_k, synthetic_steps
 
 pytestmark = pytest.mark.slow
 

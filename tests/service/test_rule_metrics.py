@@ -9,11 +9,11 @@ import numpy as np
 
 from avest.core.estimator import make_batch
 from avest.metrics.names import TRACKING_WEIGHT
-from avest.state.pairs import PairKey, Registry, RuleConfig
+from avest.state.pairs import Registry, RuleConfig
+from avest_wire.pair import PairKey
 from avest_wire.v1 import estimator_pb2 as pb
+from tests.support.calibration import K, bent_steps, observe
 from tests.support.live import Live, register
-
-from .test_calibration_layer import K, bent_steps, observe
 
 
 def _series(live: Live, name: str) -> dict[str, float]:

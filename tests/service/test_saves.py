@@ -15,8 +15,9 @@ import numpy as np
 from avest.core.estimator import make_batch
 from avest.settings import Settings
 from avest.state.app import Avest
-from avest.state.pairs import CostCurves, PairKey
+from avest.state.pairs import CostCurves
 from avest.state.store import Store
+from avest_wire.pair import PairKey
 
 K = 4
 CURVES = CostCurves("gpu", ((1, 1.0), (64, 2.0)), ((1, 5.0), (256, 9.0)), 64)

@@ -21,46 +21,15 @@ from avest.core.model import Coefficients, linear_predictor, predict, survival
 from avest.core.rule_factory import make_rule
 from avest.core.rules import VllmRule
 from avest.core.stats import fold
-from avest.offline.replay import messages_for, pair_key, replay, step_bounds
+from avest.offline.replay import pair_key, replay, step_bounds
 from avest_wire import matrix as wire
+from avest_wire.rules import UPDATE_RULES
 from avest_wire.v1 import estimator_pb2 as pb
-from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
+from tests.support.rpc import messages_for, observe_all, register, stub_for
 from tests.support.serve import spawn
 from tests.support.server import ADMIN
 
 pytestmark = pytest.mark.slow
-
-RULE = {
-    "vllm": pb.UPDATE_RULE_VLLM,
-    "recursive": pb.UPDATE_RULE_RECURSIVE,
-    "tracking": pb.UPDATE_RULE_TRACKING,
-}
-
-
-def stub_for(address: str) -> tuple[grpc.Channel, pb_grpc.EstimatorServiceStub]:
-    channel = grpc.insecure_channel(address)
-    return channel, pb_grpc.EstimatorServiceStub(channel)
-
-
-def register(stub, trace, rule="recursive", refit_interval=10, labels=None):
-    key = pair_key(trace)
-    if labels:
-        key.labels.update(labels)
-    return stub.RegisterPair(
-        pb.RegisterPairRequest(key=key, update_rule=RULE[rule], refit_interval=refit_interval),
-        timeout=10,
-    )
-
-
-def observe_all(stub, msgs):
-    """Stream messages; return the highest acknowledged sequence and the updates."""
-    acked, updates = 0, []
-    for resp in stub.Observe(iter(msgs), timeout=60):
-        if resp.HasField("ack"):
-            acked = max(acked, resp.ack.acked_sequence)
-        else:
-            updates.append(resp.coefficients_update.coefficients.version)
-    return acked, updates
 
 
 def core_replay(trace, rule, refit_interval, steps=None):
@@ -76,7 +45,7 @@ def test_a_trace_through_the_service_gives_the_core_replay_exactly(server, trace
     channel, stub = stub_for(server.grpc_address)
     with channel:
         reg = register(stub, trace, rule)
-        assert reg.created and reg.refit_interval == 10 and reg.update_rule == RULE[rule]
+        assert reg.created and reg.refit_interval == 10 and reg.update_rule == UPDATE_RULES[rule]
         acked, updates = observe_all(stub, messages_for(trace, reg.pair_id, 0, 1, "w0", 1))
         est = core_replay(trace, rule, 10)
         got = stub.GetCoefficients(pb.GetCoefficientsRequest(pair_id=reg.pair_id)).coefficients

@@ -11,12 +11,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import grpc
-import httpx
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.samples import Sample
 
 from avest import __version__
 from avest.core.estimator import OnlineEstimator
@@ -24,74 +21,15 @@ from avest.core.metrics import CalibrationState, CalibrationSummary
 from avest.core.rules import OUTCOMES
 from avest.grpc.interceptor import method_label
 from avest.metrics import registry as M
-from avest.offline.trace import Trace
-from avest.state.pairs import Pair, PairKey
-from avest_wire import matrix as wire
+from avest.state.pairs import Pair
+from avest_wire.pair import PairKey
 from avest_wire.v1 import estimator_pb2 as pb
 from tests.support.live import Live as _Live
+from tests.support.live import messages, observe, register
 from tests.support.live import register as shared_register
+from tests.support.metrics import scrape, select, value
 
 # -- helpers --------------------------------------------------------------------
-
-
-def register(live: _Live, k: int = 5, refit_interval: int = 10, **labels: str) -> str:
-    return shared_register(
-        live, k, refit_interval, target="target-model", rule=pb.UPDATE_RULE_RECURSIVE, **labels
-    )
-
-
-def messages(trace: Trace, pair_id: str, worker: str = "w0", first: int = 1) -> list[Any]:
-    out = []
-    for i, st in enumerate(trace.steps()):
-        data, rows, k = wire.encode(st.features)
-        out.append(
-            pb.ObserveRequest(
-                pair_id=pair_id,
-                worker_id=worker,
-                sequence=first + i,
-                features=data,
-                rows=rows,
-                k=k,
-                num_verified=st.num_verified.tolist(),
-                num_accepted=st.num_accepted.tolist(),
-            )
-        )
-    return out
-
-
-def observe(live: _Live, msgs: list[Any]) -> int:
-    """Stream ``msgs`` on one Observe call; the highest acknowledged sequence."""
-    acked = 0
-    for resp in live.stub.Observe(iter(msgs), timeout=60):
-        if resp.HasField("ack"):
-            acked = max(acked, resp.ack.acked_sequence)
-    return acked
-
-
-Samples = dict[str, list[Sample]]
-
-
-def scrape(live: _Live) -> Samples:
-    r = httpx.get(live.http_url + "/metrics", timeout=10)
-    assert r.status_code == 200
-    assert r.headers["content-type"].startswith("text/plain")
-    out: Samples = {}
-    for family in text_string_to_metric_families(r.text):
-        for s in family.samples:
-            out.setdefault(s.name, []).append(s)
-    return out
-
-
-def select(samples: Samples, name: str, **labels: str) -> list[Sample]:
-    return [
-        s for s in samples.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items())
-    ]
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    found = select(samples, name, **labels)
-    assert len(found) == 1, f"{name}{labels}: {len(found)} samples"
-    return float(found[0].value)
 
 
 def recent_calibration(live: _Live, pair_id: str) -> CalibrationSummary:

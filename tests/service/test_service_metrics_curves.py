@@ -13,8 +13,8 @@ import pytest
 from avest.metrics import registry as M
 from avest_wire.bins import ECE_BINS
 from avest_wire.v1 import estimator_pb2 as pb
-from service.test_service_metrics import messages, observe, register, scrape, select, value
-from tests.support.live import Live
+from tests.support.live import Live, messages, observe, register
+from tests.support.metrics import scrape, select, value
 
 
 def curve(samples: Any, name: str, pid: str, label: str, n: int) -> list[float]:

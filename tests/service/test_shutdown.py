@@ -10,10 +10,8 @@ import time
 import pytest
 
 from avest_wire.v1 import estimator_pb2 as pb
+from tests.support.rpc import register_k, stub_for, synthetic_steps
 from tests.support.serve import spawn
-
-from .test_service import stub_for
-from .test_store_faults import register_k, synthetic_steps
 
 pytestmark = pytest.mark.slow
 

@@ -11,47 +11,21 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 
-from avest.offline.replay import messages_for
 from avest.state.guard import StoreEmptied
-from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
+from tests.support.rpc import (
+    messages_for,
+    observe_all,
+    register,
+    register_k,
+    stub_for,
+    synthetic_steps,
+)
 from tests.support.server import ServerHandle, launch
 
-from .test_service import observe_all, register, stub_for
-
 pytestmark = pytest.mark.slow
-
-
-def synthetic_steps(pair_id: str, worker: str, k: int, steps: int, seed: int, rows: int = 8):
-    """``steps`` Observe messages of random drafts for a K-position pair."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for seq in range(1, steps + 1):
-        data, r, kk = wire.encode(rng.normal(0.0, 2.0, size=(rows, k)).astype(np.float32))
-        d = rng.integers(0, k + 1, size=rows)
-        a = np.minimum(rng.integers(0, k + 1, size=rows), d)
-        out.append(
-            pb.ObserveRequest(
-                pair_id=pair_id, worker_id=worker, sequence=seq, features=data, rows=r, k=kk,
-                num_verified=d.tolist(), num_accepted=a.tolist(),
-            )
-        )  # fmt: skip
-    return out
-
-
-def register_k(stub, k: int, n: int, refit_interval: int = 10) -> pb.RegisterPairResponse:
-    key = pb.PairKey(
-        target_model="target", draft_model="draft", method="draft_model",
-        num_speculative_tokens=k, labels={"n": str(n)},
-    )  # fmt: skip
-    return stub.RegisterPair(
-        pb.RegisterPairRequest(
-            key=key, update_rule=pb.UPDATE_RULE_RECURSIVE, refit_interval=refit_interval
-        )
-    )
 
 
 def _populate(data: Path, pairs: int = 3, steps: int = 35, k: int = 64) -> dict[str, pb.Pair]:

@@ -14,8 +14,9 @@ import torch
 from avest_client.vllm import contract, costs, exclusion, plugin
 from avest_client.vllm.config import ConfigError, ShimConfig, parse_labels
 from avest_client.vllm.hooks import _FINDER, when_imported
-from avest_client.vllm.pair import PairKey, pair_from_vllm_config
+from avest_client.vllm.pair import pair_from_vllm_config
 from avest_client.vllm.sidecar import sink as sidecar_sink
+from avest_wire.pair import PairKey
 
 from .fakes import FakeSink
 from .standin import StandinAcceptanceEstimator
@@ -75,8 +76,7 @@ def test_pair_from_vllm_config():
         "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
         "eagle3",
         5,
-        "probabilistic",
-        (("temp", "1.0"),),
+        (("draft_sample_method", "probabilistic"), ("temp", "1.0")),
     )
     assert pair_from_vllm_config(None, 3, ()) == PairKey("", "", "", 3)
 
@@ -155,7 +155,7 @@ def test_register_patches_the_speculator_name(fake_vllm, monkeypatch):
     est = shim(16, 3, torch.device("cpu"))
     ((config, pair),) = calls
     assert config.address == "127.0.0.1:7070" and config.labels == (("temp", "1.0"),)
-    assert pair.num_speculative_tokens == 3 and pair.labels == (("temp", "1.0"),)
+    assert pair.k == 3 and pair.labels == (("temp", "1.0"),)
     est.step(torch.tensor([1]), torch.tensor([2]), torch.tensor([0]))
     assert est._avest.transfer.flush(5) and len(sink.snapshot()) == 1
     assert est._avest.transfer.exclusion is exclusion.REGISTRY

@@ -12,7 +12,7 @@ import torch
 from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.estimator import make_sidecar_estimator
 from avest_client.vllm.exclusion import ExclusionRegistry
-from avest_client.vllm.pair import PairKey
+from avest_wire.pair import PairKey
 
 from .fakes import FakeSink, FakeSinkFactory
 from .standin import StandinAcceptanceEstimator

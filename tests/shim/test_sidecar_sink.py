@@ -32,9 +32,9 @@ from avest_client import Backoff, EstimatorClient
 from avest_client.vllm import contract, costs, exclusion, plugin
 from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.estimator import make_sidecar_estimator
-from avest_client.vllm.pair import PairKey
 from avest_client.vllm.sidecar import sink as sidecar_sink
 from avest_client.vllm.sidecar.sink import SidecarSink
+from avest_wire.pair import PairKey
 from tests.support.server import ServerHandle, launch
 
 from .standin import StandinAcceptanceEstimator
@@ -106,7 +106,9 @@ def make_shim(
         base,
         factory,
         config=cfg,
-        pair_resolver=lambda kk: PairKey(TARGET, DRAFT, METHOD, kk, "probabilistic", LABELS),
+        pair_resolver=lambda kk: PairKey.make(
+            TARGET, DRAFT, METHOD, kk, {**dict(LABELS), "draft_sample_method": "probabilistic"}
+        ),
     )
     return cls(MAX_REQS, k, CPU)
 
@@ -173,7 +175,7 @@ def test_what_reaches_the_sidecar_equals_the_trace(start_sidecar, tmp_path, trac
     replay = core_replay(trace, 5, pair.rule, pair.refit_interval, srv.settings)
     assert (pair.rule, pair.refit_interval) == (rule, 10)
     assert pair.key.target == TARGET and pair.key.draft == DRAFT and pair.key.k == 5
-    assert pair.key.labels == {"temperature": "1.0", "draft_sample_method": "probabilistic"}
+    assert pair.key.label_map() == {"temperature": "1.0", "draft_sample_method": "probabilistic"}
     # exactly the trace's steps and drafts, nothing lost, nothing twice
     assert pair.steps_observed == len(trace) == 300
     assert (
@@ -358,7 +360,7 @@ def test_plugin_wires_the_sidecar_sink(start_sidecar, tmp_path, fake_vllm, monke
         "draft_model",
         4,
     )
-    assert pair.key.labels == {
+    assert pair.key.label_map() == {
         "domain": "code",
         "draft_sample_method": "probabilistic",
         "temperature": "0.7",
@@ -401,7 +403,7 @@ FORK_SCRIPT = textwrap.dedent(
     from avest_client.vllm.sidecar import sink as sidecar_sink
     from avest_client.vllm.config import ShimConfig
     from avest_client.vllm.estimator import make_sidecar_estimator
-    from avest_client.vllm.pair import PairKey
+    from avest_wire.pair import PairKey
 
     def ours():
         return [t.name for t in threading.enumerate() if t.name.startswith("avest")]

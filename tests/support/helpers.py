@@ -1,11 +1,15 @@
-"""Small helpers the tests share: free loopback ports, polling, loopback HTTP."""
+"""Small helpers the tests share: free loopback ports, polling, loopback HTTP, tools."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
+import sys
 import time
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -29,3 +33,12 @@ def http_get(url: str, timeout: float = 5.0) -> bytes:
     """The body of a GET on a loopback URL (an HTTP error status raises)."""
     with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - loopback only
         return bytes(resp.read())
+
+
+def find_tool(name: str) -> str | None:
+    """``name`` on PATH, or next to this Python (a venv's bin is often not on PATH)."""
+    found = shutil.which(name)
+    if found:
+        return found
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.is_file() and os.access(beside, os.X_OK) else None

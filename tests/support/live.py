@@ -4,12 +4,18 @@ registration."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import grpc
 import httpx
+import numpy as np
 
+from avest.offline.trace import Trace
+from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 from tests.support.server import ServerHandle
+from tests.support.traces import Step, trace_steps
 
 #: The admin token of the live servers.
 TOKEN = "s3cret"
@@ -69,3 +75,42 @@ def register(
         timeout=10,
     )
     return str(resp.pair_id)
+
+
+def observe_requests(
+    steps: Iterable[Step], pair_id: str, worker: str = "w0", first: int = 1
+) -> list[pb.ObserveRequest]:
+    """One Observe message per decode step ``(features, num_verified, num_accepted)``,
+    numbered from ``first``."""
+    out = []
+    for i, (x, d, a) in enumerate(steps):
+        data, rows, k = wire.encode(x)
+        out.append(
+            pb.ObserveRequest(
+                pair_id=pair_id,
+                worker_id=worker,
+                sequence=first + i,
+                features=data,
+                rows=rows,
+                k=k,
+                num_verified=np.asarray(d).tolist(),
+                num_accepted=np.asarray(a).tolist(),
+            )
+        )
+    return out
+
+
+def messages(
+    trace: Trace, pair_id: str, worker: str = "w0", first: int = 1
+) -> list[pb.ObserveRequest]:
+    """The trace's decode steps as Observe messages, numbered from ``first``."""
+    return observe_requests(trace_steps(trace), pair_id, worker, first)
+
+
+def observe(live: Live, msgs: list[pb.ObserveRequest]) -> int:
+    """Stream ``msgs`` on one Observe call; the highest acknowledged sequence."""
+    acked = 0
+    for resp in live.stub.Observe(iter(msgs), timeout=60):
+        if resp.HasField("ack"):
+            acked = max(acked, resp.ack.acked_sequence)
+    return acked

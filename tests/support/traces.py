@@ -155,3 +155,13 @@ def core_replay(
     for x, d, a in steps:
         est.observe(x, d, a)
     return est
+
+
+def replay_core(trace: Trace, rule: object, n: int, calibrate: bool = False) -> OnlineEstimator:
+    """An estimator with ``rule`` (a rule object) refitting every ``n`` steps, fed the
+    trace's decode steps in order: what ``avest evaluate`` scores for one method."""
+    est = OnlineEstimator(trace.k, rule, n, calibrate=calibrate)
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(trace.step)) + 1, [trace.rows]))
+    for lo, hi in zip(starts[:-1], starts[1:], strict=True):
+        est.observe(trace.features[lo:hi], trace.num_verified[lo:hi], trace.num_accepted[lo:hi])
+    return est

@@ -16,11 +16,11 @@ import httpx
 import numpy as np
 import pytest
 
-from avest.offline.replay import messages_for, pair_key
+from avest.offline.replay import pair_key
 from avest.state.store import Store, StoreTooNew
 from avest.state.store_format import BLOB_FORMAT, STORE_FORMAT
 from avest_wire.v1 import estimator_pb2 as pb
-from service.test_service import stub_for
+from tests.support.rpc import messages_for, stub_for
 from tests.support.server import launch
 
 from .oldrelease import OldServer
