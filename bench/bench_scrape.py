@@ -159,7 +159,8 @@ def held_bytes(k: int, pairs: int, steps_each: int = 5) -> float:
     import tracemalloc
 
     from avest.core.estimator import make_batch
-    from avest.state.pairs import PairKey, Registry, RuleConfig
+    from avest.state.pairs import Registry, RuleConfig
+    from avest_wire.pair import PairKey
 
     steps = [make_batch(x, d, a, k) for x, d, a in make_steps(steps_each, B, k, seed=7)]
     registry = Registry(RuleConfig(), max_pairs=pairs + 1)

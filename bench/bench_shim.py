@@ -57,8 +57,8 @@ from shim_variants import (  # noqa: E402
 from avest_client import Backoff  # noqa: E402
 from avest_client.vllm import costs  # noqa: E402
 from avest_client.vllm.config import ShimConfig  # noqa: E402
-from avest_client.vllm.pair import PairKey  # noqa: E402
 from avest_client.vllm.sidecar.sink import SidecarSink  # noqa: E402
+from avest_wire.pair import PairKey  # noqa: E402
 
 TARGET_US = 20.0
 

@@ -40,7 +40,7 @@ from shim_variants import CPU, BenchSink, StandinAcceptanceEstimator
 
 from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.estimator import make_sidecar_estimator
-from avest_client.vllm.pair import PairKey
+from avest_wire.pair import PairKey
 
 Steps = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 

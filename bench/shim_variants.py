@@ -19,8 +19,8 @@ from serve_proc import serve  # first: it puts the repository root on the path (
 from avest_client.vllm import costs
 from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.estimator import make_sidecar_estimator
-from avest_client.vllm.pair import PairKey
 from avest_client.vllm.sidecar.sink import SidecarSink
+from avest_wire.pair import PairKey
 from tests.shim.standin import StandinAcceptanceEstimator
 
 SLOW_S = 0.5

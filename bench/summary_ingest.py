@@ -121,7 +121,8 @@ def bench_handler(k: int, n: int = 1000, repeats: int = 3) -> dict[str, float]:
     validate it (``summary_from_pb``), apply it (``Pair.observe``, a refit every 1,000
     summaries as in the ingest runs). CPU microseconds per summary, best of ``repeats``."""
     from avest.grpc.summaries import summary_from_pb
-    from avest.state.pairs import PairKey, Registry, RuleConfig
+    from avest.state.pairs import Registry, RuleConfig
+    from avest_wire.pair import PairKey
 
     body = summary_body(k)
     best: dict[str, float] = {}

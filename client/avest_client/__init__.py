@@ -53,7 +53,7 @@ _EXPORTS = {
     "Ledger": "avest_client.ledger",
     "NotFoundError": "avest_client.errors",
     "PairInfo": "avest_client.types",
-    "PairKey": "avest_client.types",
+    "PairKey": "avest_wire.pair",
     "PositionCalibration": "avest_client.types",
     "PermissionDeniedError": "avest_client.errors",
     "Registration": "avest_client.types",

@@ -71,11 +71,11 @@ def pair_info(msg: pb.Pair) -> PairInfo:
     return PairInfo(
         pair_id=msg.pair_id,
         key=PairKey(
-            target=msg.key.target_model,
-            draft=msg.key.draft_model,
-            method=msg.key.method,
-            k=int(msg.key.num_speculative_tokens),
-            labels=dict(msg.key.labels),
+            msg.key.target_model,
+            msg.key.draft_model,
+            msg.key.method,
+            int(msg.key.num_speculative_tokens),
+            dict(msg.key.labels),
         ),
         rule=UPDATE_RULE_NAMES.get(msg.update_rule, str(msg.update_rule)),
         refit_interval=int(msg.refit_interval),

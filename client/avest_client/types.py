@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+
+from avest_wire.pair import PairKey
 
 
 @dataclass(frozen=True)
@@ -53,15 +55,6 @@ class BudgetResult:
     coefficients_version: int = 0
     #: When sent as features: whether the calibration layer mapped them.
     calibration_layer_served: bool = False
-
-
-@dataclass(frozen=True)
-class PairKey:
-    target: str
-    draft: str
-    method: str
-    k: int
-    labels: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

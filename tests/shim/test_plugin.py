@@ -155,7 +155,7 @@ def test_register_patches_the_speculator_name(fake_vllm, monkeypatch):
     est = shim(16, 3, torch.device("cpu"))
     ((config, pair),) = calls
     assert config.address == "127.0.0.1:7070" and config.labels == (("temp", "1.0"),)
-    assert pair.k == 3 and pair.labels == (("temp", "1.0"),)
+    assert pair.k == 3 and pair.labels == {"temp": "1.0"}
     est.step(torch.tensor([1]), torch.tensor([2]), torch.tensor([0]))
     assert est._avest.transfer.flush(5) and len(sink.snapshot()) == 1
     assert est._avest.transfer.exclusion is exclusion.REGISTRY

@@ -106,7 +106,7 @@ def make_shim(
         base,
         factory,
         config=cfg,
-        pair_resolver=lambda kk: PairKey.make(
+        pair_resolver=lambda kk: PairKey(
             TARGET, DRAFT, METHOD, kk, {**dict(LABELS), "draft_sample_method": "probabilistic"}
         ),
     )
@@ -175,7 +175,7 @@ def test_what_reaches_the_sidecar_equals_the_trace(start_sidecar, tmp_path, trac
     replay = core_replay(trace, 5, pair.rule, pair.refit_interval, srv.settings)
     assert (pair.rule, pair.refit_interval) == (rule, 10)
     assert pair.key.target == TARGET and pair.key.draft == DRAFT and pair.key.k == 5
-    assert pair.key.label_map() == {"temperature": "1.0", "draft_sample_method": "probabilistic"}
+    assert pair.key.labels == {"temperature": "1.0", "draft_sample_method": "probabilistic"}
     # exactly the trace's steps and drafts, nothing lost, nothing twice
     assert pair.steps_observed == len(trace) == 300
     assert (
@@ -360,7 +360,7 @@ def test_plugin_wires_the_sidecar_sink(start_sidecar, tmp_path, fake_vllm, monke
         "draft_model",
         4,
     )
-    assert pair.key.label_map() == {
+    assert pair.key.labels == {
         "domain": "code",
         "draft_sample_method": "probabilistic",
         "temperature": "0.7",

@@ -35,12 +35,12 @@ from avest_client.vllm.calibration import TableSync
 from avest_client.vllm.coefficients import Governor, Update
 from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.exclusion import ExclusionRegistry
-from avest_client.vllm.pair import PairKey
 from avest_client.vllm.prom import Exporter
 from avest_client.vllm.rounds import SummaryRound
 from avest_client.vllm.sink import Sink
 from avest_client.vllm.tp import SingleProcessGroup, TPGroup
 from avest_client.vllm.transfer import StepTransfer
+from avest_wire.pair import PairKey
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +248,7 @@ def make_sidecar_estimator(
     opts = ShimOptions(
         config=cfg,
         sink_factory=sink_factory,
-        pair_resolver=pair_resolver or (lambda k: PairKey("", "", "", k, labels=cfg.labels)),
+        pair_resolver=pair_resolver or (lambda k: PairKey("", "", "", k, cfg.labels)),
         group_resolver=group_resolver or SingleProcessGroup,
         exclusion=exclusion,
     )

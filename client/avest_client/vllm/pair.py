@@ -9,34 +9,33 @@ the worker runs under ``set_current_vllm_config``, so
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+
+from avest_wire.pair import PairKey
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class PairKey:
-    target: str
-    draft: str
-    method: str
-    num_speculative_tokens: int
-    draft_sample_method: str = ""
-    labels: tuple[tuple[str, str], ...] = ()
+#: Label added to the pair key from vLLM's speculative config (AVEST_LABELS may override).
+SAMPLE_METHOD_LABEL = "draft_sample_method"
 
 
 def pair_from_vllm_config(
     vllm_config: object | None, num_speculative_tokens: int, labels: tuple[tuple[str, str], ...]
 ) -> PairKey:
-    """Best effort: unknown parts become ``""`` rather than failing the worker."""
+    """Best effort: unknown parts become ``""`` rather than failing the worker. The
+    draft sampling method joins the labels (``labels`` wins for the same name)."""
     model_config = getattr(vllm_config, "model_config", None)
     spec = getattr(vllm_config, "speculative_config", None)
+    named = dict(labels)
+    sample_method = str(getattr(spec, "draft_sample_method", "") or "")
+    if sample_method:
+        named.setdefault(SAMPLE_METHOD_LABEL, sample_method)
     return PairKey(
-        target=str(getattr(model_config, "model", "") or ""),
-        draft=str(getattr(spec, "model", "") or ""),
-        method=str(getattr(spec, "method", "") or ""),
-        num_speculative_tokens=int(num_speculative_tokens),
-        draft_sample_method=str(getattr(spec, "draft_sample_method", "") or ""),
-        labels=labels,
+        str(getattr(model_config, "model", "") or ""),
+        str(getattr(spec, "model", "") or ""),
+        str(getattr(spec, "method", "") or ""),
+        int(num_speculative_tokens),
+        named,
     )
 
 

@@ -37,9 +37,10 @@ from avest.grpc.turns import Turns
 from avest.policy.access import Access, may_replace_costs
 from avest.policy.throttle import KeyedRates, LogLimiter, TokenBucket
 from avest.state.app import Avest
-from avest.state.pairs import CostCurves, Exhausted, NotFound, Pair, PairKey, check_sequence
+from avest.state.pairs import CostCurves, Exhausted, NotFound, Pair, check_sequence
 from avest_wire import limits
 from avest_wire import matrix as wire
+from avest_wire.pair import PairKey
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 

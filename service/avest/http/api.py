@@ -316,7 +316,7 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
         s = metrics.summary(pair)
         est = pair.estimator
         key = pair.key
-        labels = ", ".join(f"{k}={v}" for k, v in key.labels)
+        labels = ", ".join(f"{k}={v}" for k, v in key.labels.items())
         title = f"{key.target} \u2190 {key.draft}" + (f" [{labels}]" if labels else "")
         subtitle = (
             f"pair {pair.id}  method {key.method or '-'}  K={key.k}  rule {pair.rule_name}  "

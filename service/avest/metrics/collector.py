@@ -205,7 +205,7 @@ class PairCollector:
                 key.method,
                 str(key.k),
                 pair.rule_name,
-                ",".join(f"{k}={v}" for k, v in key.labels),
+                ",".join(f"{k}={v}" for k, v in key.labels.items()),
             ],
             1.0,
         )

@@ -26,9 +26,10 @@ from avest.core.rules import Refit
 from avest.state.config import StateConfig
 from avest.state.folds import Folds
 from avest.state.guard import StateFile
-from avest.state.pairs import Pair, PairKey, Registry, RuleConfig
+from avest.state.pairs import Pair, Registry, RuleConfig
 from avest.state.recording import Recording
 from avest.state.store import Store
+from avest_wire.pair import PairKey
 from avest_wire.summary import RoundSummary
 
 log = logging.getLogger("avest")

@@ -7,9 +7,6 @@ here and writes them on a thread of its own.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,51 +15,15 @@ from typing import Any
 from avest.core.costs import CostTable
 from avest.core.errors import InvalidInput
 from avest.core.estimator import Batch, OnlineEstimator
-from avest.core.model import Coefficients, check_k
+from avest.core.model import Coefficients
 from avest.core.rule_factory import DEFAULT_RULE, RULE_NAMES, make_rule, rule_options
 from avest.core.rules import Refit
 from avest.state.costs import CostCurves, check_costs  # noqa: F401 (re-exported)
 from avest.state.errors import Conflict, Exhausted, NotFound  # noqa: F401 (re-exported)
 from avest.state.workers import WorkerTable
 from avest_wire import limits
+from avest_wire.pair import PairKey
 from avest_wire.summary import RoundSummary
-
-
-@dataclass(frozen=True)
-class PairKey:
-    """What identifies a pair: models, method, K and free-form labels."""
-
-    target: str
-    draft: str
-    method: str
-    k: int
-    labels: tuple[tuple[str, str], ...] = ()
-
-    @classmethod
-    def of(
-        cls, target: str, draft: str, method: str, k: int, labels: dict[str, str] | None = None
-    ) -> PairKey:
-        if not target:
-            raise InvalidInput("target_model", "must not be empty")
-        if not draft:
-            raise InvalidInput("draft_model", "must not be empty")
-        check_k(k, "num_speculative_tokens")
-        return cls(target, draft, method or "", int(k), tuple(sorted((labels or {}).items())))
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "target": self.target,
-            "draft": self.draft,
-            "method": self.method,
-            "k": self.k,
-            "labels": dict(self.labels),
-        }
-
-    @functools.cached_property
-    def pair_id(self) -> str:
-        """Stable id: the same key gives the same id in every process, forever."""
-        blob = json.dumps(self.as_dict(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def check_sequence(seq: int, last: int) -> None:

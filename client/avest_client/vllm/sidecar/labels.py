@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-from avest_client.vllm.pair import PairKey
+from avest_wire.pair import PairKey
 
-#: Label added to the pair key from vLLM's speculative config (AVEST_LABELS may override).
-SAMPLE_METHOD_LABEL = "draft_sample_method"
 DEFAULT_HARDWARE = "default"
 
 
 def pair_labels(pair_key: PairKey) -> dict[str, str]:
-    """The labels registered with the pair: AVEST_LABELS plus vLLM's draft sampling method."""
-    labels = dict(pair_key.labels)
-    if pair_key.draft_sample_method:
-        labels.setdefault(SAMPLE_METHOD_LABEL, pair_key.draft_sample_method)
-    return labels
+    """The labels registered with the pair: AVEST_LABELS plus vLLM's draft sampling method
+    (:func:`avest_client.vllm.pair.pair_from_vllm_config` adds it to the key)."""
+    return dict(pair_key.labels)
 
 
 def default_hardware() -> str:

@@ -62,13 +62,13 @@ from avest_client.forwarder import Forwarder
 from avest_client.ledger import Stats
 from avest_client.vllm import costs
 from avest_client.vllm.config import ShimConfig
-from avest_client.vllm.pair import PairKey
 from avest_client.vllm.sidecar import fork, logger
 from avest_client.vllm.sidecar.handoff import Handoff
 from avest_client.vllm.sidecar.health import StreamHealth
 from avest_client.vllm.sidecar.labels import default_hardware, pair_labels
 from avest_client.vllm.sidecar.sync import CostSender, Registrar
 from avest_client.vllm.sink import Coefficients
+from avest_wire.pair import PairKey
 from avest_wire.summary import RoundSummary
 
 #: How often the supervisor looks at the forwarder, the cost curves and the clock.
@@ -262,7 +262,7 @@ class SidecarSink:
         fwd = self._client.forwarder(
             pair_id,
             queue_size=self.config.queue_size,
-            k=self.pair_key.num_speculative_tokens,
+            k=self.pair_key.k,
             connect_timeout=self._timeout,
             backoff=self._backoff,
         )

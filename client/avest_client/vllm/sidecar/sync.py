@@ -23,9 +23,9 @@ from avest_client.forwarder import Forwarder
 from avest_client.types import Registration
 from avest_client.vllm import costs
 from avest_client.vllm.config import ShimConfig
-from avest_client.vllm.pair import PairKey
 from avest_client.vllm.sidecar import logger
 from avest_client.vllm.sink import Coefficients
+from avest_wire.pair import PairKey
 
 #: How often coefficients are fetched directly while the stream's view is stale.
 REPOLL_S = 1.0
@@ -91,9 +91,7 @@ class Registrar:
         """
         key = self._key
         try:
-            reg = self._client.register(
-                key.target, key.draft, key.method, key.num_speculative_tokens, self._labels
-            )
+            reg = self._client.register(key.target, key.draft, key.method, key.k, self._labels)
         except AvestError as exc:
             if self._stopping.is_set():
                 return None
