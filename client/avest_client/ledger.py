@@ -143,10 +143,15 @@ class Ledger:
             return bool(self._queue)
 
     def ack(self, watermark: int) -> int:
-        """Apply an acknowledgement watermark; returns how many steps it released."""
+        """Apply an acknowledgement watermark; returns how many steps it released.
+
+        An old watermark still releases steps it covers that were queued after it
+        came: a sender that reuses a worker id (a rerun replay) resends steps the
+        service already holds, and the service acknowledges each with the
+        watermark it gave before.
+        """
         with self._lock:
-            if watermark <= self._watermark:
-                return 0
+            watermark = max(watermark, self._watermark)
             self._watermark = watermark
             released = 0
             for dq in (self._inflight, self._queue):

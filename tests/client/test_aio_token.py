@@ -15,12 +15,12 @@ import grpc
 import pytest
 
 from avest.commands.cli import main
-from avest.offline.replay import messages_for
 from avest.offline.trace import write_trace
 from avest_client.aio import AsyncEstimatorClient
 from avest_client.credentials import Credentials, aio_channel
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
+from tests.support.rpc import messages_for
 from tests.support.traces import make_synthetic_trace
 
 WORKER = "worker-token-aio"

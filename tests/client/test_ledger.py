@@ -32,6 +32,20 @@ def test_sequences_start_at_one_and_increase():
     assert (step.sequence, step.payload, step.attempts) == (1, 0, 1)
 
 
+def test_a_watermark_releases_steps_queued_after_it_came():
+    """A rerun under the same worker id: the service acknowledges its first resent
+    step with the watermark it already held, then each later duplicate with the same."""
+    ledger = Ledger(queue_size=10)
+    ledger.submit(0)
+    send(ledger, 1)
+    assert ledger.ack(5) == 1
+    for i in range(3):
+        ledger.submit(i)
+    send(ledger, 3)
+    assert ledger.ack(5) == 3 and held(ledger) == []
+    assert ledger.stats().acked == 4
+
+
 def test_a_full_queue_drops_the_oldest_unsent_step_exactly():
     ledger = Ledger(queue_size=3)
     for i in range(10):

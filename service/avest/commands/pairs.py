@@ -8,6 +8,8 @@ import os
 import sys
 from typing import Any
 
+from avest_wire.rules import UPDATE_RULE_NAMES
+
 #: The service's gRPC address: what ``avest serve`` listens on, and the default
 #: the client commands (``pairs``, ``replay``) connect to.
 GRPC_ADDRESS_ENV = "AVEST_GRPC_ADDRESS"
@@ -45,7 +47,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 def pair_json(pair: Any) -> dict[str, Any]:
     """A ``avest.v1.Pair`` as the JSON the CLI prints."""
     c, cal = pair.coefficients, pair.calibration
-    rules = {1: "vllm", 2: "recursive", 3: "tracking"}
     return {
         "pair_id": pair.pair_id,
         "key": {
@@ -55,7 +56,7 @@ def pair_json(pair: Any) -> dict[str, Any]:
             "k": pair.key.num_speculative_tokens,
             "labels": dict(pair.key.labels),
         },
-        "rule": rules.get(pair.update_rule, ""),
+        "rule": UPDATE_RULE_NAMES.get(pair.update_rule, ""),
         "refit_interval": pair.refit_interval,
         "version": c.version,
         "round": c.round,

@@ -99,7 +99,7 @@ class _NoBar:
 def run(args: argparse.Namespace) -> int:
     import grpc
 
-    from avest.offline.replay import replay, step_bounds
+    from avest.offline.replay import ReplayError, replay, step_bounds
     from avest.offline.trace import TraceError, bundled_sample_path, read_trace
 
     path = args.trace or str(bundled_sample_path())
@@ -145,6 +145,9 @@ def run(args: argparse.Namespace) -> int:
         return 1
     except TimeoutError as exc:
         print(f"avest replay: {exc}; rerun the same command to resume", file=sys.stderr)
+        return 1
+    except ReplayError as exc:
+        print(f"avest replay: {exc}", file=sys.stderr)
         return 1
     finally:
         bar.close()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,11 +21,15 @@ import grpc
 import numpy as np
 
 from avest.offline.trace import Trace
+from avest_client import AsyncForwarder, Backoff
 from avest_client.credentials import Credentials, aio_channel
-from avest_wire import matrix as wire
 from avest_wire.rules import UPDATE_RULES
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
+
+
+class ReplayError(RuntimeError):
+    """The service refused steps of a replay (they were dropped, not resent)."""
 
 
 @dataclass
@@ -54,32 +58,15 @@ def step_bounds(trace: Trace) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:], strict=True)]
 
 
-def messages_for(
-    trace: Trace, pair_id: str, worker: int, workers: int, worker_id: str, repeat: int
-) -> list[pb.ObserveRequest]:
-    """The Observe messages one simulated worker sends, in order."""
+def steps_for(trace: Trace, worker: int, workers: int, repeat: int) -> list[slice]:
+    """The trace rows one simulated worker sends, a slice per step, in order: its
+    forwarder numbers them 1, 2, ... as it queues them."""
     out = []
-    seq = 0
     for _ in range(repeat):
         for lo, hi in step_bounds(trace):
             chunk = np.array_split(np.arange(lo, hi), workers)[worker]
-            if chunk.size == 0:
-                continue
-            sl = slice(int(chunk[0]), int(chunk[-1]) + 1)
-            data, rows, k = wire.encode(trace.features[sl])
-            seq += 1
-            out.append(
-                pb.ObserveRequest(
-                    pair_id=pair_id,
-                    worker_id=worker_id,
-                    sequence=seq,
-                    features=data,
-                    rows=rows,
-                    k=k,
-                    num_verified=trace.num_verified[sl].tolist(),
-                    num_accepted=trace.num_accepted[sl].tolist(),
-                )
-            )
+            if chunk.size:
+                out.append(slice(int(chunk[0]), int(chunk[-1]) + 1))
     return out
 
 
@@ -112,19 +99,22 @@ async def replay(
     refit_interval: int = 0,
     repeat: int = 1,
     on_message: Callable[[], None] = lambda: None,
-    timeout: float = 600.0,
+    timeout: float = 0.0,
     rate: float = 0.0,
     run_id: str = "",
     retry_s: float = 60.0,
 ) -> ReplayResult:
     """Replay ``trace``; ``rate`` caps messages per second per worker (0: no cap).
 
+    Each simulated worker is the client's :class:`~avest_client.AsyncForwarder`, as a
+    vLLM worker's is, with a queue that holds its whole share (a replay never drops).
     Worker ids are ``replay:<run_id>:<w>`` with ``run_id`` derived from the trace
     (:func:`default_run_id`) unless given: rerunning the same replay resends the
     same steps under the same ids and sequence numbers, which the service
-    recognises. When a stream fails (the service restarts), the worker
-    reconnects for up to ``retry_s`` seconds, registers the pair again and
-    resends every step above the last acknowledged one.
+    recognises. When the service restarts, each forwarder reconnects and resends
+    every step above the last acknowledged one; a replay gives up when no worker's
+    acknowledgements move for ``retry_s`` seconds, or after ``timeout`` in all (0: no
+    limit).
     """
     if workers < 1:
         raise ValueError("workers must be >= 1")
@@ -133,49 +123,75 @@ async def replay(
         key=pair_key(trace), update_rule=UPDATE_RULES[rule], refit_interval=refit_interval
     )
     # AVEST_TOKEN / AVEST_TLS_CA from the environment, as every client reads them.
-    async with aio_channel(address, (), Credentials.resolve()) as channel:
+    credentials = Credentials.resolve()
+    async with aio_channel(address, (), credentials) as channel:
         stub = pb_grpc.EstimatorServiceStub(channel)
         reg = await _retry(lambda: stub.RegisterPair(request, timeout=30), retry_s)
-        plans = [
-            messages_for(trace, reg.pair_id, w, workers, f"replay:{run}:{w}", repeat)
-            for w in range(workers)
+        plans = [steps_for(trace, w, workers, repeat) for w in range(workers)]
+        forwarders = [
+            AsyncForwarder(
+                address,
+                reg.pair_id,
+                f"replay:{run}:{w}",
+                queue_size=max(1, len(plan)),
+                k=trace.k,
+                credentials=credentials,
+                backoff=Backoff(initial_s=0.05, max_s=1.0),
+            )
+            for w, plan in enumerate(plans)
         ]
-        counted: set[int] = set()
-
-        async def worker(msgs: list[pb.ObserveRequest]) -> int:
-            acked = 0
-            give_up = asyncio.get_running_loop().time() + retry_s
-
-            async def requests(start: int) -> AsyncIterator[pb.ObserveRequest]:
-                for m in msgs[start:]:
-                    yield m
-                    if id(m) not in counted:
-                        counted.add(id(m))
-                        on_message()
-                    if rate > 0:
-                        await asyncio.sleep(1.0 / rate)
-
-            while True:
-                try:
-                    async for resp in stub.Observe(requests(acked), timeout=timeout):
-                        if resp.HasField("ack"):
-                            acked = max(acked, int(resp.ack.acked_sequence))
-                    if acked >= len(msgs):
-                        return acked
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() not in RETRYABLE:
-                        raise
-                if asyncio.get_running_loop().time() > give_up:
-                    raise TimeoutError(
-                        f"replay: {len(msgs) - acked} step(s) of a worker unacknowledged "
-                        f"after {retry_s:g}s of retries"
-                    )
-                await asyncio.sleep(0.2)
-                await _retry(lambda: stub.RegisterPair(request, timeout=30), retry_s)
-
-        acks = await asyncio.gather(*(worker(m) for m in plans))
+        try:
+            await asyncio.gather(
+                *(
+                    _send(trace, f, plan, on_message, rate)
+                    for f, plan in zip(forwarders, plans, strict=True)
+                )
+            )
+            await _acknowledged(forwarders, retry_s, timeout)
+        finally:
+            await asyncio.gather(*(f.close(1.0) for f in forwarders))
+        acked = sum(f.stats.acked for f in forwarders)
         pair = (await stub.GetPair(pb.GetPairRequest(pair_id=reg.pair_id), timeout=30)).pair
-    return ReplayResult(reg.pair_id, sum(len(p) for p in plans), sum(acks), pair)
+    return ReplayResult(reg.pair_id, sum(len(p) for p in plans), acked, pair)
+
+
+async def _send(
+    trace: Trace,
+    fwd: AsyncForwarder,
+    plan: list[slice],
+    on_message: Callable[[], None],
+    rate: float,
+) -> None:
+    for sl in plan:
+        fwd.submit(trace.features[sl], trace.num_verified[sl], trace.num_accepted[sl])
+        on_message()
+        await asyncio.sleep(1.0 / rate if rate > 0 else 0)
+
+
+async def _acknowledged(forwarders: list[AsyncForwarder], retry_s: float, timeout: float) -> None:
+    """Wait until every forwarder's steps are acknowledged; TimeoutError when the
+    acknowledgements stall for ``retry_s`` (or ``timeout`` passes)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout if timeout > 0 else float("inf")
+    last, moved = -1, loop.time()
+    while True:
+        stats = [f.stats for f in forwarders]
+        if all(s.pending == 0 for s in stats):
+            lost = sum(s.refused + s.dropped for s in stats)
+            if lost:
+                raise ReplayError(f"replay: the service refused {lost} step(s)")
+            return
+        acked = sum(s.acked for s in stats)
+        if acked != last:
+            last, moved = acked, loop.time()
+        now = loop.time()
+        if now - moved > retry_s or now > end:
+            left = sum(s.pending for s in stats)
+            raise TimeoutError(
+                f"replay: {left} step(s) unacknowledged after {now - moved:.0f}s without "
+                f"progress (last error: {forwarders[0].last_error or 'none'})"
+            )
+        await asyncio.sleep(0.02)
 
 
 async def _retry(call: Callable[[], Any], retry_s: float) -> Any:
