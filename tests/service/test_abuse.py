@@ -12,26 +12,16 @@ import numpy as np
 import pytest
 
 from avest_client import AvestError, EstimatorClient
-from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
+from tests.support.rpc import zero_step
 from tests.support.server import ADMIN
 
 K = 4
 
 
 def step(pair_id: str, worker: str, seq: int) -> pb.ObserveRequest:
-    rows = 4
-    return pb.ObserveRequest(
-        pair_id=pair_id,
-        worker_id=worker,
-        sequence=seq,
-        features=wire.encode(np.zeros((rows, K)))[0],
-        rows=rows,
-        k=K,
-        num_verified=[K] * rows,
-        num_accepted=[1] * rows,
-    )
+    return zero_step(pair_id, worker, seq, K, rows=4)
 
 
 def register(stub: pb_grpc.EstimatorServiceStub, **key: object) -> str:

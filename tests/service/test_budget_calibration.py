@@ -15,7 +15,7 @@ from avest.core.numeric import sigmoid
 from avest_client import EstimatorClient
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
-from tests.support.calibration import K, bent_steps, observe
+from tests.support.calibration import K, bent_steps, logistic_steps, observe
 from tests.support.live import Live, register
 
 R = 48
@@ -99,12 +99,7 @@ def test_without_a_served_layer_features_are_scored_by_the_logistic(
 ) -> None:
     live = open_server()
     rng = np.random.default_rng(1)
-    steps = []
-    for _ in range(200):
-        x = rng.normal(0.0, 3.0, size=(64, K))
-        ok = rng.random((64, K)) < sigmoid(0.8 * x + 0.3)
-        acc = np.where(ok.all(axis=1), K, np.argmin(ok, axis=1))
-        steps.append((x.astype(np.float32), [K] * 64, acc.tolist()))
+    steps = logistic_steps(rng, 200)
     pid, coef = _pair(live, steps)
     assert not coef.calibration_served
     x, _ = _features(4)

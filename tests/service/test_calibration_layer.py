@@ -14,7 +14,7 @@ from avest.core.numeric import sigmoid
 from avest.metrics.names import CALIBRATION_LAYER_GAIN, CALIBRATION_LAYER_SERVED
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
-from tests.support.calibration import K, bent_steps, observe
+from tests.support.calibration import K, bent_steps, logistic_steps, observe
 from tests.support.live import Live, register
 
 
@@ -82,12 +82,7 @@ def test_a_logistic_workload_keeps_the_layer_off(open_server: Callable[..., Live
     live = open_server()
     pid = register(live, K, 10, rule=pb.UPDATE_RULE_TRACKING)
     rng = np.random.default_rng(1)
-    steps = []
-    for _ in range(200):
-        x = rng.normal(0.0, 3.0, size=(64, K))
-        ok = rng.random((64, K)) < sigmoid(0.8 * x + 0.3)
-        acc = np.where(ok.all(axis=1), K, np.argmin(ok, axis=1))
-        steps.append((x.astype(np.float32), [K] * 64, acc.tolist()))
+    steps = logistic_steps(rng, 200)
     observe(live, pid, steps)
     coef = live.stub.GetCoefficients(pb.GetCoefficientsRequest(pair_id=pid)).coefficients
     assert not coef.calibration_served

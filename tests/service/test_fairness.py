@@ -12,12 +12,11 @@ import queue
 import time
 
 import grpc
-import numpy as np
 import pytest
 
-from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
+from tests.support.rpc import zero_step
 
 pytestmark = pytest.mark.slow
 
@@ -27,16 +26,7 @@ LIGHT_STEPS = 20
 
 
 def _step(pid: str, worker: str, seq: int) -> pb.ObserveRequest:
-    return pb.ObserveRequest(
-        pair_id=pid,
-        worker_id=worker,
-        sequence=seq,
-        features=wire.encode(np.zeros((ROWS, K)))[0],
-        rows=ROWS,
-        k=K,
-        num_verified=[K] * ROWS,
-        num_accepted=[1] * ROWS,
-    )
+    return zero_step(pid, worker, seq, K, rows=ROWS)
 
 
 def _busy(address: str, pid: str, streams: int, seconds: float) -> None:

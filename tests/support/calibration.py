@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from avest.core.numeric import sigmoid
 from tests.support.live import Live, observe_requests
 from tests.support.live import observe as stream
 
@@ -22,6 +23,20 @@ def bent_steps(
     for _ in range(n):
         x = rng.normal(0.0, 3.0, size=(rows, K))
         ok = rng.random((rows, K)) < np.where(x > 0.0, 0.95, 0.3)
+        accepted = np.where(ok.all(axis=1), K, np.argmin(ok, axis=1))
+        out.append((x.astype(np.float32), [K] * rows, accepted.tolist()))
+    return out
+
+
+def logistic_steps(
+    rng: np.random.Generator, n: int, rows: int = 64
+) -> list[tuple[np.ndarray, list[int], list[int]]]:
+    """Acceptance that the logistic follows: ``sigmoid(0.8 x + 0.3)`` at every position
+    (the calibration layer never wins by its margin there), drawn from ``rng``."""
+    out = []
+    for _ in range(n):
+        x = rng.normal(0.0, 3.0, size=(rows, K))
+        ok = rng.random((rows, K)) < sigmoid(0.8 * x + 0.3)
         accepted = np.where(ok.all(axis=1), K, np.argmin(ok, axis=1))
         out.append((x.astype(np.float32), [K] * rows, accepted.tolist()))
     return out

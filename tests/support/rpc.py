@@ -99,3 +99,18 @@ def register_k(stub, k: int, n: int, refit_interval: int = 10) -> pb.RegisterPai
             key=key, update_rule=pb.UPDATE_RULE_RECURSIVE, refit_interval=refit_interval
         )
     )
+
+
+def zero_step(pair_id: str, worker: str, seq: int, k: int, rows: int) -> pb.ObserveRequest:
+    """An Observe message of ``rows`` all-zero feature rows, every draft verified and
+    only the first accepted: cheap to send and to fold, for load and fairness tests."""
+    return pb.ObserveRequest(
+        pair_id=pair_id,
+        worker_id=worker,
+        sequence=seq,
+        features=wire.encode(np.zeros((rows, k)))[0],
+        rows=rows,
+        k=k,
+        num_verified=[k] * rows,
+        num_accepted=[1] * rows,
+    )
