@@ -15,7 +15,7 @@ Usage::
         # Stream decode steps in the background (never blocks the caller):
         fwd = client.forwarder(reg.pair_id)
         fwd.submit(features, num_verified, num_accepted)            # [R, K], [R], [R]
-        fwd.latest_coefficients()   # (version, slope, intercepts) pushed by the server
+        fwd.latest_coefficients()   # Served(version, slope, intercepts) pushed by the server
         fwd.close(timeout=5.0)      # flush what it can
         print(fwd.stats)            # sent / acked / dropped / resent / reconnects
 
@@ -57,6 +57,7 @@ _EXPORTS = {
     "PositionCalibration": "avest_client.types",
     "PermissionDeniedError": "avest_client.errors",
     "Registration": "avest_client.types",
+    "Served": "avest_client.types",
     "ResourceExhaustedError": "avest_client.errors",
     "Stats": "avest_client.ledger",
     "UnauthenticatedError": "avest_client.errors",
@@ -103,6 +104,7 @@ __all__ = [
     "PositionCalibration",
     "PermissionDeniedError",
     "Registration",
+    "Served",
     "ResourceExhaustedError",
     "Stats",
     "UnauthenticatedError",

@@ -32,6 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from avest_client.ledger import Ledger, Step
+from avest_client.types import Served
 from avest_wire.limits import MAX_K, MAX_LOG_ODDS
 from avest_wire.messages import summary_to_pb
 from avest_wire.refusal import refused_sequence_from
@@ -187,7 +188,7 @@ class Session:
         self.ledger = ledger
         self.backoff = backoff
         #: ``(version, slope, intercepts)`` last received, or None.
-        self.latest: tuple[int, float, tuple[float, ...]] | None = None
+        self.latest: Served | None = None
         #: ``(knots, logits, served)`` of the calibration layer pushed with them, or None.
         self.calibration: tuple[tuple[float, ...], tuple[float, ...], bool] | None = None
         #: How the last stream (or connection attempt) failed, for diagnostics.
@@ -232,8 +233,10 @@ class Session:
         if c.pair_id and c.pair_id != self.pair_id:
             return
         latest = self.latest
-        if current or latest is None or c.version > latest[0]:
-            self.latest = (int(c.version), float(c.slope), tuple(float(v) for v in c.intercepts))
+        if current or latest is None or c.version > latest.version:
+            self.latest = Served(
+                int(c.version), float(c.slope), tuple(float(v) for v in c.intercepts)
+            )
             self.calibration = (
                 (tuple(c.calibration_knots), tuple(c.calibration_logits), c.calibration_served)
                 if c.calibration_knots
@@ -264,7 +267,7 @@ class Session:
                 num_verified=d.num_verified.tolist(),
                 num_accepted=d.num_accepted.tolist(),
                 exclude=d.exclude.tolist() if d.exclude is not None else (),
-                coefficients_version=latest[0] if latest is not None else 0,
+                coefficients_version=latest.version if latest is not None else 0,
             )
             step.payload = None
         return step.message

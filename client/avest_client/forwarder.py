@@ -35,6 +35,7 @@ from avest_client._drivers import AsyncDriver, ThreadDriver
 from avest_client._stream import Backoff, ChannelOptions, Session, StepData, encode_step
 from avest_client.credentials import Credentials
 from avest_client.ledger import Ledger, Stats
+from avest_client.types import Served
 from avest_wire.summary import RoundSummary
 
 log = logging.getLogger("avest_client.forwarder")
@@ -142,12 +143,9 @@ class _Base:
         self._ledger.submit(summary)
         return True
 
-    def latest_coefficients(self) -> tuple[int, float, list[float]] | None:
-        """``(version, slope, intercepts)`` last received from the server, or None."""
-        latest = self._session.latest
-        if latest is None:
-            return None
-        return latest[0], latest[1], list(latest[2])
+    def latest_coefficients(self) -> Served | None:
+        """The coefficients last received from the server, or None."""
+        return self._session.latest
 
     def latest_calibration(self) -> tuple[tuple[float, ...], tuple[float, ...], bool] | None:
         """``(knots, logits, served)`` of the calibration layer pushed with the latest

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -25,6 +26,18 @@ class Coefficients:
     @property
     def k(self) -> int:
         return len(self.intercepts)
+
+
+class Served(NamedTuple):
+    """The coefficients a pair's stream serves a worker: ``(version, slope, intercepts)``.
+
+    A plain tuple, compared by value and picklable: the shim reads it at every step
+    boundary, re-validates it only when it changes, and broadcasts it to its TP ranks.
+    """
+
+    version: int
+    slope: float
+    intercepts: tuple[float, ...]
 
 
 @dataclass(frozen=True)

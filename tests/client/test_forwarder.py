@@ -72,7 +72,7 @@ def test_a_forwarded_trace_gives_the_in_process_replay_exactly(server, chat_step
     assert (s.submitted, s.sent, s.acked, s.acked_sequence) == (200, 200, 200, 200)
     assert (s.dropped, s.refused, s.resent, s.reconnects, s.pending) == (0, 0, 0, 0, 0)
     assert info.steps_observed == 200 and info.drafts_observed == est.drafts
-    assert latest == (est.version, est.coefficients.slope, list(est.coefficients.intercepts))
+    assert latest == (est.version, est.coefficients.slope, tuple(est.coefficients.intercepts))
 
 
 async def test_the_async_forwarder_gives_the_replay_too(server, chat_steps):

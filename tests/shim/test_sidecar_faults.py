@@ -296,7 +296,7 @@ def test_sidecar_that_lost_its_state(start_sidecar, tmp_path):
     fresh = client.coefficients(sink.pair_id)
     assert 1 <= fresh.version < 20
     wait_until(
-        lambda: sink.latest_coefficients() == (fresh.version, fresh.slope, list(fresh.intercepts)),
+        lambda: sink.latest_coefficients() == (fresh.version, fresh.slope, tuple(fresh.intercepts)),
         timeout=10,
         what="fresh coefficients",
     )

@@ -218,7 +218,7 @@ def test_pushed_coefficients_land_in_place_at_a_step_boundary(start_sidecar, tmp
     assert c.version == 4
     # the refit that step 40 caused is pushed to the sink ...
     wait_until(lambda: (sink.latest_coefficients() or (0,))[0] == 4, what="version 4 pushed")
-    assert sink.latest_coefficients() == (4, c.slope, list(c.intercepts))
+    assert sink.latest_coefficients() == (4, c.slope, tuple(c.intercepts))
     # ... but nothing touches the tensors between steps
     assert est.avest_stats()["version"] != 4
     assert est.slope.item() != f32(c.slope)
@@ -252,7 +252,7 @@ def test_a_new_worker_starts_from_the_trained_pair(start_sidecar, tmp_path, trac
     assert sink.latest_coefficients() == (
         trained_version,
         trained.slope,
-        list(trained.intercepts),
+        tuple(trained.intercepts),
     )
     assert second.slope.item() == 0.5  # (tensors change only at a step boundary)
     run(second, trace[100:101])

@@ -18,24 +18,15 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 
+from avest_client.types import Served
 from avest_client.vllm.sink import Sink
 from avest_client.vllm.tp import TPGroup
 
 logger = logging.getLogger(__name__)
 
-#: What rank 0 broadcasts: ``(version, slope, intercepts)`` or None (local governs).
-Payload = tuple[int, float, tuple[float, ...]] | None
-
-
-@dataclass(frozen=True)
-class Update:
-    """Coefficients to copy into the estimator's tensors now."""
-
-    version: int
-    slope: float
-    intercepts: tuple[float, ...]
+#: What rank 0 broadcasts: the served coefficients, or None (local refits govern).
+Payload = Served | None
 
 
 def validate(raw: object, num_positions: int) -> Payload:
@@ -43,7 +34,7 @@ def validate(raw: object, num_positions: int) -> Payload:
     if raw is None:
         return None
     try:
-        version, slope, intercepts = raw  # type: ignore[misc]
+        version, slope, intercepts = raw  # type: ignore[misc]  # any (version, slope, b) triple
         version = int(version)
         slope = float(slope)
         b = tuple(float(x) for x in intercepts)
@@ -53,7 +44,7 @@ def validate(raw: object, num_positions: int) -> Payload:
         return None
     if not (math.isfinite(slope) and slope >= 0.0 and all(math.isfinite(x) for x in b)):
         return None
-    return version, slope, b
+    return Served(version, slope, b)
 
 
 class Governor:
@@ -93,7 +84,7 @@ class Governor:
             return None
         return payload
 
-    def boundary(self) -> Update | None:
+    def boundary(self) -> Served | None:
         """Call at the start of every step, on every rank. Returns what to apply now."""
         n = self.steps
         self.steps = n + 1
@@ -116,13 +107,13 @@ class Governor:
             payload = self._read_sink()
         return self._decide(payload)
 
-    def _decide(self, payload: Payload) -> Update | None:
+    def _decide(self, payload: Payload) -> Served | None:
         if payload is None:
             if self.governed:
                 logger.warning("avest: sidecar coefficients lost; local refits resume")
             self.governed = False
             return None
-        version, slope, intercepts = payload
+        version = payload.version
         fresh = not self.governed or version != self.applied_version
         if not self.governed:
             logger.info("avest: pooled coefficients (version %d) govern", version)
@@ -131,4 +122,4 @@ class Governor:
             return None
         self.applied_version = version
         self.updates += 1
-        return Update(version, slope, tuple(intercepts))
+        return payload

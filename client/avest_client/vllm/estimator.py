@@ -30,9 +30,10 @@ from typing import Any
 
 import torch
 
+from avest_client.types import Served
 from avest_client.vllm import contract, lifecycle
 from avest_client.vllm.calibration import TableSync
-from avest_client.vllm.coefficients import Governor, Update
+from avest_client.vllm.coefficients import Governor
 from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.exclusion import ExclusionRegistry
 from avest_client.vllm.prom import Exporter
@@ -106,7 +107,7 @@ class _Runtime:
         self._forward_failed = False
         self.closed = False
 
-    def apply(self, est: Any, update: Update) -> None:
+    def apply(self, est: Any, update: Served) -> None:
         values = torch.tensor((update.slope, *update.intercepts), dtype=torch.float32)
         if est.slope.device.type == "cuda":
             # Pinned source + non_blocking: the copy is stream-ordered and the
@@ -126,7 +127,7 @@ class _Runtime:
             self._forward_failed = True
             logger.exception("avest: capturing a step failed; forwarding disabled")
 
-    def summary_step(self, est: Any, base_step: Any, update: Update | None,
+    def summary_step(self, est: Any, base_step: Any, update: Served | None,
                      idx_mapping: Any, num_sampled: Any, num_rejected: Any) -> None:  # fmt: skip
         """One step in summary mode (see :mod:`avest_client.vllm.rounds`)."""
         rounds = self.rounds

@@ -16,10 +16,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from avest_client.types import Served
 from avest_wire.summary import RoundSummary
-
-#: ``(version, slope, intercepts)`` as pushed by the sidecar.
-Coefficients = tuple[int, float, list[float]]
 
 
 @runtime_checkable
@@ -44,7 +42,7 @@ class Sink(Protocol):
         shim's summary sender thread, once per round."""
         ...
 
-    def latest_coefficients(self) -> Coefficients | None:
+    def latest_coefficients(self) -> Served | None:
         """The newest coefficients pushed by the sidecar, or None; non-blocking.
 
         Called on every step boundary (rank 0): keep it cheap. The shim

@@ -60,6 +60,7 @@ from avest_client._stream import Backoff
 from avest_client.client import EstimatorClient
 from avest_client.forwarder import Forwarder
 from avest_client.ledger import Stats
+from avest_client.types import Served
 from avest_client.vllm import costs
 from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.sidecar import fork, logger
@@ -67,7 +68,6 @@ from avest_client.vllm.sidecar.handoff import Handoff
 from avest_client.vllm.sidecar.health import StreamHealth
 from avest_client.vllm.sidecar.labels import default_hardware, pair_labels
 from avest_client.vllm.sidecar.sync import CostSender, Registrar
-from avest_client.vllm.sink import Coefficients
 from avest_wire.pair import PairKey
 from avest_wire.summary import RoundSummary
 
@@ -122,7 +122,7 @@ class SidecarSink:
         self._failures_logged = 0
         # What the step reads (written by the supervisor only).
         self._connected = False
-        self._coef: Coefficients | None = None
+        self._coef: Served | None = None
         self._handoff = Handoff(config.queue_size)
         self._registrar = Registrar(
             config, pair_key, self.labels, self._client, self._backoff, self._stop
@@ -144,7 +144,7 @@ class SidecarSink:
     def connected(self) -> bool:
         return self._connected
 
-    def latest_coefficients(self) -> Coefficients | None:
+    def latest_coefficients(self) -> Served | None:
         return self._coef
 
     def latest_calibration(self) -> tuple[tuple[float, ...], tuple[float, ...], bool] | None:
@@ -317,7 +317,7 @@ class SidecarSink:
             stalls=self.stalls,
             cost_curves_sent=self.cost_curves_sent,
             hardware=self.hardware,
-            coefficients_version=None if self._coef is None else self._coef[0],
+            coefficients_version=None if self._coef is None else self._coef.version,
             error=str(self.error) if self.error else "",
         )
         return out

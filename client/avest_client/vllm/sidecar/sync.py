@@ -20,11 +20,10 @@ from avest_client._stream import Backoff
 from avest_client.client import EstimatorClient
 from avest_client.errors import AvestError
 from avest_client.forwarder import Forwarder
-from avest_client.types import Registration
+from avest_client.types import Registration, Served
 from avest_client.vllm import costs
 from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.sidecar import logger
-from avest_client.vllm.sink import Coefficients
 from avest_wire.pair import PairKey
 
 #: How often coefficients are fetched directly while the stream's view is stale.
@@ -42,8 +41,8 @@ FATAL_CODES = frozenset(
 )
 
 
-def _plain(version: int, slope: float, intercepts: Iterable[float]) -> Coefficients:
-    return (int(version), float(slope), [float(b) for b in intercepts])
+def _plain(version: int, slope: float, intercepts: Iterable[float]) -> Served:
+    return Served(int(version), float(slope), tuple(float(b) for b in intercepts))
 
 
 class Registrar:
@@ -75,7 +74,7 @@ class Registrar:
         self.needed = True
         self._at = 0.0
         self._attempt = 0
-        self._known: Coefficients | None = None  # from RegisterPair / GetCoefficients
+        self._known: Served | None = None  # from RegisterPair / GetCoefficients
         self._stale_above: int | None = None  # the stream's view is stale up to this version
         self._repoll_at = 0.0
 
@@ -139,14 +138,14 @@ class Registrar:
             self.pair_id = reg.pair_id
             return reg
         live = fwd.latest_coefficients()
-        if live is not None and known[0] < live[0]:
+        if live is not None and known.version < live.version:
             # A sidecar that lost its state counts from the start again.
             logger.warning(
                 "avest: the sidecar's coefficients went back from version %d to %d",
-                live[0],
-                known[0],
+                live.version,
+                known.version,
             )
-            self._stale_above = live[0]
+            self._stale_above = live.version
             self._repoll_at = time.monotonic() + REPOLL_S
         return reg
 
@@ -161,16 +160,18 @@ class Registrar:
             return
         self._known = _plain(c.version, c.slope, c.intercepts)
 
-    def serve(self, live: Coefficients | None) -> Coefficients | None:
+    def serve(self, live: Served | None) -> Served | None:
         """What the step serves: the stream's coefficients (``live``) unless stale,
         or the registration's (or repoll's) when newer."""
         if self._stale_above is not None:
-            if live is not None and live[0] > self._stale_above:
+            if live is not None and live.version > self._stale_above:
                 self._stale_above = None  # the stream's view caught up
             else:
                 live = None
         known = self._known
-        return known if live is None or (known is not None and known[0] > live[0]) else live
+        return (
+            known if live is None or (known is not None and known.version > live.version) else live
+        )
 
 
 class CostSender:
