@@ -24,10 +24,12 @@ from typing import Any
 
 import torch
 
+from avest_wire.bins import CALIBRATION_SLOTS
+
 logger = logging.getLogger(__name__)
 
-#: Knots in the table (``avest.core.calibration.SLOTS``; any fixed size works).
-SLOTS = 34
+#: Knots in the table: the contract's size, which the service's layer fills.
+SLOTS = CALIBRATION_SLOTS
 
 #: ``(knots, logits, served)`` as a plain, picklable payload.
 Table = tuple[tuple[float, ...], tuple[float, ...], bool]
