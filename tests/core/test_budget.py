@@ -65,7 +65,7 @@ def brute_argmax(scores, s, r, t0, costs):
 
 
 def brute_walk(scores, s, r, t0, costs):
-    """DESIGN §3 rule 2, literally: optimistic extension vs stopping, per slot."""
+    """docs/design.md §3 rule 2, literally: optimistic extension vs stopping, per slot."""
     n = len(scores)
     cost = [costs.draft_cost(r) + costs.verify_cost(t0 + b) for b in range(n + 1)]
     for m in range(n):

@@ -2,7 +2,7 @@
 
 Same constructor, class constants, attributes (shapes, dtypes, float32 like
 vLLM's tensors) and methods; the math of vLLM's Triton kernels written as
-vectorised torch (DESIGN.md §1):
+vectorised torch (docs/design.md §1):
 
 * ``predict``: feature ``x = -log Σ_{v≠argmax} exp(z_v - m)`` (= ``logit(q_max)``)
   on temperature-scaled logits (temperature 0 leaves them unscaled), clamped

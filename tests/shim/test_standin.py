@@ -1,4 +1,4 @@
-"""The CPU stand-in computes what DESIGN.md §1 (vLLM 0.33) says, and looks like vLLM's class."""
+"""The CPU stand-in computes what docs/design.md §1 (vLLM 0.33) says, and looks like vLLM's class."""
 
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def test_predict_writes_features_predictions_and_confidences():
 
 
 def _reference_round(rows, slope, intercepts, l2=1e-3, damping=50.0):
-    """DESIGN §1 round statistics and refit in float64, from (x, p, a, d) rows."""
+    """docs/design.md §1 round statistics and refit in float64, from (x, p, a, d) rows."""
     k = len(intercepts)
     a_k, b_k, c_k, g0_k, g1_k, n_k = (np.zeros(k) for _ in range(6))
     for x, p, acc, ver in rows:

@@ -30,8 +30,7 @@ Class constants ``REFIT_INTERVAL = 100``, ``DAMPING_OBSERVATIONS = 50.0``,
   0-d tensor (one row per request) or per-token (K rows per request);
   ``idx_mapping < 0`` rows (graph padding) are skipped. It reads ``slope`` and
   ``intercepts`` by pointer: update them with ``copy_``, never rebind.
-  (DESIGN.md §1 writes the feature as ``m − log Σ…``; the code, and logit(q_max),
-  is ``−log Σ_{v≠argmax} exp(z_v − m)``.)
+  (The feature and this kernel's float32 saturation: docs/design.md §1, §4.)
 
 Speculator — ``spec_decode/speculator.py`` does ``from
 ...acceptance_estimator import OnlineAcceptanceEstimator`` at module level and,

@@ -2,7 +2,7 @@
 
 Speculative sampling emits exactly the target's distribution whatever the
 drafter, as long as the number of drafts verified never depends on the draft
-token being verified (DESIGN §3). A budget rule can break that quietly, so this
+token being verified (docs/design.md §3). A budget rule can break that quietly, so this
 module simulates one decoding step many times on a toy small enough to know
 the target exactly, and compares what comes out with it by a χ² test.
 
@@ -77,7 +77,7 @@ class Toy:
 
 
 def two_token_toy() -> Toy:
-    """The DESIGN §3 example: two tokens, two positions, two requests.
+    """The docs/design.md §3 example: two tokens, two positions, two requests.
 
     Request 0 drafts its favourite token with ``q = 0.68`` where the target
     says 0.5; after that token the drafter is sure of the next one (0.99),

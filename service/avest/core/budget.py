@@ -8,7 +8,7 @@ verify_cost[T0 + B]`` ms. Slots rank by survival, descending, ties by request
 then position; survival never rises along a request, so any top-``B`` is a
 prefix of every request's drafts.
 
-Losslessness (DESIGN §3): speculative sampling stays exact as long as whether
+Losslessness (docs/design.md §3): speculative sampling stays exact as long as whether
 draft ``i`` is verified never depends on the token drawn at ``i``. Survival at
 ``i`` depends only on earlier tokens, so ranking slots by survival is safe; but
 with an autoregressive drafter survival at ``i + 1`` depends on the token at
@@ -129,7 +129,7 @@ def lossless_walk_size(
     *,
     scheduled: npt.ArrayLike | None = None,
 ) -> int:
-    """Budget of the walk of DESIGN §3 rule 2; arguments as ``budget_size``.
+    """Budget of the walk of docs/design.md §3 rule 2; arguments as ``budget_size``.
 
     Walk the slots best first; slot ``m`` (0-based rank, ``A = S + Σ_{j<m}
     s_(j)``) is included iff ``max_{m<b<=N} (A + (b-m) s_m) / cost(b) >

@@ -153,7 +153,7 @@ class EstimatorServiceServicer:
 
     def Budget(self, request, context):
         """Chooses how many drafts to verify (the budget) and which ones, from
-        confidences and the pair's cost curves for a hardware label (DESIGN.md §3).
+        confidences and the pair's cost curves for a hardware label (docs/design.md §3).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
