@@ -379,9 +379,9 @@ def test_python_client_snippet_runs_against_a_live_server(served: Background) ->
         env=user_env(),
     )
     assert r.returncode == 0, r.stdout + r.stderr
-    # It prints what the forwarder last received: (version, slope, intercepts).
+    # It prints what the forwarder last received: Served(version, slope, intercepts).
     printed = r.stdout.strip().splitlines()[-1]
-    m = re.fullmatch(r"\((\d+), ([-\d.e]+), \[(.*)\]\)", printed)
+    m = re.fullmatch(r"Served\(version=(\d+), slope=([-\d.e]+), intercepts=\((.*)\)\)", printed)
     assert m, printed
     assert len(m.group(3).split(",")) == 5
 
