@@ -2,8 +2,9 @@
 
 ``UpdateRule`` and ``BudgetRule`` (``protos/avest/v1/estimator.proto``) travel as
 enums; people, flags and the admin API use the names below. The empty name is
-``*_UNSPECIFIED``: the service's default (``--default-rule`` for update rules,
-the lossless ``stale`` rule for budgets). Client, service and offline tools all
+``*_UNSPECIFIED``: the service's default (``--default-rule`` for update rules;
+for budgets a lossless rule, ``stale`` when stale confidences are sent and
+``lossless-walk`` otherwise). Client, service and offline tools all
 read these tables, so a rule added to the proto is added here once.
 """
 

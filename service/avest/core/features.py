@@ -25,7 +25,7 @@ def logit_qmax_from_logits(
 
     ``temperature`` broadcasts against the leading dimensions (one per
     request); 0 means greedy and leaves the logits unscaled, as vLLM does.
-    Computed as ``m - log(sum_{v != argmax} exp(z_v - m))`` so that logits
+    Computed as ``-log(sum_{v != argmax} exp(z_v - m))``, ``m = max z``, so that logits
     ``[20, 0]`` give exactly 20, where ``log(q / (1 - q))`` on a float32 ``q``
     would overflow to inf.
     """
