@@ -22,7 +22,7 @@ one). Nothing here keeps individual drafts.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 import numpy.typing as npt
@@ -66,6 +66,15 @@ class PositionSummary:
     mean_predicted: float
     observed: float
     count: float
+
+    def measures(self) -> dict[str, float]:
+        """Every measure but ``count``, by name: the wire's and the admin API's messages
+        use the same names, and each gives ``count`` its own type."""
+        return {f.name: float(getattr(self, f.name)) for f in _MEASURES}
+
+
+#: The fields of :meth:`PositionSummary.measures`.
+_MEASURES = tuple(f for f in fields(PositionSummary) if f.name != "count")
 
 
 @dataclass(frozen=True)

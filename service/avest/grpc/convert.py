@@ -66,21 +66,9 @@ def pair_pb(pair: Pair) -> pb.Pair:
         steps_observed=pair.estimator.steps,
         calibration=pb.Calibration(
             count=int(s.count),
-            auc=float(s.auc),
-            logloss=float(s.logloss),
-            ece=float(s.ece),
-            mean_predicted=float(s.mean_predicted),
-            observed=float(s.observed),
+            **s.measures(),
             by_position=[
-                pb.PositionCalibration(
-                    auc=float(p.auc),
-                    logloss=float(p.logloss),
-                    ece=float(p.ece),
-                    mean_predicted=float(p.mean_predicted),
-                    observed=float(p.observed),
-                    count=int(p.count),
-                )
-                for p in s.by_position
+                pb.PositionCalibration(count=int(p.count), **p.measures()) for p in s.by_position
             ],
         ),
         cost_curve_hardware=sorted(pair.costs),

@@ -157,26 +157,18 @@ def finite(v: float) -> float | None:
     return v if math.isfinite(v) else None
 
 
+def _measures(s: PositionSummary) -> dict[str, float | None]:
+    return {name: finite(v) for name, v in s.measures().items()}
+
+
 def _position(i: int, p: PositionSummary) -> PositionCalibrationOut:
-    return PositionCalibrationOut(
-        position=i,
-        count=float(p.count),
-        auc=finite(p.auc),
-        logloss=finite(p.logloss),
-        ece=finite(p.ece),
-        mean_predicted=finite(p.mean_predicted),
-        observed=finite(p.observed),
-    )
+    return PositionCalibrationOut(position=i, count=float(p.count), **_measures(p))
 
 
 def calibration_out(s: CalibrationSummary) -> CalibrationOut:
     return CalibrationOut(
         count=float(s.count),
-        auc=finite(s.auc),
-        logloss=finite(s.logloss),
-        ece=finite(s.ece),
-        mean_predicted=finite(s.mean_predicted),
-        observed=finite(s.observed),
+        **_measures(s),
         by_position=[_position(i, p) for i, p in enumerate(s.by_position)],
     )
 
