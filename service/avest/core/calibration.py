@@ -9,9 +9,10 @@ plain logistic's. It changes the served confidences, never the IRLS round
 statistics (those stay on the logistic prediction).
 
 The map is a fixed-size table (:data:`SLOTS` knots, the bin centres plus one
-below and one above the grid) applied by piecewise-linear interpolation in
-``eta``, flat beyond the end knots, so a GPU kernel can apply it with fixed
-shapes. Each refit, every bin's rate is shrunk toward the logistic rate at
+below and one above the grid; the sizes are the wire contract's, in
+:mod:`avest_wire.bins`, so the shim's table has the same shape) applied by
+piecewise-linear interpolation in ``eta``, flat beyond the end knots, so a
+GPU kernel can apply it with fixed shapes. Each refit, every bin's rate is shrunk toward the logistic rate at
 its centre (:attr:`LayerConfig.pseudo_count` drafts' worth), made monotone by weighted
 pool-adjacent-violators, and stored as log-odds, then made to rise at least
 :attr:`LayerConfig.min_slope` per unit of ``eta`` (a second weighted pool-
@@ -34,14 +35,14 @@ import numpy as np
 import numpy.typing as npt
 
 from avest.core.numeric import bernoulli_nll, sigmoid
+from avest_wire.bins import CALIBRATION_BINS, CALIBRATION_ETA_MAX, CALIBRATION_SLOTS
 
 FloatArray = npt.NDArray[np.float64]
 
-#: Inner bins of the linear predictor on ``[-ETA_MAX, ETA_MAX)``.
-BINS = 32
-ETA_MAX = 8.0
-#: Table knots: underflow, ``BINS`` centres, overflow.
-SLOTS = BINS + 2
+#: The table's sizes, as the wire contract fixes them.
+BINS: int = CALIBRATION_BINS
+ETA_MAX: float = CALIBRATION_ETA_MAX
+SLOTS: int = CALIBRATION_SLOTS
 
 
 @dataclass(frozen=True)
