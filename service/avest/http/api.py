@@ -81,6 +81,11 @@ _BEARER = HTTPBearer(
 _NOT_FOUND: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorOut, "description": "No pair with that id"}
 }
+#: What a change answers before it runs: it needs the admin token.
+_ADMIN_ONLY: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorOut, "description": "No token, or an unknown one"},
+    403: {"model": ErrorOut, "description": "Not the admin token, or none configured"},
+}
 
 
 # -- the app ---------------------------------------------------------------------
@@ -138,6 +143,12 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
     def get_pair(pair_id: str) -> Pair:
         pair: Pair = app.registry.get(pair_id)  # NotFound names the id
         return pair
+
+    def pair_view(path: str, model: Any, tag: str = "pairs") -> Any:
+        """``GET /v1/pairs/{pair_id}<path>`` answering ``model``, or 404 for an unknown id."""
+        return api.get(
+            "/v1/pairs/{pair_id}" + path, response_model=model, tags=[tag], responses=_NOT_FOUND
+        )
 
     @api.get("/", include_in_schema=False)
     async def index() -> RedirectResponse:
@@ -201,17 +212,12 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
         """Every registered pair."""
         return PairsOut(pairs=[pair_out(p, metrics) for p in list(app.registry.pairs.values())])
 
-    @api.get("/v1/pairs/{pair_id}", response_model=PairOut, tags=["pairs"], responses=_NOT_FOUND)
+    @pair_view("", PairOut)
     async def get_pair_endpoint(pair_id: str) -> PairOut:
         """One pair: key, rule, coefficients in force, counters and calibration."""
         return pair_out(get_pair(pair_id), metrics)
 
-    @api.get(
-        "/v1/pairs/{pair_id}/history",
-        response_model=HistoryOut,
-        tags=["pairs"],
-        responses=_NOT_FOUND,
-    )
+    @pair_view("/history", HistoryOut)
     async def history(
         pair_id: str,
         limit: Annotated[
@@ -223,24 +229,12 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
         return HistoryOut(
             id=pair.id,
             history=[
-                HistoryEntryOut(
-                    version=h.version,
-                    round=h.round,
-                    time=h.time,
-                    slope=h.slope,
-                    intercepts=list(h.intercepts),
-                    outcome=h.outcome,
-                )
+                HistoryEntryOut.model_validate(h, from_attributes=True)
                 for h in pair.history[-limit:]
             ],
         )
 
-    @api.get(
-        "/v1/pairs/{pair_id}/workers",
-        response_model=WorkersOut,
-        tags=["pairs"],
-        responses=_NOT_FOUND,
-    )
+    @pair_view("/workers", WorkersOut)
     async def workers(
         pair_id: str,
         limit: Annotated[
@@ -263,12 +257,7 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
             )
         return pair.estimator.calibration.reliability(position)
 
-    @api.get(
-        "/v1/pairs/{pair_id}/reliability",
-        response_model=ReliabilityOut,
-        tags=["calibration"],
-        responses=_NOT_FOUND,
-    )
+    @pair_view("/reliability", ReliabilityOut, "calibration")
     async def reliability(
         pair_id: str,
         position: Annotated[
@@ -339,11 +328,7 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
         "/v1/pairs/{pair_id}/reset",
         response_model=PairOut,
         tags=["pairs"],
-        responses={
-            401: {"model": ErrorOut, "description": "No token, or an unknown one"},
-            403: {"model": ErrorOut, "description": "Not the admin token, or none configured"},
-            **_NOT_FOUND,
-        },
+        responses={**_ADMIN_ONLY, **_NOT_FOUND},
     )
     async def reset(
         pair_id: str,
@@ -361,8 +346,7 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
         response_model=PairOut,
         tags=["pairs"],
         responses={
-            401: {"model": ErrorOut, "description": "No token, or an unknown one"},
-            403: {"model": ErrorOut, "description": "Not the admin token, or none configured"},
+            **_ADMIN_ONLY,
             503: {"model": ErrorOut, "description": "The store refused; nothing changed"},
             **_NOT_FOUND,
         },

@@ -176,16 +176,9 @@ def calibration_out(s: CalibrationSummary) -> CalibrationOut:
 def pair_out(pair: Pair, metrics: Any) -> PairOut:
     """``metrics``: the :class:`avest.metrics.registry.Metrics` whose summary cache to use."""
     est = pair.estimator
-    key = pair.key
     return PairOut(
         id=pair.id,
-        key=PairKeyOut(
-            target=key.target,
-            draft=key.draft,
-            method=key.method,
-            k=key.k,
-            labels=dict(key.labels),
-        ),
+        key=PairKeyOut.model_validate(pair.key, from_attributes=True),
         K=pair.k,
         rule=pair.rule_name,
         refit_interval=est.refit_interval,
