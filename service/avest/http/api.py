@@ -81,6 +81,11 @@ _BEARER = HTTPBearer(
 _NOT_FOUND: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorOut, "description": "No pair with that id"}
 }
+#: The query parameters bounding the history and the workers table.
+_HistoryLimit = Annotated[int, Query(ge=1, le=256, description="At most this many, newest last")]
+_WorkersLimit = Annotated[
+    int, Query(ge=1, le=4096, description="At most this many; the rest fold into 'other'")
+]
 #: What a change answers before it runs: it needs the admin token.
 _ADMIN_ONLY: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorOut, "description": "No token, or an unknown one"},
@@ -218,12 +223,7 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
         return pair_out(get_pair(pair_id), metrics)
 
     @pair_view("/history", HistoryOut)
-    async def history(
-        pair_id: str,
-        limit: Annotated[
-            int, Query(ge=1, le=256, description="At most this many, newest last")
-        ] = 256,
-    ) -> HistoryOut:
+    async def history(pair_id: str, limit: _HistoryLimit = 256) -> HistoryOut:
         """Coefficient history: registration, each refit, resets (newest last)."""
         pair = get_pair(pair_id)
         return HistoryOut(
@@ -235,12 +235,7 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
         )
 
     @pair_view("/workers", WorkersOut)
-    async def workers(
-        pair_id: str,
-        limit: Annotated[
-            int, Query(ge=1, le=4096, description="At most this many; the rest fold into 'other'")
-        ] = 100,
-    ) -> WorkersOut:
+    async def workers(pair_id: str, limit: _WorkersLimit = 100) -> WorkersOut:
         """The workers seen sending to the pair: mode, last summary, version, drafts."""
         pair = get_pair(pair_id)
         return WorkersOut(
