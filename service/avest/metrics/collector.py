@@ -15,45 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from avest import __version__
 from avest.core.metrics import CalibrationSummary, Reliability
 from avest.core.rules import OUTCOMES
-from avest.metrics.names import (
-    AUC,
-    CALIBRATION_DRAFTS,
-    CALIBRATION_LAYER_GAIN,
-    CALIBRATION_LAYER_SERVED,
-    COEFFICIENTS_VERSION,
-    DRAFTS_OBSERVED,
-    ECE,
-    INFO,
-    INTERCEPT,
-    LAST_OBSERVED,
-    LOG_LOSS,
-    OBSERVED_ACCEPTANCE,
-    OBSERVED_SURVIVAL,
-    OPEN_STREAMS,
-    PAIR_INFO,
-    PAIRS,
-    PREDICTED_ACCEPTANCE,
-    PREDICTED_SURVIVAL,
-    QUARANTINED_PAIRS,
-    QUEUE_DEPTH,
-    RECENT_AUC,
-    RECENT_ECE,
-    RECENT_LOG_LOSS,
-    RECENT_OBSERVED_ACCEPTANCE,
-    RECENT_PREDICTED_ACCEPTANCE,
-    REFITS,
-    RELIABILITY_DRAFTS,
-    RELIABILITY_OBSERVED,
-    RELIABILITY_PREDICTED,
-    ROUND,
-    SLOPE,
-    SPECS,
-    STEPS_OBSERVED,
-    STORE_ERRORS,
-    STORE_WRITABLE,
-    TRACKING_WEIGHT,
-    family_name,
-)
+from avest.metrics import names
 
 
 class PairSource(Protocol):
@@ -73,41 +35,40 @@ class PairSource(Protocol):
 
 #: The families this collector exposes, in exposition order.
 COLLECTED = (
-    INFO,
-    PAIRS,
-    PAIR_INFO,
-    SLOPE,
-    INTERCEPT,
-    COEFFICIENTS_VERSION,
-    ROUND,
-    AUC,
-    ECE,
-    LOG_LOSS,
-    CALIBRATION_DRAFTS,
-    PREDICTED_ACCEPTANCE,
-    OBSERVED_ACCEPTANCE,
-    RECENT_AUC,
-    RECENT_ECE,
-    RECENT_LOG_LOSS,
-    RECENT_PREDICTED_ACCEPTANCE,
-    RECENT_OBSERVED_ACCEPTANCE,
-    LAST_OBSERVED,
-    DRAFTS_OBSERVED,
-    STEPS_OBSERVED,
-    REFITS,
-    OPEN_STREAMS,
-    QUEUE_DEPTH,
-    STORE_ERRORS,
-    STORE_WRITABLE,
-    QUARANTINED_PAIRS,
-    PREDICTED_SURVIVAL,
-    OBSERVED_SURVIVAL,
-    RELIABILITY_DRAFTS,
-    RELIABILITY_PREDICTED,
-    RELIABILITY_OBSERVED,
-    CALIBRATION_LAYER_SERVED,
-    CALIBRATION_LAYER_GAIN,
-    TRACKING_WEIGHT,
+    names.INFO,
+    names.PAIRS,
+    names.PAIR_INFO,
+    names.SLOPE,
+    names.INTERCEPT,
+    names.COEFFICIENTS_VERSION,
+    names.ROUND,
+    names.AUC,
+    names.ECE,
+    names.LOG_LOSS,
+    names.CALIBRATION_DRAFTS,
+    names.PREDICTED_ACCEPTANCE,
+    names.OBSERVED_ACCEPTANCE,
+    names.RECENT_AUC,
+    names.RECENT_ECE,
+    names.RECENT_LOG_LOSS,
+    names.RECENT_PREDICTED_ACCEPTANCE,
+    names.RECENT_OBSERVED_ACCEPTANCE,
+    names.LAST_OBSERVED,
+    names.DRAFTS_OBSERVED,
+    names.STEPS_OBSERVED,
+    names.REFITS,
+    names.OPEN_STREAMS,
+    names.QUEUE_DEPTH,
+    names.STORE_ERRORS,
+    names.STORE_WRITABLE,
+    names.QUARANTINED_PAIRS,
+    names.PREDICTED_SURVIVAL,
+    names.OBSERVED_SURVIVAL,
+    names.RELIABILITY_DRAFTS,
+    names.RELIABILITY_PREDICTED,
+    names.RELIABILITY_OBSERVED,
+    names.CALIBRATION_LAYER_SERVED,
+    names.CALIBRATION_LAYER_GAIN,
 )
 
 Families = dict[str, GaugeMetricFamily | CounterMetricFamily]
@@ -131,10 +92,10 @@ class PairCollector:
     def families(self) -> Families:
         out: Families = {}
         for name in COLLECTED:
-            spec = SPECS[name]
+            spec = names.SPECS[name]
             if spec.kind == "counter":
                 out[name] = CounterMetricFamily(
-                    family_name(name), spec.help, labels=list(spec.labels)
+                    names.family_name(name), spec.help, labels=list(spec.labels)
                 )
             else:
                 out[name] = GaugeMetricFamily(name, spec.help, labels=list(spec.labels))
@@ -164,15 +125,15 @@ class PairCollector:
     def add_globals(self, f: Families, pairs: list[Any], tallied: float) -> None:
         """The samples that are not per pair (``tallied``: the pairs' tallies summed)."""
         m = self._metrics
-        f[INFO].add_metric([__version__], 1.0)
-        f[OPEN_STREAMS].add_metric([], float(m.open_streams()))
+        f[names.INFO].add_metric([__version__], 1.0)
+        f[names.OPEN_STREAMS].add_metric([], float(m.open_streams()))
         app = m.app
         for operation, count in getattr(app, "store_errors", {}).items():
-            f[STORE_ERRORS].add_metric([operation], float(count))
-        f[STORE_WRITABLE].add_metric([], 0.0 if getattr(app, "store_error", "") else 1.0)
-        f[QUARANTINED_PAIRS].add_metric([], float(len(getattr(app, "quarantined", {}))))
-        f[PAIRS].add_metric([], float(len(pairs)))
-        f[QUEUE_DEPTH].add_metric([], tallied)
+            f[names.STORE_ERRORS].add_metric([operation], float(count))
+        f[names.STORE_WRITABLE].add_metric([], 0.0 if getattr(app, "store_error", "") else 1.0)
+        f[names.QUARANTINED_PAIRS].add_metric([], float(len(getattr(app, "quarantined", {}))))
+        f[names.PAIRS].add_metric([], float(len(pairs)))
+        f[names.QUEUE_DEPTH].add_metric([], tallied)
 
     def stamp(self, pair: Any) -> tuple[Any, ...]:
         """What moves whenever anything :meth:`add_pair` reads changes: a step or
@@ -197,7 +158,7 @@ class PairCollector:
         pid = pair.id
         est = pair.estimator
         key = pair.key
-        f[PAIR_INFO].add_metric(
+        f[names.PAIR_INFO].add_metric(
             [
                 pid,
                 key.target,
@@ -210,48 +171,46 @@ class PairCollector:
             1.0,
         )
         coef = est.coefficients
-        f[SLOPE].add_metric([pid], coef.slope)
+        f[names.SLOPE].add_metric([pid], coef.slope)
         for i, b in enumerate(coef.intercepts):
-            f[INTERCEPT].add_metric([pid, str(i)], b)
-        f[COEFFICIENTS_VERSION].add_metric([pid], float(est.version))
-        f[ROUND].add_metric([pid], float(est.round))
+            f[names.INTERCEPT].add_metric([pid, str(i)], b)
+        f[names.COEFFICIENTS_VERSION].add_metric([pid], float(est.version))
+        f[names.ROUND].add_metric([pid], float(est.round))
         s = m.summary(pair)
-        _calibration(f, pid, s, AUC, ECE, LOG_LOSS, PREDICTED_ACCEPTANCE, OBSERVED_ACCEPTANCE)
-        f[CALIBRATION_DRAFTS].add_metric([pid], s.count)
-        _calibration(
-            f,
-            pid,
-            m.recent_summary(pair),
-            RECENT_AUC,
-            RECENT_ECE,
-            RECENT_LOG_LOSS,
-            RECENT_PREDICTED_ACCEPTANCE,
-            RECENT_OBSERVED_ACCEPTANCE,
-        )
-        f[LAST_OBSERVED].add_metric([pid], float(pair.updated))
-        f[DRAFTS_OBSERVED].add_metric([pid], float(est.drafts))
-        f[STEPS_OBSERVED].add_metric([pid], float(est.steps))
+        _calibration(f, pid, s, _ALL_TIME)
+        f[names.CALIBRATION_DRAFTS].add_metric([pid], s.count)
+        _calibration(f, pid, m.recent_summary(pair), _RECENT)
+        f[names.LAST_OBSERVED].add_metric([pid], float(pair.updated))
+        f[names.DRAFTS_OBSERVED].add_metric([pid], float(est.drafts))
+        f[names.STEPS_OBSERVED].add_metric([pid], float(est.steps))
         counts = m.refit_counts(pid)
         for outcome in OUTCOMES:
-            f[REFITS].add_metric([pid, outcome], float(counts.get(outcome, 0)))
+            f[names.REFITS].add_metric([pid, outcome], float(counts.get(outcome, 0)))
         _curves(f, pid, s, m.reliability(pair))
         _calibration_layer(f, pid, est.recalibrator)
-        weight = est.rule.tracking_weight
-        if weight is not None:
-            f[TRACKING_WEIGHT].add_metric([pid], float(weight))
 
 
-def _calibration(
-    f: Families,
-    pid: str,
-    s: CalibrationSummary,
-    auc: str,
-    ece: str,
-    log_loss: str,
-    predicted: str,
-    observed: str,
-) -> None:
+#: The families of a calibration summary: AUC, ECE, log loss, then per position the
+#: predicted and the observed acceptance; of every draft, and of the recent ones.
+_ALL_TIME = (
+    names.AUC,
+    names.ECE,
+    names.LOG_LOSS,
+    names.PREDICTED_ACCEPTANCE,
+    names.OBSERVED_ACCEPTANCE,
+)
+_RECENT = (
+    names.RECENT_AUC,
+    names.RECENT_ECE,
+    names.RECENT_LOG_LOSS,
+    names.RECENT_PREDICTED_ACCEPTANCE,
+    names.RECENT_OBSERVED_ACCEPTANCE,
+)
+
+
+def _calibration(f: Families, pid: str, s: CalibrationSummary, families: tuple[str, ...]) -> None:
     """One calibration summary into its pair-level and per-position gauges."""
+    auc, ece, log_loss, predicted, observed = families
     f[auc].add_metric([pid], s.auc)
     f[ece].add_metric([pid], s.ece)
     f[log_loss].add_metric([pid], s.logloss)
@@ -267,12 +226,12 @@ def _curves(f: Families, pid: str, s: CalibrationSummary, rel: Reliability) -> N
     for i, p in enumerate(s.by_position):
         predicted *= p.mean_predicted
         observed *= p.observed
-        f[PREDICTED_SURVIVAL].add_metric([pid, str(i)], predicted)
-        f[OBSERVED_SURVIVAL].add_metric([pid, str(i)], observed)
+        f[names.PREDICTED_SURVIVAL].add_metric([pid, str(i)], predicted)
+        f[names.OBSERVED_SURVIVAL].add_metric([pid, str(i)], observed)
     for b in range(len(rel.count)):
-        f[RELIABILITY_DRAFTS].add_metric([pid, str(b)], float(rel.count[b]))
-        f[RELIABILITY_PREDICTED].add_metric([pid, str(b)], float(rel.mean_predicted[b]))
-        f[RELIABILITY_OBSERVED].add_metric([pid, str(b)], float(rel.observed[b]))
+        f[names.RELIABILITY_DRAFTS].add_metric([pid, str(b)], float(rel.count[b]))
+        f[names.RELIABILITY_PREDICTED].add_metric([pid, str(b)], float(rel.mean_predicted[b]))
+        f[names.RELIABILITY_OBSERVED].add_metric([pid, str(b)], float(rel.observed[b]))
 
 
 def _calibration_layer(f: Families, pid: str, layer: Any) -> None:
@@ -280,8 +239,8 @@ def _calibration_layer(f: Families, pid: str, layer: Any) -> None:
     if layer is None:
         return
     mapped, plain = layer.recent_logloss
-    f[CALIBRATION_LAYER_SERVED].add_metric([pid], 1.0 if layer.active else 0.0)
-    f[CALIBRATION_LAYER_GAIN].add_metric([pid], plain - mapped)
+    f[names.CALIBRATION_LAYER_SERVED].add_metric([pid], 1.0 if layer.active else 0.0)
+    f[names.CALIBRATION_LAYER_GAIN].add_metric([pid], plain - mapped)
 
 
 def queue_depth(applied: dict[str, int], durable: dict[str, int]) -> int:
