@@ -145,25 +145,9 @@ class Metrics:
         #: (pair id, "all" | "recent") -> (stamp, summary)
         self._summaries: dict[tuple[str, str], tuple[_Stamp, CalibrationSummary]] = {}
         self._reliabilities: dict[str, Reliability] = {}
-        self.refit_duration = Histogram(
-            family_name(REFIT_DURATION),
-            SPECS[REFIT_DURATION].help,
-            buckets=REFIT_BUCKETS,
-            registry=self.registry,
-        )
-        self.rpc_duration = Histogram(
-            RPC_DURATION,
-            SPECS[RPC_DURATION].help,
-            labelnames=SPECS[RPC_DURATION].labels,
-            buckets=RPC_BUCKETS,
-            registry=self.registry,
-        )
-        self.refused_batches = Counter(
-            REFUSED_BATCHES,
-            SPECS[REFUSED_BATCHES].help,
-            labelnames=SPECS[REFUSED_BATCHES].labels,
-            registry=self.registry,
-        )
+        self.refit_duration = self._metric(Histogram, REFIT_DURATION, buckets=REFIT_BUCKETS)
+        self.rpc_duration = self._metric(Histogram, RPC_DURATION, buckets=RPC_BUCKETS)
+        self.refused_batches = self._metric(Counter, REFUSED_BATCHES)
         self._refused_children: dict[tuple[str, str], Any] = {}
         for method in _estimator_methods():
             self.rpc_duration.labels(method, "OK")
@@ -181,6 +165,14 @@ class Metrics:
             log.debug("process metrics unavailable", exc_info=True)
         app.hooks.refit.append(self._on_refit)
         app.hooks.removed.append(self._on_removed)
+
+    def _metric(self, kind: Any, name: str, **options: Any) -> Any:
+        """The prometheus_client metric ``name`` (a ``kind``) on this registry, with the
+        help text and labels :data:`SPECS` gives it."""
+        spec = SPECS[name]
+        return kind(
+            family_name(name), spec.help, labelnames=spec.labels, registry=self.registry, **options
+        )
 
     # -- wiring used by the server ----------------------------------------
 
