@@ -27,6 +27,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy.typing as npt
@@ -105,6 +106,26 @@ class _Base:
 
     # -- the interface the vLLM shim uses ---------------------------------------
 
+    def submit(
+        self,
+        features: npt.ArrayLike,
+        num_verified: npt.ArrayLike,
+        num_accepted: npt.ArrayLike,
+        exclude: npt.ArrayLike | None = None,
+    ) -> None:
+        """Queue one decode step (features ``[R, K]``, counts ``[R]``); never blocks."""
+        if not self._closed:
+            self._put(self._queue, features, num_verified, num_accepted, exclude)
+
+    def submit_summary(self, summary: RoundSummary) -> None:
+        """Queue one round summary (summary mode); never blocks. Takes the next sequence."""
+        if not self._closed:
+            self._put(self._queue_summary, summary)
+
+    def _put(self, queue: Callable[..., bool], *item: Any) -> None:
+        """``queue(*item)`` with the sender started when its transport needs it; never raises."""
+        raise NotImplementedError
+
     def _queue(
         self,
         features: npt.ArrayLike,
@@ -116,32 +137,32 @@ class _Base:
         try:
             data = encode_step(features, num_verified, num_accepted, exclude, self.k)
         except (ValueError, TypeError) as exc:
-            self._ledger.count_invalid()
-            self.last_invalid = str(exc)
-            if self._invalid_logged < 10:
-                self._invalid_logged += 1
-                log.warning("avest forwarder: step not queued: %s", exc)
-            return False
+            return self._refuse("step", exc)
         self._ledger.submit(data)
         return True
 
     def _queue_summary(self, summary: RoundSummary) -> bool:
         """Queue a round summary (checked when made); False (counted in ``stats.invalid``)
         if it is not one or its K is not the pair's."""
-        try:
-            if not isinstance(summary, RoundSummary):
-                raise TypeError(f"expected a RoundSummary, got {type(summary).__name__}")
-            if summary.k != self.k:
-                raise ValueError(f"summary has K={summary.k}, expected {self.k}")
-        except (ValueError, TypeError) as exc:
-            self._ledger.count_invalid()
-            self.last_invalid = str(exc)
-            if self._invalid_logged < 10:
-                self._invalid_logged += 1
-                log.warning("avest forwarder: summary not queued: %s", exc)
-            return False
+        if not isinstance(summary, RoundSummary):
+            return self._refuse(
+                "summary", TypeError(f"expected a RoundSummary, got {type(summary).__name__}")
+            )
+        if summary.k != self.k:
+            return self._refuse(
+                "summary", ValueError(f"summary has K={summary.k}, expected {self.k}")
+            )
         self._ledger.submit(summary)
         return True
+
+    def _refuse(self, what: str, exc: Exception) -> bool:
+        """Count a step or summary not queued, keep why, log the first ten; returns False."""
+        self._ledger.count_invalid()
+        self.last_invalid = str(exc)
+        if self._invalid_logged < 10:
+            self._invalid_logged += 1
+            log.warning("avest forwarder: %s not queued: %s", what, exc)
+        return False
 
     def latest_coefficients(self) -> Served | None:
         """The coefficients last received from the server, or None."""
@@ -188,35 +209,14 @@ class Forwarder(_Base):
     def _make_driver(self) -> ThreadDriver:
         return ThreadDriver(self.address, self._session, **self._driver_kwargs)
 
-    def submit(
-        self,
-        features: npt.ArrayLike,
-        num_verified: npt.ArrayLike,
-        num_accepted: npt.ArrayLike,
-        exclude: npt.ArrayLike | None = None,
-    ) -> None:
-        """Queue one decode step (features ``[R, K]``, counts ``[R]``); never blocks."""
-        if self._closed:
-            return
+    def _put(self, queue: Callable[..., bool], *item: Any) -> None:
         try:
             if self._pid != os.getpid() or self._thread is None:
-                self._start()
-            if self._queue(features, num_verified, num_accepted, exclude):
+                self._start()  # first, so that a forked child queues into its own ledger
+            if queue(*item):
                 self._driver.notify()
         except Exception:  # the hot path never raises
             log.exception("avest forwarder: submit failed")
-
-    def submit_summary(self, summary: RoundSummary) -> None:
-        """Queue one round summary (summary mode); never blocks. Takes the next sequence."""
-        if self._closed:
-            return
-        try:
-            if self._pid != os.getpid() or self._thread is None:
-                self._start()
-            if self._queue_summary(summary):
-                self._driver.notify()
-        except Exception:  # the hot path never raises
-            log.exception("avest forwarder: submit_summary failed")
 
     def start(self) -> Forwarder:
         """Start the sender now (otherwise the first :meth:`submit` does)."""
@@ -285,37 +285,15 @@ class AsyncForwarder(_Base):
     def _make_driver(self) -> AsyncDriver:
         return AsyncDriver(self.address, self._session, **self._driver_kwargs)
 
-    def submit(
-        self,
-        features: npt.ArrayLike,
-        num_verified: npt.ArrayLike,
-        num_accepted: npt.ArrayLike,
-        exclude: npt.ArrayLike | None = None,
-    ) -> None:
-        """Queue one decode step (features ``[R, K]``, counts ``[R]``); never blocks."""
-        if self._closed:
-            return
+    def _put(self, queue: Callable[..., bool], *item: Any) -> None:
         try:
-            if not self._queue(features, num_verified, num_accepted, exclude):
+            if not queue(*item):
                 return
             if self._task is None or self._task.done():
                 self._start()  # needs the running loop: the first submit must come from it
             self._driver.notify()
         except Exception:
             log.exception("avest forwarder: submit failed")
-
-    def submit_summary(self, summary: RoundSummary) -> None:
-        """Queue one round summary (summary mode); a plain call on the forwarder's loop."""
-        if self._closed:
-            return
-        try:
-            if not self._queue_summary(summary):
-                return
-            if self._task is None or self._task.done():
-                self._start()
-            self._driver.notify()
-        except Exception:
-            log.exception("avest forwarder: submit_summary failed")
 
     def start(self) -> AsyncForwarder:
         """Start the sender task on the running loop (otherwise the first submit does)."""
