@@ -11,6 +11,8 @@ import tempfile
 import uuid
 from typing import Any
 
+from avest.commands.traces import add_trace_argument
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = subparsers.add_parser(
@@ -21,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "workers, prints each refit's coefficients and calibration as they arrive, then keeps "
         "serving so the metrics and the reliability diagram can be looked at (Ctrl-C stops).",
     )
-    p.add_argument("trace", nargs="?", help="trace file (.npz); default: the bundled sample")
+    add_trace_argument(p)
     p.add_argument("--grpc-address", default="127.0.0.1:50051")
     p.add_argument("--http-address", default="127.0.0.1:8000")
     p.add_argument("--data-dir", default="", help="default: a fresh temporary directory")

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from avest.commands.traces import add_trace_argument, load_trace
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = subparsers.add_parser(
@@ -15,7 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "force when it was drafted, then learned. Prints AUC, log loss, ECE and mean predicted "
         "vs observed acceptance per method.",
     )
-    p.add_argument("trace", nargs="?", help="trace file (.npz); default: the bundled sample")
+    add_trace_argument(p)
     p.add_argument(
         "--refit-interval",
         type=int,
@@ -53,14 +55,11 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from avest.offline.evaluate import evaluate, format_table
-    from avest.offline.trace import TraceError, bundled_sample_path, read_trace
 
-    path = args.trace or str(bundled_sample_path())
-    try:
-        trace = read_trace(path)
-    except (TraceError, OSError) as exc:
-        print(f"avest evaluate: {exc}", file=sys.stderr)
+    loaded = load_trace("evaluate", args.trace)
+    if loaded is None:
         return 2
+    path, trace = loaded
 
     def progress(it):  # type: ignore[no-untyped-def]
         return tqdm(it, desc="replay", unit="step", leave=False, disable=None, file=sys.stderr)

@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from avest.commands.pairs import add_address_argument, grpc_address, pair_json, print_pair
+from avest.commands.traces import add_trace_argument, load_trace
 from avest_wire.rules import UPDATE_RULES
 
 #: Seconds ``avest replay`` waits for the service to answer before giving up.
@@ -23,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "concurrent workers (each step's rows split among them), then print the pair's "
         "coefficients and calibration.",
     )
-    p.add_argument("trace", nargs="?", help="trace file (.npz); default: the bundled sample")
+    add_trace_argument(p)
     add_address_argument(p)
     p.add_argument(
         "--workers", type=int, default=1, metavar="W", help="concurrent simulated workers"
@@ -100,14 +101,11 @@ def run(args: argparse.Namespace) -> int:
     import grpc
 
     from avest.offline.replay import ReplayError, replay, step_bounds
-    from avest.offline.trace import TraceError, bundled_sample_path, read_trace
 
-    path = args.trace or str(bundled_sample_path())
-    try:
-        trace = read_trace(path)
-    except (TraceError, OSError) as exc:
-        print(f"avest replay: {exc}", file=sys.stderr)
+    loaded = load_trace("replay", args.trace)
+    if loaded is None:
         return 2
+    path, trace = loaded
     address = grpc_address(args.address)
     if not asyncio.run(reachable(address, args.connect_timeout)):
         print(
