@@ -18,6 +18,11 @@ shift of the intercepts, a fall of the slope, drafts at the +40 clamp: part
 of them, or all).
 
     python bench/ablate_rule.py --json /tmp/ablation.json
+
+``--remove A --remove B ...`` also scores those mechanisms removed together,
+and ``--greedy`` removes them one at a time, least costly first (by each
+one's own removal), keeping a removal only while the joint variant stays
+within noise of the full default (:func:`acceptable`).
 """
 
 from __future__ import annotations
@@ -54,31 +59,49 @@ class Variant:
     layer: LayerConfig | None = DEFAULT_LAYER
 
 
-def _t(**kw: Any) -> TrackingConfig:
-    return replace(DEFAULT_TRACKING, **kw)
+#: Each mechanism of the default and the values that switch it off: which
+#: config (``rule``: :class:`TrackingConfig`, ``layer``: :class:`LayerConfig`,
+#: ``layer`` with ``None``: no layer at all) and its fields.
+OFF: dict[str, tuple[str, dict[str, Any] | None, str]] = {
+    "damping": ("rule", {"damping": 0.0}, "no vLLM count damping in the tracking step"),
+    "carry": ("rule", {"carry": False}, "no carried information (one round's own step)"),
+    "innovation": ("rule", {"innovation": False}, "carried information never discounted"),
+    "warmup": ("rule", {"warmup_rounds": 0}, "full-length first rounds"),
+    "trust-region": ("rule", {"trust_region": math.inf}, "no per-position trust region"),
+    "slope-bound": ("rule", {"slope_decrease": math.inf}, "no bound on a fall of the slope"),
+    "shadow": ("rule", {"shadow": False}, "the tracking step alone, no vLLM shadow"),
+    "share": ("rule", {"share": 0.0}, "shadow mixed by sigmoid(D) alone, no least share"),
+    "share-fade": ("rule", {"share_fade": math.inf}, "the least share never fades"),
+    "layer": ("layer", None, "no calibration layer"),
+    "shift-discount": ("layer", {"shift_weight": 0.0}, "layer not aged at a detected shift"),
+    "min-slope": ("layer", {"min_slope": 0.0}, "layer map merely monotone"),
+    "serve-z": ("layer", {"serve_z": 0.0}, "layer served without the standard-error test"),
+    "shrinkage": ("layer", {"pseudo_count": 1e-6}, "layer bins not shrunk to the logistic"),
+}
 
 
-def _l(**kw: Any) -> LayerConfig:
-    return replace(DEFAULT_LAYER, **kw)
+def without(*names: str) -> Variant:
+    """The default with every mechanism in ``names`` switched off."""
+    rule: dict[str, Any] = {}
+    layer: dict[str, Any] | None = {}
+    for n in names:
+        target, fields, _ = OFF[n]
+        if target == "rule":
+            rule.update(fields or {})
+        elif fields is None or layer is None:
+            layer = None
+        else:
+            layer.update(fields)
+    return Variant(
+        "-".join(("no", *names)) if len(names) == 1 else "no " + "+".join(names),
+        "; ".join(OFF[n][2] for n in names),
+        replace(DEFAULT_TRACKING, **rule),
+        None if layer is None else replace(DEFAULT_LAYER, **layer),
+    )
 
 
-VARIANTS = [
-    Variant("full", "the default as served"),
-    Variant("no-damping", "no vLLM count damping in the tracking step", _t(damping=0.0)),
-    Variant("no-carry", "no carried information (one round's own step)", _t(carry=False)),
-    Variant("no-innovation", "carried information never discounted", _t(innovation=False)),
-    Variant("no-warmup", "full-length first rounds", _t(warmup_rounds=0)),
-    Variant("no-trust-region", "no per-position trust region", _t(trust_region=math.inf)),
-    Variant("no-slope-bound", "no bound on a fall of the slope", _t(slope_decrease=math.inf)),
-    Variant("no-shadow", "the tracking step alone, no vLLM shadow", _t(shadow=False)),
-    Variant("no-share", "shadow mixed by sigmoid(D) alone, no least share", _t(share=0.0)),
-    Variant("no-share-fade", "the least share never fades", _t(share_fade=math.inf)),
-    Variant("no-layer", "no calibration layer", layer=None),
-    Variant("no-shift-discount", "layer not aged at a detected shift", layer=_l(shift_weight=0.0)),
-    Variant("no-min-slope", "layer map merely monotone", layer=_l(min_slope=0.0)),
-    Variant("no-serve-z", "layer served without the standard-error test", layer=_l(serve_z=0.0)),
-    Variant("no-shrinkage", "layer bins not shrunk to the logistic", layer=_l(pseudo_count=1e-6)),
-]
+FULL = Variant("full", "the default as served")
+VARIANTS = [FULL, *(without(n) for n in OFF)]
 
 
 # -- traces -------------------------------------------------------------------
@@ -160,16 +183,27 @@ def trace_set(shared: Path) -> dict[str, Trace]:
         out["+".join(recorded) + " K=5"] = _joined(
             [s for t in recorded.values() for s in _blocks_of(t)], 5
         )
-    for kind, seeds in (
-        ("stationary", (1,)),
-        ("drift", (2, 3, 4)),
-        ("jump", (5,)),
-        ("slope-fall", (6,)),
-        ("clamp", (7,)),
-        ("piled", (8,)),
-    ):
+    for kind, seeds in SYNTHETIC.items():
         out.update({f"syn-{kind}:{s}": synthetic(s, kind) for s in seeds})
     return out
+
+
+#: The synthetic traces of :func:`trace_set`, by kind: their seeds.
+SYNTHETIC = {
+    "stationary": (1,),
+    "drift": (2, 3, 4),
+    "jump": (5,),
+    "slope-fall": (6,),
+    "clamp": (7,),
+    "piled": (8,),
+}
+
+
+def replicas(n: int) -> dict[str, list[Trace]]:
+    """``n`` fresh seeds (100, 101, ...) of every synthetic kind: the noise of a
+    kind's delta across seeds, where one trace's blocks cannot show it (a jump
+    or a fall is one event per trace)."""
+    return {kind: [synthetic(100 + i, kind) for i in range(n)] for kind in SYNTHETIC}
 
 
 # -- scoring ------------------------------------------------------------------
@@ -226,16 +260,117 @@ def compare(full: list[CalibrationState], var: list[CalibrationState]) -> dict[s
     return out
 
 
-def run(refit_interval: int, shared: Path) -> dict[str, Any]:
-    traces = trace_set(shared)
-    results: dict[str, Any] = {"traces": {}, "variants": [v.name for v in VARIANTS]}
-    for name, t in traces.items():
-        started = time.perf_counter()
-        full = block_scores(t, VARIANTS[0], refit_interval)
-        rows = {v.name: compare(full, block_scores(t, v, refit_interval)) for v in VARIANTS}
-        results["traces"][name] = rows
-        print(f"{name}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
-    return results
+class Ablation:
+    """Variants scored against the full default on one trace set (the full default
+    replayed once per trace); ``results`` is what ``--json`` writes."""
+
+    def __init__(self, refit_interval: int, shared: Path, seeds: int = 0) -> None:
+        self.refit_interval = refit_interval
+        self.traces = trace_set(shared)
+        self.replicas = replicas(seeds) if seeds else {}
+        self.full = {n: block_scores(t, FULL, refit_interval) for n, t in self.traces.items()}
+        self.full_replicas = {
+            kind: [block_scores(t, FULL, refit_interval) for t in ts]
+            for kind, ts in self.replicas.items()
+        }
+        self.results: dict[str, Any] = {
+            "traces": {n: {} for n in self.traces},
+            "variants": [],
+            "replicas": {kind: {} for kind in self.replicas},
+        }
+
+    def score(self, v: Variant) -> dict[str, Any]:
+        """Score ``v`` on every trace (once) and return its aggregate row per part."""
+        if v.name not in self.results["variants"]:
+            started = time.perf_counter()
+            for n, t in self.traces.items():
+                got = block_scores(t, v, self.refit_interval)
+                self.results["traces"][n][v.name] = compare(self.full[n], got)
+            for kind, ts in self.replicas.items():
+                self.results["replicas"][kind][v.name] = [
+                    compare(full, block_scores(t, v, self.refit_interval))["second"]
+                    for full, t in zip(self.full_replicas[kind], ts, strict=True)
+                ]
+            self.results["variants"].append(v.name)
+            print(f"{v.name}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
+        return {part: aggregate_one(self.results, v.name, part) for part in PARTS}
+
+    def greedy(self, candidates: list[str]) -> list[str]:
+        """The candidates removed one by one, least costly first (by their own
+        removal), each kept out only while the joint removal stays :func:`acceptable`."""
+        order = sorted(candidates, key=lambda n: cost(self.score(without(n))))
+        out: list[str] = []
+        for n in order:
+            if acceptable(self.results, self.score(without(*out, n))):
+                out.append(n)
+        return out
+
+
+PARTS = ("whole", "second")
+
+
+def cost(rows: dict[str, dict[str, Any]]) -> float:
+    """A removal's cost: its mean rise of log loss and ECE in units of their noise,
+    summed over the whole trace and its second half (negative: it helps)."""
+    return sum(r[m] / r[m + "_noise"] for r in rows.values() for m in ("logloss", "ece"))
+
+
+#: A rise is clear when it is beyond 2 SE and beyond a rounding of the score:
+#: 0.5 % of the full default's log loss, or 0.005 of ECE (a fifth of its typical ECE).
+CLEAR_LOGLOSS, CLEAR_ECE = 0.005, 0.005
+
+
+def clear_rise(m: str, delta: float, se: float, base: float) -> bool:
+    """Whether measure ``m`` rose from ``base`` by ``delta`` beyond noise ``se`` and rounding."""
+    floor = CLEAR_LOGLOSS * base if m == "logloss" else CLEAR_ECE
+    return bool(delta > 2 * se and delta > floor)
+
+
+def clearly_worse(cell: dict[str, Any]) -> bool:
+    """A trace whose second half's log loss or ECE rose clearly (:func:`clear_rise`)."""
+    return any(
+        clear_rise(m, c["delta"], c["se"], c["value"] - c["delta"])
+        for m in ("logloss", "ece")
+        for c in (cell["second"][m],)
+    )
+
+
+def replicated(results: dict[str, Any], v: str) -> dict[str, dict[str, tuple[float, float, float]]]:
+    """Per synthetic kind: ``(mean delta, its standard error, mean full score)``
+    over the seeds, for each measure of ``v``'s second half."""
+    out: dict[str, dict[str, tuple[float, float, float]]] = {}
+    for kind, by_variant in results.get("replicas", {}).items():
+        cells = by_variant.get(v)
+        if not cells:
+            continue
+        out[kind] = {}
+        for m in MEASURES:
+            d = np.array([c[m]["delta"] for c in cells], dtype=np.float64)
+            base = np.array([c[m]["value"] - c[m]["delta"] for c in cells], dtype=np.float64)
+            ok = np.isfinite(d)
+            d, base = d[ok], base[ok]
+            se = float(d.std(ddof=1) / math.sqrt(d.size)) if d.size > 1 else math.nan
+            mean = float(d.mean()) if d.size else math.nan
+            out[kind][m] = (mean, se, float(base.mean()) if d.size else math.nan)
+    return out
+
+
+def acceptable(results: dict[str, Any], rows: dict[str, dict[str, Any]]) -> bool:
+    """No worse than the full default beyond noise: the mean log loss and ECE rise
+    by at most twice their noise on the whole trace and its second half, no trace
+    is :func:`clearly_worse`, and (with ``--seeds``) no synthetic kind's mean
+    second-half log loss or ECE over its seeds rises clearly (:func:`clear_rise`,
+    the noise being the standard error over the seeds)."""
+    name = rows["whole"]["variant"]
+    return (
+        all(r[m] <= 2 * r[m + "_noise"] for r in rows.values() for m in ("logloss", "ece"))
+        and not any(clearly_worse(results["traces"][t][name]) for t in results["traces"])
+        and not any(
+            clear_rise(m, *kind[m])
+            for kind in replicated(results, name).values()
+            for m in ("logloss", "ece")
+        )
+    )
 
 
 def _beyond(cell: dict[str, Any], sign: int) -> bool:
@@ -246,47 +381,69 @@ def _beyond(cell: dict[str, Any], sign: int) -> bool:
     )
 
 
-def aggregate(results: dict[str, Any], part: str) -> list[dict[str, Any]]:
-    """Per variant: mean delta over the traces, its noise, and the traces that moved.
+def aggregate_one(results: dict[str, Any], v: str, part: str) -> dict[str, Any]:
+    """Variant ``v``'s mean delta over the traces, its noise, and the traces that moved.
 
     A trace counts as worse when its log loss rises, or its ECE rises, or its AUC
     falls, by more than twice that trace's standard error (better: the reverse).
     """
-    rows = []
-    for v in results["variants"]:
-        row: dict[str, Any] = {"variant": v}
-        cells = [results["traces"][t][v][part] for t in results["traces"]]
-        for m in MEASURES:
-            d = np.array([c[m]["delta"] for c in cells])
-            se = np.array([c[m]["se"] for c in cells])
-            ok = np.isfinite(d) & np.isfinite(se)
-            row[m] = float(d[ok].mean())
-            row[m + "_value"] = float(np.nanmean([c[m]["value"] for c in cells]))
-            row[m + "_noise"] = float(math.sqrt(float(np.sum(se[ok] ** 2))) / max(1, ok.sum()))
-        row["worse"] = [t for t in results["traces"] if _beyond(results["traces"][t][v][part], 1)]
-        row["better"] = [t for t in results["traces"] if _beyond(results["traces"][t][v][part], -1)]
-        rows.append(row)
-    return rows
+    row: dict[str, Any] = {"variant": v}
+    cells = [results["traces"][t][v][part] for t in results["traces"]]
+    for m in MEASURES:
+        d = np.array([c[m]["delta"] for c in cells])
+        se = np.array([c[m]["se"] for c in cells])
+        ok = np.isfinite(d) & np.isfinite(se)
+        row[m] = float(d[ok].mean())
+        row[m + "_value"] = float(np.nanmean([c[m]["value"] for c in cells]))
+        row[m + "_noise"] = float(math.sqrt(float(np.sum(se[ok] ** 2))) / max(1, ok.sum()))
+    row["worse"] = [t for t in results["traces"] if _beyond(results["traces"][t][v][part], 1)]
+    row["better"] = [t for t in results["traces"] if _beyond(results["traces"][t][v][part], -1)]
+    row["clearly_worse"] = [t for t in results["traces"] if clearly_worse(results["traces"][t][v])]
+    return row
+
+
+def aggregate(results: dict[str, Any], part: str) -> list[dict[str, Any]]:
+    """:func:`aggregate_one` for every variant scored, in order."""
+    return [aggregate_one(results, v, part) for v in results["variants"]]
 
 
 def table(results: dict[str, Any]) -> str:
+    width = max(19, *(len(v) for v in results["variants"]))
     lines = []
-    for part in ("whole", "second"):
+    for part in PARTS:
         lines.append(
             f"\n{part} trace: mean over {len(results['traces'])} traces; delta vs full ± noise"
         )
         lines.append(
-            f"{'variant':<19} {'logloss':>8} {'Δ':>9} {'±':>7} {'ECE':>7} {'Δ':>8} {'±':>7}"
+            f"{'variant':<{width}} {'logloss':>8} {'Δ':>9} {'±':>7} {'ECE':>7} {'Δ':>8} {'±':>7}"
             f" {'AUC':>7} {'Δ':>8} {'±':>7}  traces worse / better beyond 2 SE"
         )
         for r in aggregate(results, part):
             lines.append(
-                f"{r['variant']:<19} {r['logloss_value']:>8.4f} {r['logloss']:>+9.5f}"
+                f"{r['variant']:<{width}} {r['logloss_value']:>8.4f} {r['logloss']:>+9.5f}"
                 f" {r['logloss_noise']:>7.5f} {r['ece_value']:>7.4f} {r['ece']:>+8.5f}"
                 f" {r['ece_noise']:>7.5f} {r['auc_value']:>7.4f} {r['auc']:>+8.5f}"
                 f" {r['auc_noise']:>7.5f}  {len(r['worse'])} / {len(r['better'])}"
                 + (f" (worse: {', '.join(r['worse'])})" if r["worse"] else "")
+                + (f"; clearly: {', '.join(r['clearly_worse'])}" if r["clearly_worse"] else "")
             )
+    if any(results.get("replicas", {}).values()):
+        kinds = list(results["replicas"])
+        n = len(next(iter(next(iter(results["replicas"].values())).values())))
+        lines.append(
+            f"\nsecond half over {n} fresh seeds of each synthetic kind: mean delta vs full"
+            " ± its standard error over the seeds, in thousandths: log loss, ECE, AUC"
+        )
+        lines.append(f"{'variant':<{width}} " + " ".join(f"{k:>29}" for k in kinds))
+        for v in results["variants"]:
+            rep = replicated(results, v)
+            cell = {
+                k: " ".join(
+                    f"{1e3 * d:+5.1f}±{1e3 * e:3.1f}" for d, e, _ in (rep[k][m] for m in MEASURES)
+                )
+                for k in rep
+            }
+            lines.append(f"{v:<{width}} " + " ".join(f"{cell.get(k, ''):>29}" for k in kinds))
     return "\n".join(lines)
 
 
@@ -294,16 +451,36 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--refit-interval", type=int, default=100)
     ap.add_argument("--traces", type=Path, default=SHARED, help="folder of the shared traces")
-    ap.add_argument("--only", action="append", help="only these variants (and full)")
+    ap.add_argument("--only", action="append", help="only these one-at-a-time variants")
+    ap.add_argument(
+        "--remove",
+        action="append",
+        choices=sorted(OFF),
+        help="also score these mechanisms removed together (repeat the flag)",
+    )
+    ap.add_argument(
+        "--greedy", action="store_true", help="and remove them one by one, least costly first"
+    )
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        default=0,
+        help="also score every variant on this many fresh seeds of each synthetic kind",
+    )
     ap.add_argument("--json", type=Path, help="write every cell here")
     args = ap.parse_args()
-    if args.only:
-        keep = {"full", *args.only}
-        VARIANTS[:] = [v for v in VARIANTS if v.name in keep]
-    results = run(args.refit_interval, args.traces)
+    ablation = Ablation(args.refit_interval, args.traces, args.seeds)
+    for v in VARIANTS:
+        if not args.only or v.name in {"full", *args.only}:
+            ablation.score(v)
+    if args.remove:
+        ablation.score(without(*args.remove))
+        if args.greedy:
+            kept = ablation.greedy(args.remove)
+            print(f"greedy: removable together: {', '.join(kept) or 'none'}", file=sys.stderr)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
-    print(table(results))
+        args.json.write_text(json.dumps(ablation.results, indent=1))
+    print(table(ablation.results))
     return 0
 
 
