@@ -73,16 +73,9 @@ class Stats:
     last_sequence: int = 0
 
 
-@dataclass
-class _Counters:
-    submitted: int = 0
-    sent: int = 0
-    resent: int = 0
-    acked: int = 0
-    dropped: int = 0
-    refused: int = 0
-    invalid: int = 0
-    reconnects: int = 0
+#: What the ledger adds to as it goes; the rest of :class:`Stats` is read off its deques
+#: and sequence numbers when a snapshot is taken.
+_COUNTED = ("submitted", "sent", "resent", "acked", "dropped", "refused", "invalid", "reconnects")
 
 
 class Ledger:
@@ -100,7 +93,7 @@ class Ledger:
         self._inflight: deque[Step] = deque()
         self._next = 1
         self._watermark = 0
-        self._c = _Counters()
+        self._count = dict.fromkeys(_COUNTED, 0)
 
     # -- producer side ------------------------------------------------------
 
@@ -111,14 +104,14 @@ class Ledger:
             self._next += 1
             if len(self._queue) >= self.queue_size:
                 self._queue.popleft()
-                self._c.dropped += 1
+                self._count["dropped"] += 1
             self._queue.append(Step(seq, payload))
-            self._c.submitted += 1
+            self._count["submitted"] += 1
             return seq
 
     def count_invalid(self) -> None:
         with self._lock:
-            self._c.invalid += 1
+            self._count["invalid"] += 1
 
     # -- sender side ----------------------------------------------------------
 
@@ -130,12 +123,12 @@ class Ledger:
             step = self._queue.popleft()
             if len(self._inflight) >= self.max_unacked:
                 self._inflight.popleft()
-                self._c.dropped += 1
+                self._count["dropped"] += 1
             self._inflight.append(step)
             if step.attempts:
-                self._c.resent += 1
+                self._count["resent"] += 1
             step.attempts += 1
-            self._c.sent += 1
+            self._count["sent"] += 1
             return step
 
     def has_unsent(self) -> bool:
@@ -158,7 +151,7 @@ class Ledger:
                 while dq and dq[0].sequence <= watermark:
                     dq.popleft()
                     released += 1
-            self._c.acked += released
+            self._count["acked"] += released
             return released
 
     def refuse(self, sequence: int | None) -> bool:
@@ -171,7 +164,7 @@ class Ledger:
                 for i, step in enumerate(dq):
                     if sequence is None or step.sequence == sequence:
                         del dq[i]
-                        self._c.refused += 1
+                        self._count["refused"] += 1
                         return True
                     if sequence is not None and step.sequence > sequence:
                         break
@@ -189,12 +182,12 @@ class Ledger:
             self._queue, self._inflight = self._inflight, deque()
             while len(self._queue) > self.queue_size:
                 self._queue.popleft()
-                self._c.dropped += 1
+                self._count["dropped"] += 1
             return moved
 
     def count_reconnect(self) -> None:
         with self._lock:
-            self._c.reconnects += 1
+            self._count["reconnects"] += 1
 
     # -- inspection -----------------------------------------------------------
 
@@ -214,16 +207,8 @@ class Ledger:
 
     def stats(self) -> Stats:
         with self._lock:
-            c = self._c
             return Stats(
-                submitted=c.submitted,
-                sent=c.sent,
-                resent=c.resent,
-                acked=c.acked,
-                dropped=c.dropped,
-                refused=c.refused,
-                invalid=c.invalid,
-                reconnects=c.reconnects,
+                **self._count,
                 pending=len(self._queue) + len(self._inflight),
                 acked_sequence=self._watermark,
                 last_sequence=self._next - 1,
