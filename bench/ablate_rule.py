@@ -69,12 +69,8 @@ OFF: dict[str, tuple[str, dict[str, Any] | None, str]] = {
     "warmup": ("rule", {"warmup_rounds": 0}, "full-length first rounds"),
     "trust-region": ("rule", {"trust_region": math.inf}, "no per-position trust region"),
     "slope-bound": ("rule", {"slope_decrease": math.inf}, "no bound on a fall of the slope"),
-    "shadow": ("rule", {"shadow": False}, "the tracking step alone, no vLLM shadow"),
-    "share": ("rule", {"share": 0.0}, "shadow mixed by sigmoid(D) alone, no least share"),
-    "share-fade": ("rule", {"share_fade": math.inf}, "the least share never fades"),
     "layer": ("layer", None, "no calibration layer"),
     "shift-discount": ("layer", {"shift_weight": 0.0}, "layer not aged at a detected shift"),
-    "min-slope": ("layer", {"min_slope": 0.0}, "layer map merely monotone"),
     "serve-z": ("layer", {"serve_z": 0.0}, "layer served without the standard-error test"),
     "shrinkage": ("layer", {"pseudo_count": 1e-6}, "layer bins not shrunk to the logistic"),
 }

@@ -61,7 +61,6 @@ def test_every_rule_is_an_update_rule_with_every_feature(name):
     assert isinstance(rule, UpdateRule) and rule.name == name
     assert rule.warmup_rounds >= 0
     assert 0.0 <= rule.carried_weight <= 1.0
-    assert rule.tracking_weight is None or 0.0 <= rule.tracking_weight <= 1.0
 
 
 @pytest.mark.parametrize("name", RULES)
@@ -78,8 +77,6 @@ def test_hostile_rounds_leave_finite_coefficients(name, seed):
             assert _sane(result.coefficients), (name, result)
             coef = result.coefficients
             assert np.isfinite(rule.carried_weight)
-            w = rule.tracking_weight
-            assert w is None or np.isfinite(w)
 
 
 @pytest.mark.parametrize("name", RULES)
@@ -121,7 +118,6 @@ def test_state_to_snapshot_and_back_gives_the_same_next_refit(name):
         np.testing.assert_array_equal(a.coefficients.as_vector(), b.coefficients.as_vector())
         assert a.outcome == b.outcome
         assert rule.carried_weight == again.carried_weight
-        assert rule.tracking_weight == again.tracking_weight
         coef = a.coefficients
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from avest.core.estimator import DEFAULT_RECENT_DECAY
 from avest.metrics import registry as m
-from avest.metrics.names import TRACKING_WEIGHT
 
 from .panels import DATASOURCE, Layout, dashed, refs, row, stat, target, timeseries
 from .queries import (
@@ -143,17 +142,6 @@ def coefficients(lay: Layout) -> list[dict]:
             "Per-position intercepts b_i of the coefficients in force (position 0 is the "
             "first draft token).",
             [target(pair(m.INTERCEPT), "b{{position}}")],
-        ),
-        timeseries(
-            lay,
-            "Default rule: tracking weight",
-            "The tracking trajectory's weight in the served coefficients; vLLM's own rule, "
-            "run beside it on the same sums, has the rest. Near 1 while the carried "
-            "information predicts better (stationary traffic); at 0.2 or below while the "
-            "workload moves faster than tracking follows. Empty for pairs on another rule.",
-            [target(pair(TRACKING_WEIGHT), "tracking")],
-            minimum=0.0,
-            maximum=1.0,
         ),
     ]
 

@@ -12,13 +12,10 @@ The map is a fixed-size table (:data:`SLOTS` knots, the bin centres plus one
 below and one above the grid; the sizes are the wire contract's, in
 :mod:`avest_wire.bins`, so the shim's table has the same shape) applied by
 piecewise-linear interpolation in ``eta``, flat beyond the end knots, so a
-GPU kernel can apply it with fixed shapes. Each refit, every bin's rate is shrunk toward the logistic rate at
-its centre (:attr:`LayerConfig.pseudo_count` drafts' worth), made monotone by weighted
-pool-adjacent-violators, and stored as log-odds, then made to rise at least
-:attr:`LayerConfig.min_slope` per unit of ``eta`` (a second weighted pool-
-adjacent-violators pass on ``logit - min_slope * eta``). A strictly increasing map
-keeps the ranking of the drafts it is applied to: flat stretches would tie
-drafts the linear predictor tells apart, and the served AUC would drop.
+GPU kernel can apply it with fixed shapes. Each refit, every bin's rate is
+shrunk toward the logistic rate at its centre (:attr:`LayerConfig.pseudo_count`
+drafts' worth), made monotone by weighted pool-adjacent-violators, and stored
+as log-odds.
 
 When the update rule reports that the workload moved (the tracking rule's
 innovation test keeps less than :attr:`LayerConfig.shift_weight` of its carried
@@ -47,7 +44,7 @@ SLOTS: int = CALIBRATION_SLOTS
 
 @dataclass(frozen=True)
 class LayerConfig:
-    """Every tuned value of the calibration layer (``0`` turns a test or the rise off)."""
+    """Every tuned value of the calibration layer (``0`` turns a test off)."""
 
     #: Drafts' worth of shrinkage toward the logistic rate in every bin: a bin
     #: with a few drafts keeps the logistic's rate; more needs more evidence.
@@ -62,9 +59,6 @@ class LayerConfig:
     #: Log-odds of served confidences are kept within this range (a
     #: probability within 6e-6 of 0 or 1).
     max_logit: float = 12.0
-    #: Least rise of the map's log-odds per unit of the linear predictor: flat
-    #: stretches would tie drafts the linear predictor tells apart (AUC).
-    min_slope: float = 0.4
     #: A refit keeping less than this share of the rule's carried information
     #: means the workload moved: the layer's evidence is discounted by that
     #: share. (The tracking rule's innovation test keeps 0.1-1 of it while it
@@ -92,15 +86,6 @@ def slot(eta: npt.ArrayLike) -> npt.NDArray[np.intp]:
     """Histogram slot of each ``eta``: 0 below the grid, 1..BINS inside, BINS+1 above."""
     v = np.floor((np.asarray(eta, dtype=np.float64) + ETA_MAX) / _WIDTH) + 1.0
     return np.clip(v, 0, SLOTS - 1).astype(np.intp)
-
-
-def rising(
-    logits: FloatArray, weights: FloatArray, min_slope: float = DEFAULT_LAYER.min_slope
-) -> FloatArray:
-    """The weighted least-squares fit of ``logits`` (over :data:`KNOTS`) rising at least
-    ``min_slope`` per unit of ``eta`` between knots."""
-    floor = min_slope * KNOTS
-    return pool_adjacent_violators(logits - floor, weights) + floor
 
 
 def pool_adjacent_violators(values: FloatArray, weights: FloatArray) -> FloatArray:
@@ -208,7 +193,7 @@ class Recalibrator:
         rate = pool_adjacent_violators(rate, weights)
         rate = np.clip(rate, sigmoid(-cfg.max_logit), sigmoid(cfg.max_logit))
         logits = np.log(rate) - np.log1p(-rate)
-        self.table = np.clip(rising(logits, weights, cfg.min_slope), -cfg.max_logit, cfg.max_logit)
+        self.table = np.clip(logits, -cfg.max_logit, cfg.max_logit)
 
     def discount(self, weight: float) -> None:
         """Keep only ``weight`` of the evidence so far (histograms, serving test)."""

@@ -1,8 +1,7 @@
 """Update rules by name: what a pair, the evaluator and the simulator build.
 
 ``vllm`` and ``recursive`` live in :mod:`avest.core.rules`, ``tracking`` (the
-default: the tracking step with vLLM's step as a shadow) in
-:mod:`avest.core.tracking` and :mod:`avest.core.shadow`.
+default) in :mod:`avest.core.tracking`.
 """
 
 from __future__ import annotations
@@ -10,7 +9,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 from avest.core.rules import RecursiveRule, UpdateRule, VllmRule
-from avest.core.shadow import ShadowedTracking
 from avest.core.tracking import DEFAULT_TRACKING, TrackingConfig, TrackingRule
 
 RULE_NAMES = ("vllm", "recursive", "tracking")
@@ -39,7 +37,7 @@ def make_rule(
         return RecursiveRule(forgetting=0.95 if forgetting is None else forgetting, prior=prior)
     if name == "tracking":
         config = tracking if forgetting is None else replace(tracking, forgetting=forgetting)
-        return ShadowedTracking(config) if config.shadow else TrackingRule(config)
+        return TrackingRule(config)
     raise ValueError(f"unknown update rule {name!r}; choose one of {', '.join(RULE_NAMES)}")
 
 

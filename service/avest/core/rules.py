@@ -12,9 +12,8 @@ Both take a :class:`RoundStats` computed at the current coefficients and
 return the new coefficients with an outcome label. Neither raises on bad
 numbers: a step that would make the slope negative or non-finite is dropped,
 and the intercepts are those solved with the slope held (never the ones
-solved together with the dropped slope). ``tracking`` (the default: the
-step of :mod:`avest.core.tracking` with vLLM's rule run as a shadow, in
-:mod:`avest.core.shadow`) is a third rule.
+solved together with the dropped slope). ``tracking`` (the default, in
+:mod:`avest.core.tracking`) is a third rule.
 """
 
 from __future__ import annotations
@@ -51,9 +50,9 @@ class UpdateRule(ABC):
 
     A rule takes the round's sums at the coefficients in force and returns
     the next ones; its carried state is named float64 arrays, so a snapshot
-    restores it exactly. The three properties have the values of a rule that
-    lacks the feature: no shortened first rounds, all carried information
-    kept (nothing to discount), and a single trajectory.
+    restores it exactly. The two properties have the values of a rule that
+    lacks the feature: no shortened first rounds, and all carried information
+    kept (nothing to discount).
     """
 
     name: ClassVar[str]
@@ -85,12 +84,6 @@ class UpdateRule(ABC):
         rule found that the workload moved (the calibration layer ages its
         evidence by it)."""
         return 1.0
-
-    @property
-    def tracking_weight(self) -> float | None:
-        """Weight of the tracking trajectory in the served coefficients, where
-        the rule mixes trajectories; ``None`` for a rule with one."""
-        return None
 
 
 def _damp(n: FloatArray | float, damping: float) -> FloatArray:

@@ -69,8 +69,7 @@ FloatArray = npt.NDArray[np.float64]
 class TrackingConfig:
     """Every tuned value of the default rule; ``math.inf`` or ``False`` turns a bound off.
 
-    The first six are the tracking step's, the next two bound it, the last
-    four are the shadow's (:mod:`avest.core.shadow`).
+    The first six are the tracking step's, the last two bound it.
     """
 
     #: vLLM's count damping ``n / (n + 50)``, written as a prior at the current
@@ -102,17 +101,6 @@ class TrackingConfig:
     #: within-position standard deviation of the features: the Newton step from
     #: over-confident coefficients overshoots; lower follows a real fall slower.
     slope_decrease: float = 0.5
-    #: Run vLLM's rule beside the tracking step and serve the two mixed.
-    shadow: bool = True
-    #: Weight the loss comparison keeps per round (about a three-round memory):
-    #: longer lags a switch of the better trajectory, shorter follows noise.
-    decay: float = 0.7
-    #: Least weight either trajectory keeps in the served coefficients: the
-    #: point is part of the way toward the other one before the evidence is in.
-    share: float = 0.2
-    #: ... while the decayed loss difference is within this many nats (a few
-    #: rounds' noise); beyond it the share fades as ``share_fade / |D|``.
-    share_fade: float = 50.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.forgetting <= 1.0:
@@ -123,12 +111,6 @@ class TrackingConfig:
             raise ValueError("warmup_rounds must be >= 0")
         if not (self.trust_region > 0.0 and self.slope_decrease > 0.0):
             raise ValueError("trust_region and slope_decrease must be > 0")
-        if not 0.0 <= self.decay <= 1.0:
-            raise ValueError("decay must lie in [0, 1]")
-        if not 0.0 <= self.share <= 0.5:
-            raise ValueError("share must lie in [0, 0.5]")
-        if not self.share_fade > 0.0:
-            raise ValueError("share_fade must be > 0")
 
 
 #: The default rule as served.

@@ -87,7 +87,6 @@ QUARANTINED_PAIRS = "avest_quarantined_pairs"
 # The calibration layer (avest.core.calibration), per pair.
 CALIBRATION_LAYER_SERVED = "avest_calibration_layer_served"
 CALIBRATION_LAYER_GAIN = "avest_calibration_layer_logloss_gain"
-TRACKING_WEIGHT = "avest_rule_tracking_weight"
 WORKERS = "avest_workers"
 WORKERS_FORGOTTEN = "avest_workers_forgotten_total"
 WORKER_DRAFTS = "avest_worker_drafts"
@@ -354,14 +353,6 @@ METRICS: tuple[MetricSpec, ...] = (
         ("pair",),
         "Recent predictive log loss of the plain logistic minus the calibration layer's, nats "
         "per draft (positive: the layer is better); NaN before any draft.",
-    ),
-    MetricSpec(
-        TRACKING_WEIGHT,
-        "gauge",
-        ("pair",),
-        "The tracking rule's weight in the served coefficients (vLLM's rule's trajectory has "
-        "the rest; near 0.2 or below while the workload moves faster than tracking follows). "
-        "Only for pairs on the tracking rule.",
     ),
     MetricSpec(WORKERS, "gauge", ("pair",), "Workers remembered for the pair (at most 4096)."),
     MetricSpec(WORKERS_FORGOTTEN, "counter", ("pair",), "Workers forgotten, oldest first."),

@@ -32,8 +32,8 @@ METHODS: dict[str, tuple[bool, str]] = {
     "recursive": (True, "online, recursive Newton filter (information carried across rounds)"),
     "tracking": (
         True,
-        "online, the default rule: tracking Newton steps with vLLM's rule as a shadow, "
-        "the two mixed by recent predictive loss",
+        "online, the default rule: Newton steps from the current point with the "
+        "earlier rounds' information as an adaptively discounted prior",
     ),
     "calibrated": (
         True,
