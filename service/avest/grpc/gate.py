@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from avest.grpc.handlers import Wrap, rebuilt
 from avest.grpc.interceptor import method_label
 from avest.policy.access import Access, Role, grpc_role
 from avest.policy.throttle import LogLimiter, TokenBucket
@@ -127,27 +128,22 @@ class Gate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         """The handler with the rate limit and malformed-message refusal around it."""
         if role == Role.OPEN or not full.startswith("/avest."):
             return handler
-        kw = {
-            "request_deserializer": self._parse(handler.request_deserializer),
-            "response_serializer": handler.response_serializer,
+        wraps: dict[str, Wrap] = {
+            "unary_unary": lambda behavior: self._unary(method, behavior),
+            "unary_stream": lambda behavior: self._unary_stream(method, behavior),
+            "stream_stream": lambda behavior: behavior,
         }
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                self._unary(method, handler.unary_unary), **kw
-            )
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._unary_stream(method, handler.unary_stream), **kw
-            )
-        if handler.stream_stream is not None:
-            return grpc.stream_stream_rpc_method_handler(handler.stream_stream, **kw)
-        return handler
+        return rebuilt(handler, wraps, self._parse(handler.request_deserializer))
+
+    async def _refuse_malformed(self, method: str, request: Any, context: Any) -> None:
+        """Abort the call when its request did not parse (see :meth:`_parse`)."""
+        if request is MALFORMED:
+            self.malformed(method)
+            await context.abort(*malformed_reply())
 
     def _unary(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
         async def gated(request: Any, context: Any) -> Any:
-            if request is MALFORMED:
-                self.malformed(method)
-                await context.abort(*malformed_reply())
+            await self._refuse_malformed(method, request, context)
             if self.rpc_rate > 0 and not self._rate_ok(peer := context.peer()):
                 self.on_refused(method, "resource_exhausted")
                 self.logs.warning("rate", "%s: client %s over its call rate", method, peer)
@@ -161,9 +157,7 @@ class Gate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     def _unary_stream(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
         async def gated(request: Any, context: Any) -> Any:
-            if request is MALFORMED:
-                self.malformed(method)
-                await context.abort(*malformed_reply())
+            await self._refuse_malformed(method, request, context)
             async for item in behavior(request, context):
                 yield item
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -16,6 +17,8 @@ from typing import Any
 
 import grpc
 from prometheus_client import Histogram
+
+from avest.grpc.handlers import rebuilt
 
 _ESTIMATOR_PREFIX = "/avest.v1.EstimatorService/"
 
@@ -96,27 +99,18 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return timed
 
     def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        kw = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary(method, handler.unary_unary), **kw
-            )
-        if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(
-                self._wrap_unary(method, handler.stream_unary), **kw
-            )
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._wrap_stream(method, handler.unary_stream), **kw
-            )
-        if handler.stream_stream is not None:
-            return grpc.stream_stream_rpc_method_handler(
-                self._wrap_stream(method, handler.stream_stream), **kw
-            )
-        return handler
+        unary = functools.partial(self._wrap_unary, method)
+        stream = functools.partial(self._wrap_stream, method)
+        return rebuilt(
+            handler,
+            {
+                "unary_unary": unary,
+                "stream_unary": unary,
+                "unary_stream": stream,
+                "stream_stream": stream,
+            },
+            handler.request_deserializer,
+        )
 
     def _wrap_unary(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
         async def timed(request: Any, context: Any) -> Any:
