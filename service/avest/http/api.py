@@ -86,6 +86,11 @@ _HistoryLimit = Annotated[int, Query(ge=1, le=256, description="At most this man
 _WorkersLimit = Annotated[
     int, Query(ge=1, le=4096, description="At most this many; the rest fold into 'other'")
 ]
+#: The position whose reliability to show (all pooled when absent), as data and as a diagram.
+_Position = Annotated[int | None, Query(description="One position; all positions pooled if absent")]
+_DiagramPosition = Annotated[
+    int | None, Query(description="Reliability of one position; all pooled if absent")
+]
 #: What a change answers before it runs: it needs the admin token.
 _ADMIN_ONLY: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorOut, "description": "No token, or an unknown one"},
@@ -253,12 +258,7 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
         return pair.estimator.calibration.reliability(position)
 
     @pair_view("/reliability", ReliabilityOut, "calibration")
-    async def reliability(
-        pair_id: str,
-        position: Annotated[
-            int | None, Query(description="One position; all positions pooled if absent")
-        ] = None,
-    ) -> ReliabilityOut:
+    async def reliability(pair_id: str, position: _Position = None) -> ReliabilityOut:
         """Reliability-diagram data: per probability bin, drafts, mean predicted, observed."""
         pair = get_pair(pair_id)
         rel = _reliability(pair, position)
@@ -287,12 +287,7 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
             **_NOT_FOUND,
         },
     )
-    async def reliability_svg(
-        pair_id: str,
-        position: Annotated[
-            int | None, Query(description="Reliability of one position; all pooled if absent")
-        ] = None,
-    ) -> Response:
+    async def reliability_svg(pair_id: str, position: _DiagramPosition = None) -> Response:
         """Reliability diagram (predicted vs observed per bin, with counts) beside
         predicted vs observed acceptance per draft position."""
         pair = get_pair(pair_id)
