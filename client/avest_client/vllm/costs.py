@@ -9,11 +9,12 @@ method). The plugin wraps it to record the curves here; the network sink reads
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections.abc import Callable
 from typing import Any
+
+from avest_client.vllm.hooks import record_after
 
 logger = logging.getLogger(__name__)
 
@@ -68,23 +69,16 @@ RECORDER = CostCurveRecorder()
 def install_cost_curve_hook(manager_cls: type, recorder: CostCurveRecorder | None = None) -> bool:
     """Wrap ``manager_cls.set_cost_curves`` to record the curves; idempotent."""
     rec = RECORDER if recorder is None else recorder
-    original = getattr(manager_cls, "set_cost_curves", None)
-    if original is None:
-        logger.warning("avest: %s has no set_cost_curves; cost curves not recorded", manager_cls)
-        return False
-    if getattr(original, "__avest_wrapped__", False):
-        return True
 
-    @functools.wraps(original)
-    def set_cost_curves(self: Any, draft_curve: Any, verify_curve: Any, *a: Any, **kw: Any) -> Any:
-        result = original(self, draft_curve, verify_curve, *a, **kw)
-        try:
-            limit = getattr(self, "_cudagraph_limit", 0)
-            rec.record(draft_curve, verify_curve, limit if isinstance(limit, int) else 0)
-        except Exception:  # noqa: BLE001
-            logger.exception("avest: recording cost curves failed")
-        return result
+    def record(manager: Any, draft_curve: Any, verify_curve: Any, *_: Any, **__: Any) -> None:
+        limit = getattr(manager, "_cudagraph_limit", 0)
+        rec.record(draft_curve, verify_curve, limit if isinstance(limit, int) else 0)
 
-    set_cost_curves.__avest_wrapped__ = True  # type: ignore[attr-defined]
-    manager_cls.set_cost_curves = set_cost_curves  # type: ignore[attr-defined]
-    return True
+    wrapped = record_after(
+        manager_cls,
+        "set_cost_curves",
+        record,
+        missing="cost curves not recorded",
+        failed="recording cost curves",
+    )
+    return wrapped is not False

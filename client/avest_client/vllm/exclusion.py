@@ -12,11 +12,12 @@ exclusions: they are part of the workload (use ``AVEST_LABELS``).
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any
 
 import numpy as np
+
+from avest_client.vllm.hooks import record_after
 
 logger = logging.getLogger(__name__)
 
@@ -69,25 +70,17 @@ REGISTRY = ExclusionRegistry()
 def install_sampler_hook(sampler_cls: type, registry: ExclusionRegistry | None = None) -> bool:
     """Wrap ``sampler_cls.add_request`` to record flags; idempotent. False if it cannot."""
     reg = REGISTRY if registry is None else registry
-    original = getattr(sampler_cls, "add_request", None)
-    if original is None:
-        logger.warning("avest: %s has no add_request; exclusions disabled", sampler_cls)
-        return False
-    if getattr(original, "__avest_wrapped__", False):
-        return True
 
-    @functools.wraps(original)
-    def add_request(
-        self: Any, req_idx: int, sampling_params: Any, *args: Any, **kwargs: Any
-    ) -> Any:
-        result = original(self, req_idx, sampling_params, *args, **kwargs)
-        try:
-            reg.record(int(req_idx), sampling_params)
-        except Exception:  # noqa: BLE001 - never fail vLLM's request admission
-            logger.exception("avest: recording exclusion flags failed")
-        return result
+    def record(sampler: Any, req_idx: int, sampling_params: Any, *_: Any, **__: Any) -> None:
+        reg.record(int(req_idx), sampling_params)
 
-    add_request.__avest_wrapped__ = True  # type: ignore[attr-defined]
-    sampler_cls.add_request = add_request  # type: ignore[attr-defined]
-    reg.active = True
-    return True
+    wrapped = record_after(
+        sampler_cls,
+        "add_request",
+        record,
+        missing="exclusions disabled",
+        failed="recording exclusion flags",
+    )
+    if wrapped:  # fed from now on (a method wrapped before feeds the registry it was given)
+        reg.active = True
+    return wrapped is not False

@@ -1,4 +1,5 @@
-"""Run a callback when a module is imported (now, if it already is).
+"""Run a callback when a module is imported (now, if it already is), and record what
+a vLLM method was called with once it returns.
 
 The plugin is loaded in every vLLM process, including the API server, which
 never builds a speculator; importing ``speculator`` there would pull in model
@@ -7,6 +8,7 @@ and attention code for nothing. So the patch waits for the worker's own import.
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
 import logging
@@ -83,3 +85,33 @@ def when_imported(name: str, callback: Callback) -> None:
         _FINDER.pending.setdefault(name, []).append(callback)
     if _FINDER not in sys.meta_path:
         sys.meta_path.insert(0, _FINDER)
+
+
+def record_after(
+    cls: type, name: str, record: Callable[..., None], *, missing: str, failed: str
+) -> bool | None:
+    """Wrap ``cls.<name>`` so that ``record(self, *args, **kwargs)`` runs after each call.
+
+    vLLM's call returns what it returned; a failing ``record`` is logged (``failed``) and
+    never reaches vLLM. Idempotent: returns True when it wraps the method now, None when
+    it already was wrapped, False (with the warning ``missing``) when the class has none.
+    """
+    original = getattr(cls, name, None)
+    if original is None:
+        logger.warning("avest: %s has no %s; %s", cls, name, missing)
+        return False
+    if getattr(original, "__avest_wrapped__", False):
+        return None
+
+    @functools.wraps(original)
+    def recorded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        try:
+            record(self, *args, **kwargs)
+        except Exception:  # noqa: BLE001 - never fail vLLM's own call
+            logger.exception("avest: %s failed", failed)
+        return result
+
+    recorded.__avest_wrapped__ = True  # type: ignore[attr-defined]
+    setattr(cls, name, recorded)
+    return True
