@@ -1,6 +1,6 @@
 """Added wall time per ``step`` on the critical path: the avest shim vs vLLM's estimator alone.
 
-Runs the CPU stand-in of vLLM 0.33's ``OnlineAcceptanceEstimator`` (tests/shim/standin.py)
+Runs the CPU stand-in of vLLM 0.33's ``OnlineAcceptanceEstimator`` (tests/support/standin.py)
 at B live requests and K draft positions, plain and wrapped by the shim with
 
 * an in-memory sink (the shim's own cost): healthy (connected, pooled

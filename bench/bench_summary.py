@@ -5,7 +5,7 @@
   bookkeeping, with fresh per-step tensors as vLLM allocates them and a gap
   after each step (the precise figure); ``SummaryRound.record`` alone, by
   reference and by copy; and the CPU stand-in of vLLM's estimator
-  (tests/shim/standin.py), each variant interleaved with a plain estimator in
+  (tests/support/standin.py), each variant interleaved with a plain estimator in
   blocks (``bench_shim._phase``): raw mode, summary mode with the on-device
   calibration sketch, summary mode without it. In-memory sinks (pooled
   coefficients govern), so only the shim's own cost is measured.

@@ -21,7 +21,7 @@ from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.estimator import make_sidecar_estimator
 from avest_client.vllm.sidecar.sink import SidecarSink
 from avest_wire.pair import PairKey
-from tests.shim.standin import StandinAcceptanceEstimator
+from tests.support.standin import StandinAcceptanceEstimator
 
 SLOW_S = 0.5
 CPU = torch.device("cpu")

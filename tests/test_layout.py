@@ -20,21 +20,8 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 #: Top-level names under which a test folder's modules can be imported (pytest
-#: puts ``tests/`` on the path, so ``tests/shim/standin.py`` is ``shim.standin``).
+#: puts ``tests/`` on the path, so ``tests/shim/fakes.py`` is ``shim.fakes``).
 FOLDERS = {p.name for p in TESTS.iterdir() if (p / "__init__.py").is_file()}
-#: Imports that break the rules today, by importing file: the shim folder's sidecar
-#: helpers are defined in test_sidecar_sink.py, and its stand-in estimator is
-#: imported by name ``shim.standin`` from subprocess scripts, so it stays there.
-KNOWN = {
-    ("tests/core/test_vllm_reference.py", "shim.standin"),
-    ("tests/shim/test_lifecycle.py", "shim.test_sidecar_sink"),
-    ("tests/shim/test_real_vllm.py", "shim.test_sidecar_sink"),
-    ("tests/shim/test_shim_calibration.py", "shim.test_sidecar_sink"),
-    ("tests/shim/test_shim_summary.py", "shim.test_sidecar_sink"),
-    ("tests/shim/test_sidecar_faults.py", "shim.test_sidecar_sink"),
-    ("tests/upgrade/test_old_peers.py", "shim.test_sidecar_sink"),
-    ("bench/shim_variants.py", "tests.shim.standin"),
-}
 
 
 def python_files(base: Path) -> Iterator[Path]:
@@ -44,7 +31,7 @@ def python_files(base: Path) -> Iterator[Path]:
 
 
 def module_of(path: Path) -> str:
-    """The name a tests file is imported under: ``shim.standin`` for tests/shim/standin.py,
+    """The name a tests file is imported under: ``shim.fakes`` for tests/shim/fakes.py,
     ``tests.support.x`` for tests/support/x.py, ``conftest`` for tests/conftest.py."""
     rel = path.relative_to(TESTS).with_suffix("")
     parts = list(rel.parts)
@@ -122,7 +109,7 @@ def is_module_itself(name: str) -> bool:
 
 
 def test_no_module_imports_a_test_module_or_another_folders_helpers() -> None:
-    unexpected = sorted(violations() - KNOWN)
+    unexpected = sorted(violations())
     assert not unexpected, "\n".join(f"{path} imports {name}" for path, name in unexpected)
 
 

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 from avest.core.estimator import OnlineEstimator  # noqa: E402
 from avest.core.features import logit_qmax_from_logits  # noqa: E402
 from avest.core.rules import VllmRule  # noqa: E402
-from shim.standin import StandinAcceptanceEstimator  # noqa: E402
+from tests.support.standin import StandinAcceptanceEstimator  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["chat", "code"])

@@ -17,11 +17,8 @@ import pytest
 
 from avest_client import EstimatorClient
 from avest_client.vllm import lifecycle
-
-from .test_sidecar_sink import make_shim, sink_of, start_sidecar, trace_steps
-from .tracedrive import drive
-
-__all__ = ["start_sidecar"]  # the fixture, imported
+from tests.support.sidecar import make_shim, sink_of
+from tests.support.tracedrive import drive, trace_steps
 
 
 class Worker:

@@ -11,15 +11,15 @@ from importlib.metadata import entry_points
 import pytest
 import torch
 
-from avest_client.vllm import contract, costs, exclusion, plugin
+from avest_client.vllm import costs, exclusion, plugin
 from avest_client.vllm.config import ConfigError, ShimConfig, parse_labels
 from avest_client.vllm.hooks import _FINDER, when_imported
 from avest_client.vllm.pair import pair_from_vllm_config
 from avest_client.vllm.sidecar import sink as sidecar_sink
 from avest_wire.pair import PairKey
+from tests.support.standin import StandinAcceptanceEstimator
 
 from .fakes import FakeSink
-from .standin import StandinAcceptanceEstimator
 
 
 def test_entry_point_is_declared():
@@ -102,38 +102,6 @@ def test_register_with_bad_config_touches_nothing(monkeypatch, caplog):
     monkeypatch.setenv("AVEST_QUEUE_SIZE", "-3")
     plugin.register()
     assert "plugin inactive" in caplog.text
-
-
-class _FakeSampler:
-    def __init__(self):
-        self.added = []
-
-    def add_request(self, req_idx, sampling_params):
-        self.added.append(req_idx)
-
-
-class _FakeManager:
-    def set_cost_curves(self, draft_curve, verify_curve):
-        self.tables = (draft_curve, verify_curve)
-
-
-@pytest.fixture
-def fake_vllm(monkeypatch):
-    """The three vLLM modules the plugin hooks, as already-imported fakes."""
-    spec_mod = types.ModuleType(contract.SPECULATOR_MODULE)
-    spec_mod.OnlineAcceptanceEstimator = StandinAcceptanceEstimator
-    sampler_mod = types.ModuleType(contract.SAMPLER_MODULE)
-    sampler_mod.Sampler = type("Sampler", (_FakeSampler,), {})
-    av_mod = types.ModuleType(contract.ADAPTIVE_VERIFICATION_MODULE)
-    av_mod.AdaptiveVerificationManager = type("AdaptiveVerificationManager", (_FakeManager,), {})
-    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
-    for m in (spec_mod, sampler_mod, av_mod):
-        monkeypatch.setitem(sys.modules, m.__name__, m)
-    monkeypatch.setattr(exclusion.REGISTRY, "active", False)
-    monkeypatch.setattr(costs, "RECORDER", costs.CostCurveRecorder())
-    monkeypatch.setenv("AVEST_ADDRESS", "127.0.0.1:7070")
-    monkeypatch.setenv("AVEST_LABELS", "temp=1.0")
-    return types.SimpleNamespace(spec=spec_mod, sampler=sampler_mod, av=av_mod)
 
 
 def test_register_patches_the_speculator_name(fake_vllm, monkeypatch):

@@ -47,8 +47,7 @@ from avest.commands.cli import main as avest_main
 from avest.offline.trace import FORMAT, Trace, write_trace
 from avest_client import EstimatorClient
 from avest_client.vllm import config as shim_config
-
-from .test_sidecar_sink import sidecar_servers
+from tests.support.helpers import f32
 
 pytestmark = pytest.mark.slow
 
@@ -88,11 +87,6 @@ def python() -> Path:
     return py
 
 
-@pytest.fixture
-def start_sidecar():
-    yield from sidecar_servers()
-
-
 def drive(
     python: Path, address: str, mode: str, out: Path, steps: int = STEPS, **extra: str
 ) -> dict:
@@ -118,10 +112,6 @@ def drive(
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return json.loads((out / "result.json").read_text())
-
-
-def f32(x: float) -> float:
-    return float(np.float32(x))
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -13,12 +13,11 @@ from avest_client import EstimatorClient
 from avest_client.vllm.calibration import SLOTS, ConfidenceMap, validate_table
 from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.estimator import make_sidecar_estimator
+from tests.support.sidecar import delivered, make_shim, sink_of, wait_until
+from tests.support.standin import StandinAcceptanceEstimator
+from tests.support.tracedrive import MAX_REQS
 
 from .fakes import FakeSink, FakeSinkFactory
-from .standin import StandinAcceptanceEstimator
-from .test_sidecar_sink import MAX_REQS, delivered, make_shim, sink_of, start_sidecar, wait_until
-
-__all__ = ["start_sidecar"]  # the fixture, for pytest
 
 CPU = torch.device("cpu")
 K = 2
@@ -50,7 +49,7 @@ def boundary(est) -> None:  # noqa: ANN001
 
 
 def expected(est, logits: torch.Tensor, table: bool) -> torch.Tensor:  # noqa: ANN001
-    from .standin import logit_qmax
+    from tests.support.standin import logit_qmax
 
     eta = est.slope[0] * logit_qmax(logits) + est.intercepts[0]
     if table:

@@ -11,10 +11,10 @@ from avest_client.vllm.coefficients import Governor, validate
 from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.estimator import make_sidecar_estimator
 from avest_client.vllm.tp import SingleProcessGroup
+from tests.support.standin import StandinAcceptanceEstimator
+from tests.support.tracedrive import drive, steps, synthetic_trace
 
 from .fakes import FakeSink, FakeSinkFactory
-from .standin import StandinAcceptanceEstimator
-from .tracedrive import drive, steps, synthetic_trace
 
 CPU = torch.device("cpu")
 K = 4

@@ -13,10 +13,10 @@ from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.estimator import make_sidecar_estimator
 from avest_client.vllm.exclusion import ExclusionRegistry
 from avest_wire.pair import PairKey
+from tests.support.standin import StandinAcceptanceEstimator
+from tests.support.tracedrive import drive, load_trace, steps, synthetic_trace
 
 from .fakes import FakeSink, FakeSinkFactory
-from .standin import StandinAcceptanceEstimator
-from .tracedrive import drive, load_trace, steps, synthetic_trace
 
 CPU = torch.device("cpu")
 

@@ -21,9 +21,9 @@ WORKER = textwrap.dedent(
     """
     import sys, torch
     sys.path[:0] = [sys.argv[1]]
-    from shim.fakes import FakeSink, FakeSinkFactory
-    from shim.standin import StandinAcceptanceEstimator
-    from shim.tracedrive import drive, steps, synthetic_trace
+    from tests.shim.fakes import FakeSink, FakeSinkFactory
+    from tests.support.standin import StandinAcceptanceEstimator
+    from tests.support.tracedrive import drive, steps, synthetic_trace
     from avest_client.vllm.config import ShimConfig
     from avest_client.vllm.estimator import make_sidecar_estimator
 
@@ -69,7 +69,7 @@ def _run_worker(tmp_path: Path, mode: str) -> dict[str, dict[tuple, float]]:
         [str(ROOT / "service"), str(ROOT / "client"), str(ROOT / "wire"), env.get("PYTHONPATH", "")]
     )
     subprocess.run(
-        [sys.executable, "-c", WORKER, str(ROOT / "tests"), mode], env=env, check=True, timeout=120
+        [sys.executable, "-c", WORKER, str(ROOT), mode], env=env, check=True, timeout=120
     )
     reg = CollectorRegistry()
     MultiProcessCollector(reg, path=str(mdir))

@@ -15,14 +15,13 @@ from avest_client.summary import RoundAccumulator
 from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.estimator import make_sidecar_estimator
 from avest_wire.bins import AUC_SLOTS
+from tests.support.sidecar import make_shim, sink_of, wait_until
+from tests.support.standin import StandinAcceptanceEstimator
+from tests.support.tracedrive import drive, load_trace, steps, synthetic_trace, trace_steps
 
 from .fakes import FakeSink, FakeSinkFactory
-from .standin import StandinAcceptanceEstimator
-from .test_sidecar_sink import make_shim, sink_of, start_sidecar, trace_steps, wait_until
-from .tracedrive import drive, load_trace, steps, synthetic_trace
 
 CPU = torch.device("cpu")
-__all__ = ["start_sidecar"]  # the fixture, imported
 POOLED = (3, 0.61, [0.4, 0.1, -0.2, -0.5, -0.9])
 
 

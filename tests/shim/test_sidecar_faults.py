@@ -8,7 +8,6 @@ by itself; the drop counter is exact.
 from __future__ import annotations
 
 import asyncio
-import socket
 import statistics
 import time
 
@@ -18,41 +17,32 @@ import torch
 import avest.server
 from avest.grpc.service import EstimatorService
 from avest_client import EstimatorClient
-
-from .standin import StandinAcceptanceEstimator
-from .test_sidecar_sink import (
+from tests.support.helpers import f32, free_port
+from tests.support.sidecar import (
     CPU,
     DRAFT_CURVE,
-    MAX_REQS,
     VERIFY_CURVE,
-    core_replay,
     delivered,
-    f32,
     make_shim,
-    run,
-    sidecar_servers,
     sink_of,
-    trace_steps,
     wait_until,
 )
-from .tracedrive import Step, steps, synthetic_trace
+from tests.support.standin import StandinAcceptanceEstimator
+from tests.support.tracedrive import (
+    MAX_REQS,
+    Step,
+    core_replay,
+    run,
+    steps,
+    synthetic_trace,
+    trace_steps,
+)
 
 pytestmark = pytest.mark.slow
 
 #: How much slower than vLLM's estimator alone the shim's median step may be here.
 #: The benchmark measures the real figure (target <= 20 us); a shared CI box needs slack.
 SLACK_US = 250.0
-
-
-@pytest.fixture
-def start_sidecar():
-    yield from sidecar_servers()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def timed(est, plain, trace: list[Step]) -> tuple[float, float]:  # noqa: ANN001

@@ -5,8 +5,6 @@ the core estimator learns from it); pushed coefficients land in the stand-in's
 tensors in place at a step boundary; a second worker starts from the trained
 pair (warm start); the profiled cost curves reach the pair; the plugin's
 production path builds the sink in the process that uses it.
-
-Helpers here are shared with ``test_sidecar_faults.py``.
 """
 
 from __future__ import annotations
@@ -17,146 +15,32 @@ import sys
 import textwrap
 import time
 import types
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from avest.core.budget import decide
 from avest.core.costs import CostTable
-from avest.core.estimator import OnlineEstimator
-from avest.core.rule_factory import make_rule, rule_options
-from avest_client import Backoff, EstimatorClient
-from avest_client.vllm import contract, costs, exclusion, plugin
+from avest_client import EstimatorClient
+from avest_client.vllm import costs, plugin
 from avest_client.vllm.config import ShimConfig
-from avest_client.vllm.estimator import make_sidecar_estimator
 from avest_client.vllm.sidecar import sink as sidecar_sink
 from avest_client.vllm.sidecar.sink import SidecarSink
 from avest_wire.pair import PairKey
-from tests.support.server import ServerHandle, launch
-
-from .standin import StandinAcceptanceEstimator
-from .tracedrive import Step, steps
-
-CPU = torch.device("cpu")
-MAX_REQS = 32
-TARGET = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized fp32)"
-DRAFT = "SmolLM2-135M-Instruct RTN 4-bit group 32"
-METHOD = "draft_model"
-LABELS = (("temperature", "1.0"),)
-#: Reconnect quickly in tests (production: 50 ms doubling to 5 s).
-FAST = Backoff(initial_s=0.02, max_s=0.3)
-DRAFT_CURVE = [(1, 1.0), (64, 1.5), (256, 3.0)]
-VERIFY_CURVE = [(1, 5.0), (64, 6.0), (256, 9.0), (1024, 20.0)]
-
-
-# -- helpers (also used by test_sidecar_faults) --------------------------------
-
-
-def sidecar_servers() -> Iterator[Callable[..., ServerHandle]]:
-    """``start(data_dir, **settings)`` -> a real server (tests/service/conftest.py); all
-    stopped at the end."""
-    started: list[ServerHandle] = []
-
-    def start(data_dir: Path, **overrides: object) -> ServerHandle:
-        handle = launch(data_dir, **overrides)
-        started.append(handle)
-        return handle
-
-    yield start
-    for handle in reversed(started):
-        handle.stop()
-
-
-@pytest.fixture
-def start_sidecar() -> Iterator[Callable[..., ServerHandle]]:
-    yield from sidecar_servers()
-
-
-def trace_steps(trace) -> list[Step]:  # noqa: ANN001
-    arrays = {n: getattr(trace, n) for n in ("features", "num_verified", "num_accepted")}
-    arrays.update(step=trace.step, request=trace.request)
-    return list(steps(arrays, MAX_REQS))
-
-
-def make_shim(
-    address: str,
-    *,
-    queue_size: int = 4096,
-    timeout_s: float = 5.0,
-    hardware: str = "test-gpu",
-    recorder: costs.CostCurveRecorder | None = None,
-    k: int = 5,
-    base: type = StandinAcceptanceEstimator,
-    mode: str = "raw",
-):
-    """A stand-in estimator wrapped by the shim over a real :class:`SidecarSink`."""
-    cfg = ShimConfig(
-        address=address, timeout_s=timeout_s, queue_size=queue_size, labels=LABELS,
-        hardware=hardware, mode=mode,
-    )  # fmt: skip
-    rec = recorder if recorder is not None else costs.CostCurveRecorder()
-
-    def factory(config: ShimConfig, pair_key: PairKey) -> SidecarSink:
-        return SidecarSink(config, pair_key, recorder=rec, backoff=FAST)
-
-    cls = make_sidecar_estimator(
-        base,
-        factory,
-        config=cfg,
-        pair_resolver=lambda kk: PairKey(
-            TARGET, DRAFT, METHOD, kk, {**dict(LABELS), "draft_sample_method": "probabilistic"}
-        ),
-    )
-    return cls(MAX_REQS, k, CPU)
-
-
-def sink_of(est) -> SidecarSink:  # noqa: ANN001
-    sink = est._avest.sink
-    assert isinstance(sink, SidecarSink)
-    return sink
-
-
-def run(est, trace: list[Step]) -> None:  # noqa: ANN001
-    for s in trace:
-        est.load_features(s.idx_mapping, s.features)
-        est.step(s.idx_mapping, s.num_sampled, s.num_rejected)
-
-
-def delivered(est, timeout: float = 20.0) -> None:  # noqa: ANN001
-    """Everything stepped so far is acknowledged by the sidecar."""
-    assert est._avest.transfer.flush(timeout)
-    assert sink_of(est).flush(timeout), sink_of(est).stats
-
-
-def wait_until(pred: Callable[[], bool], timeout: float = 15.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or pred}")
-        time.sleep(0.005)
-
-
-def core_replay(
-    trace: list[Step], k: int, rule: str, refit_interval: int, settings
-) -> OnlineEstimator:
-    """The core estimator the service builds for the pair, fed the trace's own rows."""
-    est = OnlineEstimator(
-        k,
-        make_rule(rule, **rule_options(rule, settings.forgetting, settings.prior)),
-        refit_interval=refit_interval,
-        calibrate=True,
-    )
-    for s in trace:
-        est.observe(s.features.numpy(), s.num_verified, s.num_accepted)
-    return est
-
-
-def f32(x: float) -> float:
-    return float(np.float32(x))
-
+from tests.support.helpers import f32
+from tests.support.sidecar import (
+    CPU,
+    DRAFT,
+    DRAFT_CURVE,
+    TARGET,
+    VERIFY_CURVE,
+    delivered,
+    make_shim,
+    sink_of,
+    wait_until,
+)
+from tests.support.tracedrive import core_replay, run, trace_steps
 
 # -- what reaches the sidecar ---------------------------------------------------
 
@@ -302,22 +186,9 @@ def test_profiled_cost_curves_reach_the_pair(start_sidecar, tmp_path, trace_slic
 # -- the production path: plugin -> make_sink, in the process that uses it ---------
 
 
-class _Manager:
-    _cudagraph_limit = 0
-
-    def set_cost_curves(self, draft_curve, verify_curve):  # noqa: ANN001
-        self.tables = (draft_curve, verify_curve)
-
-
 @pytest.fixture
-def fake_vllm(monkeypatch):
+def fake_vllm(fake_vllm, monkeypatch):
     """vLLM's hooked modules as already-imported fakes, with a current config."""
-    spec_mod = types.ModuleType(contract.SPECULATOR_MODULE)
-    spec_mod.OnlineAcceptanceEstimator = StandinAcceptanceEstimator
-    sampler_mod = types.ModuleType(contract.SAMPLER_MODULE)
-    sampler_mod.Sampler = type("Sampler", (), {"add_request": lambda self, i, sp: None})
-    av_mod = types.ModuleType(contract.ADAPTIVE_VERIFICATION_MODULE)
-    av_mod.AdaptiveVerificationManager = type("AdaptiveVerificationManager", (_Manager,), {})
     cfg_mod = types.ModuleType("vllm.config")
     vllm_config = types.SimpleNamespace(
         model_config=types.SimpleNamespace(model="Qwen/Qwen3-8B"),
@@ -326,12 +197,8 @@ def fake_vllm(monkeypatch):
         ),
     )
     cfg_mod.get_current_vllm_config_or_none = lambda: vllm_config
-    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
-    for m in (spec_mod, sampler_mod, av_mod, cfg_mod):
-        monkeypatch.setitem(sys.modules, m.__name__, m)
-    monkeypatch.setattr(exclusion.REGISTRY, "active", False)
-    monkeypatch.setattr(costs, "RECORDER", costs.CostCurveRecorder())
-    return types.SimpleNamespace(spec=spec_mod, av=av_mod)
+    monkeypatch.setitem(sys.modules, cfg_mod.__name__, cfg_mod)
+    return fake_vllm
 
 
 def test_plugin_wires_the_sidecar_sink(start_sidecar, tmp_path, fake_vllm, monkeypatch):
@@ -399,7 +266,7 @@ FORK_SCRIPT = textwrap.dedent(
     import os, sys, threading
     import torch
     sys.path.insert(0, sys.argv[2])
-    from shim.standin import StandinAcceptanceEstimator
+    from tests.support.standin import StandinAcceptanceEstimator
     from avest_client.vllm.sidecar import sink as sidecar_sink
     from avest_client.vllm.config import ShimConfig
     from avest_client.vllm.estimator import make_sidecar_estimator
@@ -457,7 +324,7 @@ FORK_SCRIPT = textwrap.dedent(
 
 
 def _fork_script(address: str, mode: str) -> subprocess.CompletedProcess:
-    tests_dir = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
     if mode == "inherited":
         # The parent forks with its channel live. gRPC's own fork handlers
@@ -466,7 +333,7 @@ def _fork_script(address: str, mode: str) -> subprocess.CompletedProcess:
         # whatever avest does; the sink's own fork handling is what is tested.
         env["GRPC_ENABLE_FORK_SUPPORT"] = "false"
     return subprocess.run(
-        [sys.executable, "-c", FORK_SCRIPT, address, tests_dir, mode],
+        [sys.executable, "-c", FORK_SCRIPT, address, root, mode],
         capture_output=True,
         text=True,
         timeout=120,

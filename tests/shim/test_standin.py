@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 import torch
 
 from avest_client.vllm import contract
 from avest_client.vllm.contract_check import FolderSource, check_entry, check_live_class
-
-from .standin import StandinAcceptanceEstimator, logit_qmax
-from .tracedrive import drive, steps, synthetic_trace
+from tests.support.standin import StandinAcceptanceEstimator, logit_qmax
+from tests.support.tracedrive import drive, steps, synthetic_trace
 
 
 def test_standin_matches_the_estimator_contract():
@@ -24,7 +25,7 @@ def test_standin_matches_the_estimator_contract():
     # the refit-counter statements the shim depends on are written like vLLM's
     from pathlib import Path
 
-    here = Path(__file__).parent
+    here = Path(inspect.getfile(StandinAcceptanceEstimator)).parent
     for entry in (contract.ESTIMATOR, contract.ENTRIES[1]):
         moved = type(entry)(**{**entry.__dict__, "path": "standin.py"})
         if isinstance(moved, contract.Class):

@@ -13,10 +13,10 @@ import torch.distributed as dist
 from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.estimator import make_sidecar_estimator
 from avest_client.vllm.tp import TorchDistGroup
+from tests.support.standin import StandinAcceptanceEstimator
+from tests.support.tracedrive import drive, steps, synthetic_trace
 
 from .fakes import FakeSink, FakeSinkFactory
-from .standin import StandinAcceptanceEstimator
-from .tracedrive import drive, steps, synthetic_trace
 
 K = 4
 SYNC = 8

@@ -14,6 +14,10 @@
   what the metrics, admin HTTP and calibration-layer tests share.
 - :mod:`tests.support.traces` and :mod:`tests.support.steps`: named and synthetic
   traces, decode steps with a known truth, in-process replays.
+- :mod:`tests.support.standin`: a CPU stand-in for vLLM 0.33's ``OnlineAcceptanceEstimator``;
+  :mod:`tests.support.tracedrive`: decode steps that drive it from a trace, and the core
+  estimator fed the same rows; :mod:`tests.support.sidecar`: the shim over a real
+  sidecar sink.
 - :mod:`tests.support.docker`: Dockerfiles and Compose as the tests read them.
 - :mod:`tests.support.helpers`: free ports, polling, loopback HTTP, tools on PATH.
 

@@ -1,4 +1,5 @@
-"""Small helpers the tests share: free loopback ports, polling, loopback HTTP, tools."""
+"""Small helpers the tests share: free loopback ports, polling, loopback HTTP, tools,
+float32 rounding."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
 
 
 def free_port() -> int:
@@ -42,3 +45,8 @@ def find_tool(name: str) -> str | None:
         return found
     beside = Path(sys.executable).parent / name
     return str(beside) if beside.is_file() and os.access(beside, os.X_OK) else None
+
+
+def f32(x: float) -> float:
+    """``x`` as a float32 tensor holds it."""
+    return float(np.float32(x))

@@ -101,14 +101,8 @@ def test_the_0_1_0_client_is_served_on_loopback(tmp_path):
 
 def test_this_shim_against_the_0_1_0_sidecar(tmp_path, trace_slice, caplog):
     pytest.importorskip("torch")  # the shim's stand-in estimator is torch
-    from shim.test_sidecar_sink import (
-        core_replay,
-        delivered,
-        make_shim,
-        run,
-        sink_of,
-        trace_steps,
-    )
+    from tests.support.sidecar import delivered, make_shim, sink_of
+    from tests.support.tracedrive import core_replay, run, trace_steps
 
     caplog.set_level(logging.INFO)
     trace = trace_steps(trace_slice("chat", 0, 300))
@@ -145,7 +139,8 @@ def test_this_shim_in_summary_mode_falls_back_against_the_0_1_0_sidecar(
 ):
     """0.1.0 knows no round summaries: the shim sends it nothing and refits locally."""
     pytest.importorskip("torch")
-    from shim.test_sidecar_sink import make_shim, run, sink_of, trace_steps
+    from tests.support.sidecar import make_shim, sink_of
+    from tests.support.tracedrive import run, trace_steps
 
     caplog.set_level(logging.INFO)
     trace = trace_steps(trace_slice("chat", 0, 120))

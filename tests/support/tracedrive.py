@@ -1,4 +1,5 @@
-"""Drive an estimator from a recorded trace (``avest-trace/1``) or synthetic rows."""
+"""Drive an estimator from a recorded trace (``avest-trace/1``) or synthetic rows, step by
+step as vLLM's speculator does; the core estimator fed the same rows, to compare with."""
 
 from __future__ import annotations
 
@@ -9,9 +10,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from avest.core.estimator import OnlineEstimator
+from avest.settings import Settings
+from tests.support import traces
+
 #: The shared chat trace next to the repository (as tests/conftest.py finds it); tests
 #: fall back to a synthetic trace when it is absent.
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "chat-rtn4g32-t1.0-k5.npz"
+
+
+#: Request slots of the estimators these tests drive (vLLM's ``max_num_reqs``).
+MAX_REQS = 32
 
 
 @dataclass
@@ -99,3 +108,24 @@ def drive(est, step: Step) -> None:  # noqa: ANN001
     """What one decode step does to the estimator: propose wrote features, then step grades them."""
     est.load_features(step.idx_mapping, step.features)
     est.step(step.idx_mapping, step.num_sampled, step.num_rejected)
+
+
+def run(est, trace: list[Step]) -> None:  # noqa: ANN001
+    """Every step of ``trace`` in order, as vLLM's speculator makes them (:func:`drive`)."""
+    for s in trace:
+        drive(est, s)
+
+
+def trace_steps(trace: traces.Trace) -> list[Step]:
+    """A recorded trace as decode steps over ``MAX_REQS`` request slots."""
+    arrays = {n: getattr(trace, n) for n in ("features", "num_verified", "num_accepted")}
+    arrays.update(step=trace.step, request=trace.request)
+    return list(steps(arrays, MAX_REQS))
+
+
+def core_replay(
+    trace: list[Step], k: int, rule: str, refit_interval: int, settings: Settings
+) -> OnlineEstimator:
+    """:func:`tests.support.traces.core_replay` fed these steps' own rows."""
+    rows = [(s.features.numpy(), s.num_verified, s.num_accepted) for s in trace]
+    return traces.core_replay(rows, k, rule, refit_interval, settings)
