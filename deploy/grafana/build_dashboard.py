@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from avest.metrics import registry as m
+from avest.metrics import names as m
 
 # The dashboard's builders live beside this file (deploy/grafana/avest_dashboard/);
 # make them importable however this file is run or loaded.

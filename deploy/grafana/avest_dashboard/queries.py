@@ -3,7 +3,7 @@ and the pair picker's query."""
 
 from __future__ import annotations
 
-from avest.metrics import registry as m
+from avest.metrics import names as m
 
 #: Thresholds drawn on the panels; the same numbers as deploy/prometheus/alerts.yml.
 ECE_THRESHOLD = 0.05

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from avest.core.metrics import ECE_BINS
-from avest.metrics import registry as m
+from avest.metrics import names as m
 from avest.metrics.names import CALIBRATION_LAYER_GAIN, CALIBRATION_LAYER_SERVED
 
 from .panels import (

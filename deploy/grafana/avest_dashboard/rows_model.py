@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from avest.core.estimator import DEFAULT_RECENT_DECAY
-from avest.metrics import registry as m
+from avest.metrics import names as m
 
 from .panels import DATASOURCE, Layout, dashed, refs, row, stat, target, timeseries
 from .queries import (

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from avest.metrics import registry as m
+from avest.metrics import names as m
 
 from .panels import HIDE_WHEN_ZERO, Layout, dashed, refs, row, target, timeseries
 from .queries import RI, SIDECAR, pair, sidecar
