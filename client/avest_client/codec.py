@@ -66,6 +66,18 @@ def registration(msg: pb.RegisterPairResponse) -> Registration:
     )
 
 
+def _measures(m: pb.Calibration | pb.PositionCalibration) -> dict[str, Any]:
+    """The measures a pair's calibration and each of its positions carry, as fields."""
+    return dict(
+        count=int(m.count),
+        auc=m.auc,
+        logloss=m.logloss,
+        ece=m.ece,
+        mean_predicted=m.mean_predicted,
+        observed=m.observed,
+    )
+
+
 def pair_info(msg: pb.Pair) -> PairInfo:
     c = msg.calibration
     return PairInfo(
@@ -83,23 +95,8 @@ def pair_info(msg: pb.Pair) -> PairInfo:
         drafts_observed=int(msg.drafts_observed),
         steps_observed=int(msg.steps_observed),
         calibration=Calibration(
-            count=int(c.count),
-            auc=c.auc,
-            logloss=c.logloss,
-            ece=c.ece,
-            mean_predicted=c.mean_predicted,
-            observed=c.observed,
-            by_position=tuple(
-                PositionCalibration(
-                    auc=p.auc,
-                    logloss=p.logloss,
-                    ece=p.ece,
-                    mean_predicted=p.mean_predicted,
-                    observed=p.observed,
-                    count=int(p.count),
-                )
-                for p in c.by_position
-            ),
+            **_measures(c),
+            by_position=tuple(PositionCalibration(**_measures(p)) for p in c.by_position),
         ),
         cost_curve_hardware=tuple(msg.cost_curve_hardware),
     )
