@@ -15,7 +15,7 @@ import numpy as np
 from avest.core.estimator import make_batch
 from avest.settings import Settings
 from avest.state.app import Avest
-from avest.state.pairs import CostCurves
+from avest.state.costs import CostCurves
 from avest.state.store import Store
 from avest_wire.pair import PairKey
 

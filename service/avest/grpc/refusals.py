@@ -8,7 +8,7 @@ from typing import Any
 import grpc
 
 from avest.core.errors import InvalidInput
-from avest.state.pairs import Conflict, Exhausted, NotFound
+from avest.state.errors import Conflict, Exhausted, NotFound
 from avest_wire.matrix import MatrixError
 
 

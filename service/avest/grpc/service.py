@@ -37,7 +37,9 @@ from avest.grpc.turns import Turns
 from avest.policy.access import Access, may_replace_costs
 from avest.policy.throttle import KeyedRates, LogLimiter, TokenBucket
 from avest.state.app import Avest
-from avest.state.pairs import CostCurves, Exhausted, NotFound, Pair, check_sequence
+from avest.state.costs import CostCurves
+from avest.state.errors import Exhausted, NotFound
+from avest.state.pairs import Pair, check_sequence
 from avest_wire import limits
 from avest_wire import matrix as wire
 from avest_wire.pair import PairKey

@@ -70,7 +70,8 @@ from avest.http.recording import add_recording_routes
 from avest.metrics.deflate import accepts_gzip
 from avest.metrics.exposition import pieces
 from avest.policy.access import Access, http_role
-from avest.state.pairs import NotFound, Pair
+from avest.state.errors import NotFound
+from avest.state.pairs import Pair
 
 #: Module level: the handlers' annotations are strings resolved in this module.
 _BEARER = HTTPBearer(

@@ -47,7 +47,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from avest.core.estimator import DEFAULT_RECENT_DECAY
-from avest.metrics.buckets import REFIT_BUCKETS, RPC_BUCKETS  # noqa: F401 (re-exported)
 from avest_wire.bins import ECE_BINS
 
 PREFIX = "avest_"

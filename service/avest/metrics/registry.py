@@ -29,6 +29,7 @@ from prometheus_client import (
 
 from avest.core.metrics import CalibrationState, CalibrationSummary, Reliability
 from avest.core.rules import Refit
+from avest.metrics.buckets import REFIT_BUCKETS, RPC_BUCKETS
 from avest.metrics.collector import PairCollector, queue_depth
 from avest.metrics.exposition import Exposition
 from avest.metrics.names import (
@@ -57,7 +58,6 @@ from avest.metrics.names import (
     RECENT_LOG_LOSS,
     RECENT_OBSERVED_ACCEPTANCE,
     RECENT_PREDICTED_ACCEPTANCE,
-    REFIT_BUCKETS,
     REFIT_DURATION,
     REFITS,
     REFUSAL_REASONS,
@@ -66,7 +66,6 @@ from avest.metrics.names import (
     RELIABILITY_OBSERVED,
     RELIABILITY_PREDICTED,
     ROUND,
-    RPC_BUCKETS,
     RPC_DURATION,
     SLOPE,
     SPECS,

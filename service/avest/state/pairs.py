@@ -18,8 +18,8 @@ from avest.core.estimator import Batch, OnlineEstimator
 from avest.core.model import Coefficients
 from avest.core.rule_factory import DEFAULT_RULE, RULE_NAMES, make_rule, rule_options
 from avest.core.rules import Refit
-from avest.state.costs import CostCurves, check_costs  # noqa: F401 (re-exported)
-from avest.state.errors import Conflict, Exhausted, NotFound  # noqa: F401 (re-exported)
+from avest.state.costs import CostCurves, check_costs
+from avest.state.errors import Conflict, Exhausted, NotFound
 from avest.state.workers import WorkerTable
 from avest_wire import limits
 from avest_wire.pair import PairKey
