@@ -17,25 +17,15 @@ import httpx
 import numpy as np
 from serve_proc import WORKER_TOKEN, serve
 
-from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
+from tests.support.rpc import random_step
 
 WORKER = (("authorization", f"Bearer {WORKER_TOKEN}"),)
 
 
 def _heavy_step(pid: str, seq: int, rows: int = 8192, k: int = 64) -> pb.ObserveRequest:
-    rng = np.random.default_rng(seq)
-    return pb.ObserveRequest(
-        pair_id=pid,
-        worker_id="heavy",
-        sequence=seq,
-        features=wire.encode(rng.normal(0.0, 2.0, size=(rows, k)))[0],
-        rows=rows,
-        k=k,
-        num_verified=[k] * rows,
-        num_accepted=[int(a) for a in rng.integers(0, k + 1, size=rows)],
-    )
+    return random_step(pid, "heavy", seq, rows, k, seed=seq)
 
 
 def heavy_once(fold_thread_cells: int | None, seconds: float = 15.0) -> dict[str, Any]:

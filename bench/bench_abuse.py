@@ -49,9 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from abuse_heavy import heavy  # noqa: E402
 from serve_proc import ADMIN_TOKEN, WORKER_TOKEN, serve  # noqa: E402
 
-from avest_wire import matrix as wire  # noqa: E402
 from avest_wire.v1 import estimator_pb2 as pb  # noqa: E402
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc  # noqa: E402
+from tests.support.rpc import flood, random_step  # noqa: E402
 
 K = 5
 WORKER = (("authorization", f"Bearer {WORKER_TOKEN}"),)
@@ -67,19 +67,7 @@ def key(name: str = "victim") -> pb.PairKey:
 def step(
     pair_id: str, worker: str, seq: int, rows: int = 8, accept: int | None = None
 ) -> pb.ObserveRequest:
-    rng = np.random.default_rng(seq)
-    x = rng.normal(0.0, 2.0, size=(rows, K))
-    a = rng.integers(0, K + 1, size=rows) if accept is None else np.full(rows, accept)
-    return pb.ObserveRequest(
-        pair_id=pair_id,
-        worker_id=worker,
-        sequence=seq,
-        features=wire.encode(x)[0],
-        rows=rows,
-        k=K,
-        num_verified=[K] * rows,
-        num_accepted=[int(v) for v in a],
-    )
+    return random_step(pair_id, worker, seq, rows, K, seed=seq, accept=accept)
 
 
 def _outcome(fn: Any) -> str:
@@ -142,21 +130,7 @@ def _busy_proc(address: str, pid: str, first: int, count: int, seconds: float) -
     async def one(w: int) -> None:
         channel = grpc.aio.insecure_channel(address)
         stub = pb_grpc.EstimatorServiceStub(channel)
-        msg = step(pid, f"busy-{w}", 1)
-        deadline = time.monotonic() + seconds
-
-        async def gen():  # noqa: ANN202
-            seq = 0
-            while time.monotonic() < deadline:
-                seq += 1
-                msg.sequence = seq
-                yield msg
-
-        try:
-            async for _ in stub.Observe(gen(), metadata=WORKER, timeout=seconds + 30):
-                pass
-        except grpc.aio.AioRpcError:
-            pass
+        await flood(stub, step(pid, f"busy-{w}", 1), seconds, metadata=WORKER)
         await channel.close()
 
     async def main() -> None:

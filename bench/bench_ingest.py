@@ -45,9 +45,8 @@ from avest.core.estimator import OnlineEstimator
 from avest.core.rule_factory import make_rule
 from avest.settings import Settings
 from avest_client import EstimatorClient, Forwarder
-from avest_wire import matrix as wire
-from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
+from tests.support.rpc import observe_request
 
 B, K = 64, 8
 LAT_B, LAT_K = 256, 16
@@ -115,22 +114,7 @@ def in_process_rate(steps: list[tuple[np.ndarray, ...]], rule: str) -> float:
 
 
 def messages(pair_id: str, worker: str, steps: list[tuple[np.ndarray, ...]]) -> list:
-    out = []
-    for seq, (x, d, a) in enumerate(steps, start=1):
-        data, rows, k = wire.encode(x)
-        out.append(
-            pb.ObserveRequest(
-                pair_id=pair_id,
-                worker_id=worker,
-                sequence=seq,
-                features=data,
-                rows=rows,
-                k=k,
-                num_verified=d.tolist(),
-                num_accepted=a.tolist(),
-            )
-        )
-    return out
+    return [observe_request(pair_id, worker, seq, *step) for seq, step in enumerate(steps, 1)]
 
 
 async def raw_streams(address: str, pair_id: str, plans: list[list]) -> float:

@@ -25,9 +25,9 @@ import grpc
 import numpy as np
 from serve_proc import serve
 
-from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
+from tests.support.rpc import observe_request
 
 K = 64
 
@@ -39,12 +39,9 @@ def spawn(data_dir: str, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
 
 def step(pair_id: str, seed: int) -> pb.ObserveRequest:
     rng = np.random.default_rng(seed)
-    data, rows, k = wire.encode(rng.normal(0.0, 2.0, size=(32, K)).astype(np.float32))
+    x = rng.normal(0.0, 2.0, size=(32, K)).astype(np.float32)
     d = rng.integers(0, K + 1, size=32)
-    return pb.ObserveRequest(
-        pair_id=pair_id, worker_id="w", sequence=1, features=data, rows=rows, k=k,
-        num_verified=d.tolist(), num_accepted=np.minimum(rng.integers(0, K + 1, 32), d).tolist(),
-    )  # fmt: skip
+    return observe_request(pair_id, "w", 1, x, d, np.minimum(rng.integers(0, K + 1, 32), d))
 
 
 def main() -> None:

@@ -32,9 +32,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_proc import WORKER_TOKEN, serve  # noqa: E402
 
-from avest_wire import matrix as wire  # noqa: E402
 from avest_wire.v1 import estimator_pb2 as pb  # noqa: E402
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc  # noqa: E402
+from tests.support.rpc import observe_request  # noqa: E402
 
 K, ROWS = 5, 32
 WORKER = (("authorization", f"Bearer {WORKER_TOKEN}"),)
@@ -64,16 +64,8 @@ async def worker(
             seq += 1
             d = rng.integers(0, K + 1, size=ROWS)
             sent[seq] = time.perf_counter()
-            yield pb.ObserveRequest(
-                pair_id=pid,
-                worker_id=name,
-                sequence=seq,
-                features=wire.encode(rng.normal(0, 2, size=(ROWS, K)))[0],
-                rows=ROWS,
-                k=K,
-                num_verified=[int(v) for v in d],
-                num_accepted=[int(rng.integers(0, v + 1)) for v in d],
-            )
+            x = rng.normal(0, 2, size=(ROWS, K))
+            yield observe_request(pid, name, seq, x, d, [rng.integers(0, v + 1) for v in d])
             await asyncio.sleep(1.0 / rate)
 
     last = 0

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
+from tests.support.rpc import observe_request
 from tests.support.server import ADMIN, launch
 
 pytestmark = pytest.mark.slow
@@ -138,16 +139,8 @@ def valid_step(
 ) -> pb.ObserveRequest:
     rng = np.random.default_rng(seed + seq)
     d = rng.integers(0, K + 1, size=rows)
-    return pb.ObserveRequest(
-        pair_id=pair_id,
-        worker_id=worker,
-        sequence=seq,
-        features=wire.encode(rng.normal(0, 3, size=(rows, K)))[0],
-        rows=rows,
-        k=K,
-        num_verified=[int(v) for v in d],
-        num_accepted=[int(rng.integers(0, v + 1)) for v in d],
-    )
+    x = rng.normal(0, 3, size=(rows, K))
+    return observe_request(pair_id, worker, seq, x, d, [rng.integers(0, v + 1) for v in d])
 
 
 # -- strategies ------------------------------------------------------------------------------

@@ -19,9 +19,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from avest.server import Server
 from avest.settings import Settings
 from avest_client import AvestError, EstimatorClient
-from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
+from tests.support.rpc import observe_request
 
 WORKER = "worker-token-123"
 ADMIN = "admin-token-456"
@@ -38,15 +38,8 @@ def key() -> pb.PairKey:
 
 def step(pair_id: str, worker: str, seq: int, accept: int = K) -> pb.ObserveRequest:
     rows = 8
-    return pb.ObserveRequest(
-        pair_id=pair_id,
-        worker_id=worker,
-        sequence=seq,
-        features=wire.encode(np.full((rows, K), -3.0))[0],
-        rows=rows,
-        k=K,
-        num_verified=[K] * rows,
-        num_accepted=[accept] * rows,
+    return observe_request(
+        pair_id, worker, seq, np.full((rows, K), -3.0), [K] * rows, [accept] * rows
     )
 
 

@@ -9,13 +9,12 @@ import time
 
 import grpc
 import httpx
-import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
+from tests.support.rpc import register_named, zero_step
 
 pytestmark = pytest.mark.slow
 
@@ -106,26 +105,10 @@ def test_a_busy_stream_does_not_starve_a_light_one(server) -> None:  # noqa: ANN
     with grpc.insecure_channel(server.grpc_address) as channel:
         stub = pb_grpc.EstimatorServiceStub(channel)
 
-        def register(name: str) -> str:
-            key = pb.PairKey(
-                target_model=name, draft_model="d", method="m", num_speculative_tokens=k
-            )
-            return str(stub.RegisterPair(pb.RegisterPairRequest(key=key)).pair_id)
-
-        heavy_pid, light_pid = register("heavy"), register("light")
-        x = wire.encode(np.zeros((rows, k)))[0]
+        heavy_pid, light_pid = register_named(stub, "heavy", k), register_named(stub, "light", k)
 
         def msg(pid: str, worker: str, seq: int) -> pb.ObserveRequest:
-            return pb.ObserveRequest(
-                pair_id=pid,
-                worker_id=worker,
-                sequence=seq,
-                features=x,
-                rows=rows,
-                k=k,
-                num_verified=[k] * rows,
-                num_accepted=[1] * rows,
-            )
+            return zero_step(pid, worker, seq, k, rows)
 
         heavy_total = 20_000
         heavy = stub.Observe(iter(msg(heavy_pid, "heavy", s) for s in range(1, heavy_total + 1)))

@@ -16,7 +16,7 @@ import pytest
 
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
-from tests.support.rpc import zero_step
+from tests.support.rpc import flood, register_named, zero_step
 
 pytestmark = pytest.mark.slow
 
@@ -36,21 +36,7 @@ def _busy(address: str, pid: str, streams: int, seconds: float) -> None:
     async def one(w: int) -> None:
         async with grpc.aio.insecure_channel(address) as channel:
             stub = pb_grpc.EstimatorServiceStub(channel)
-            msg = _step(pid, f"busy-{w}", 1)
-            deadline = time.monotonic() + seconds
-
-            async def gen():  # noqa: ANN202
-                seq = 0
-                while time.monotonic() < deadline:
-                    seq += 1
-                    msg.sequence = seq
-                    yield msg
-
-            try:
-                async for _ in stub.Observe(gen(), timeout=seconds + 30):
-                    pass
-            except grpc.aio.AioRpcError:
-                pass
+            await flood(stub, _step(pid, f"busy-{w}", 1), seconds)
 
     async def main() -> None:
         await asyncio.gather(*(one(w) for w in range(streams)))
@@ -66,13 +52,7 @@ def _light_worker_waits(start_server, data, **settings) -> tuple[list[int], list
     with grpc.insecure_channel(handle.grpc_address) as channel:
         stub = pb_grpc.EstimatorServiceStub(channel)
 
-        def register(name: str) -> str:
-            key = pb.PairKey(
-                target_model=name, draft_model="d", method="m", num_speculative_tokens=K
-            )
-            return str(stub.RegisterPair(pb.RegisterPairRequest(key=key)).pair_id)
-
-        busy_pid, light_pid = register("busy"), register("light")
+        busy_pid, light_pid = register_named(stub, "busy", K), register_named(stub, "light", K)
         busy_pair = registry.pairs[busy_pid]
         # When the light worker's step is applied: the busy steps applied by then.
         applied_at: dict[int, int] = {}

@@ -14,31 +14,20 @@ import numpy as np
 import pytest
 
 from avest.core.estimator import Batch, OnlineEstimator
-from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
+from tests.support.rpc import random_step, register_named
 
 K = 8
 HEAVY_ROWS = 2048  # 16,384 cells: heavy at fold_thread_cells=16384
 
 
 def _register(stub: pb_grpc.EstimatorServiceStub, name: str = "t") -> str:
-    key = pb.PairKey(target_model=name, draft_model="d", method="m", num_speculative_tokens=K)
-    return str(stub.RegisterPair(pb.RegisterPairRequest(key=key, refit_interval=3)).pair_id)
+    return register_named(stub, name, K, refit_interval=3)
 
 
 def _step(pid: str, worker: str, seq: int, rows: int) -> pb.ObserveRequest:
-    rng = np.random.default_rng(seq * 1000 + rows)
-    return pb.ObserveRequest(
-        pair_id=pid,
-        worker_id=worker,
-        sequence=seq,
-        features=wire.encode(rng.normal(0.0, 2.0, size=(rows, K)))[0],
-        rows=rows,
-        k=K,
-        num_verified=[K] * rows,
-        num_accepted=[int(a) for a in rng.integers(0, K + 1, size=rows)],
-    )
+    return random_step(pid, worker, seq, rows, K, seed=seq * 1000 + rows)
 
 
 def _next_ack(acks) -> int:  # noqa: ANN001

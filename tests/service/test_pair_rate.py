@@ -8,9 +8,9 @@ import grpc
 import numpy as np
 import pytest
 
-from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
+from tests.support.rpc import observe_request, register_named
 from tests.support.server import ADMIN
 
 pytestmark = pytest.mark.slow
@@ -20,21 +20,11 @@ RATE = 40.0
 
 
 def _register(stub: pb_grpc.EstimatorServiceStub, name: str) -> str:
-    key = pb.PairKey(target_model=name, draft_model="d", method="m", num_speculative_tokens=K)
-    return str(stub.RegisterPair(pb.RegisterPairRequest(key=key)).pair_id)
+    return register_named(stub, name, K)
 
 
 def _step(pid: str, worker: str, seq: int) -> pb.ObserveRequest:
-    return pb.ObserveRequest(
-        pair_id=pid,
-        worker_id=worker,
-        sequence=seq,
-        features=wire.encode(np.zeros((2, K)))[0],
-        rows=2,
-        k=K,
-        num_verified=[K, K],
-        num_accepted=[1, 2],
-    )
+    return observe_request(pid, worker, seq, np.zeros((2, K)), [K, K], [1, 2])
 
 
 def test_many_clients_hammering_one_pair_are_bounded(start_server, tmp_path) -> None:  # noqa: ANN001

@@ -8,12 +8,11 @@ from collections.abc import Iterable
 
 import grpc
 import httpx
-import numpy as np
 
 from avest.offline.trace import Trace
-from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
+from tests.support.rpc import observe_request
 from tests.support.server import ServerHandle
 from tests.support.traces import Step, trace_steps
 
@@ -82,22 +81,7 @@ def observe_requests(
 ) -> list[pb.ObserveRequest]:
     """One Observe message per decode step ``(features, num_verified, num_accepted)``,
     numbered from ``first``."""
-    out = []
-    for i, (x, d, a) in enumerate(steps):
-        data, rows, k = wire.encode(x)
-        out.append(
-            pb.ObserveRequest(
-                pair_id=pair_id,
-                worker_id=worker,
-                sequence=first + i,
-                features=data,
-                rows=rows,
-                k=k,
-                num_verified=np.asarray(d).tolist(),
-                num_accepted=np.asarray(a).tolist(),
-            )
-        )
-    return out
+    return [observe_request(pair_id, worker, first + i, *step) for i, step in enumerate(steps)]
 
 
 def messages(

@@ -1,10 +1,16 @@
-"""A server's gRPC API driven by a raw stub: pairs registered from a trace or by K, and
-Observe streams of random steps, with the acknowledged sequence read back."""
+"""A server's gRPC API driven by a raw stub: pairs registered from a trace or by K,
+Observe messages (:func:`observe_request`) and streams of them, with the acknowledged
+sequence read back."""
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+
 import grpc
 import numpy as np
+import numpy.typing as npt
 
 from avest.offline.replay import pair_key, step_bounds
 from avest.offline.trace import Trace
@@ -31,6 +37,29 @@ def register(stub, trace, rule="recursive", refit_interval=10, labels=None):
     )
 
 
+def observe_request(
+    pair_id: str,
+    worker: str,
+    seq: int,
+    features: npt.ArrayLike,
+    num_verified: Iterable[int],
+    num_accepted: Iterable[int],
+) -> pb.ObserveRequest:
+    """One Observe message: the ``[rows, K]`` draft features as the wire carries them
+    (float32) and, per row, the drafts verified and accepted."""
+    data, rows, k = wire.encode(features)
+    return pb.ObserveRequest(
+        pair_id=pair_id,
+        worker_id=worker,
+        sequence=seq,
+        features=data,
+        rows=rows,
+        k=k,
+        num_verified=[int(v) for v in num_verified],
+        num_accepted=[int(v) for v in num_accepted],
+    )
+
+
 def messages_for(
     trace: Trace, pair_id: str, worker: int, workers: int, worker_id: str, repeat: int
 ) -> list[pb.ObserveRequest]:
@@ -44,18 +73,15 @@ def messages_for(
             if chunk.size == 0:
                 continue
             sl = slice(int(chunk[0]), int(chunk[-1]) + 1)
-            data, rows, k = wire.encode(trace.features[sl])
             seq += 1
             out.append(
-                pb.ObserveRequest(
-                    pair_id=pair_id,
-                    worker_id=worker_id,
-                    sequence=seq,
-                    features=data,
-                    rows=rows,
-                    k=k,
-                    num_verified=trace.num_verified[sl].tolist(),
-                    num_accepted=trace.num_accepted[sl].tolist(),
+                observe_request(
+                    pair_id,
+                    worker_id,
+                    seq,
+                    trace.features[sl],
+                    trace.num_verified[sl],
+                    trace.num_accepted[sl],
                 )
             )
     return out
@@ -77,15 +103,10 @@ def synthetic_steps(pair_id: str, worker: str, k: int, steps: int, seed: int, ro
     rng = np.random.default_rng(seed)
     out = []
     for seq in range(1, steps + 1):
-        data, r, kk = wire.encode(rng.normal(0.0, 2.0, size=(rows, k)).astype(np.float32))
+        x = rng.normal(0.0, 2.0, size=(rows, k)).astype(np.float32)
         d = rng.integers(0, k + 1, size=rows)
         a = np.minimum(rng.integers(0, k + 1, size=rows), d)
-        out.append(
-            pb.ObserveRequest(
-                pair_id=pair_id, worker_id=worker, sequence=seq, features=data, rows=r, k=kk,
-                num_verified=d.tolist(), num_accepted=a.tolist(),
-            )
-        )  # fmt: skip
+        out.append(observe_request(pair_id, worker, seq, x, d, a))
     return out
 
 
@@ -101,16 +122,55 @@ def register_k(stub, k: int, n: int, refit_interval: int = 10) -> pb.RegisterPai
     )
 
 
+def register_named(
+    stub: pb_grpc.EstimatorServiceStub,
+    name: str,
+    k: int,
+    refit_interval: int = 0,
+    metadata: Sequence[tuple[str, str]] | None = None,
+) -> str:
+    """The id of a pair of target ``name`` drafting ``k`` positions (``refit_interval`` 0:
+    the service's default)."""
+    key = pb.PairKey(target_model=name, draft_model="d", method="m", num_speculative_tokens=k)
+    request = pb.RegisterPairRequest(key=key, refit_interval=refit_interval)
+    return str(stub.RegisterPair(request, metadata=metadata).pair_id)
+
+
+def random_step(
+    pair_id: str, worker: str, seq: int, rows: int, k: int, seed: int, accept: int | None = None
+) -> pb.ObserveRequest:
+    """An Observe message of ``rows`` random rows (features drawn from N(0, 2²), the spread
+    of the real traces), every draft verified; per row ``accept`` drafts accepted, or a
+    uniform draw from 0..k."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(0.0, 2.0, size=(rows, k))
+    a = rng.integers(0, k + 1, size=rows) if accept is None else [accept] * rows
+    return observe_request(pair_id, worker, seq, x, [k] * rows, a)
+
+
 def zero_step(pair_id: str, worker: str, seq: int, k: int, rows: int) -> pb.ObserveRequest:
     """An Observe message of ``rows`` all-zero feature rows, every draft verified and
     only the first accepted: cheap to send and to fold, for load and fairness tests."""
-    return pb.ObserveRequest(
-        pair_id=pair_id,
-        worker_id=worker,
-        sequence=seq,
-        features=wire.encode(np.zeros((rows, k)))[0],
-        rows=rows,
-        k=k,
-        num_verified=[k] * rows,
-        num_accepted=[1] * rows,
-    )
+    return observe_request(pair_id, worker, seq, np.zeros((rows, k)), [k] * rows, [1] * rows)
+
+
+async def flood(
+    stub: pb_grpc.EstimatorServiceStub,
+    msg: pb.ObserveRequest,
+    seconds: float,
+    metadata: Sequence[tuple[str, str]] | None = None,
+) -> None:
+    """``msg`` sent again and again on one Observe stream (sequence 1, 2, ...) for
+    ``seconds``, as fast as flow control lets it; a stream the service ends is left so."""
+    deadline = time.monotonic() + seconds
+
+    async def gen() -> AsyncIterator[pb.ObserveRequest]:
+        seq = 0
+        while time.monotonic() < deadline:
+            seq += 1
+            msg.sequence = seq
+            yield msg
+
+    with contextlib.suppress(grpc.aio.AioRpcError):
+        async for _ in stub.Observe(gen(), metadata=metadata, timeout=seconds + 30):
+            pass
