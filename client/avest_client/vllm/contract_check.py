@@ -18,8 +18,9 @@ import inspect
 import os
 import sys
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from avest_client.vllm import contract as c
 
@@ -206,19 +207,18 @@ class _Checker:
         return fn, None
 
     def check(self, e: c.Entry) -> list[str]:
-        if isinstance(e, c.Class):
-            return self._class(e)
-        if isinstance(e, c.Function):
-            return self._function(e)
-        if isinstance(e, c.ModuleName):
-            return self._module_name(e)
-        if isinstance(e, c.Constant):
-            return self._constant(e)
-        if isinstance(e, c.Call):
-            return self._call(e)
-        if isinstance(e, c.Statements):
-            return self._statements(e)
-        raise TypeError(f"unknown contract entry {e!r}")
+        checks: dict[type, Callable[[Any], list[str]]] = {
+            c.Class: self._class,
+            c.Function: self._function,
+            c.ModuleName: self._module_name,
+            c.Constant: self._constant,
+            c.Call: self._call,
+            c.Statements: self._statements,
+        }
+        check = checks.get(type(e))
+        if check is None:
+            raise TypeError(f"unknown contract entry {e!r}")
+        return check(e)
 
     def _class(self, e: c.Class) -> list[str]:
         tree = self.module(e.path)
