@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import tempfile
 import threading
@@ -47,6 +46,7 @@ from avest.settings import Settings
 from avest_client import EstimatorClient, Forwarder
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 from tests.support.rpc import observe_request
+from tests.support.serve import stop_process
 
 B, K = 64, 8
 LAT_B, LAT_K = 256, 16
@@ -296,11 +296,7 @@ def main() -> None:
             lat = latency(client, args.latency_calls)
         per_pair = memory_per_pair(address, proc.pid, args.pairs, steps_each=5)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, 30)
 
     if args.json:
         print(

@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +43,7 @@ from serve_proc import ADMIN_TOKEN, CLI, serve
 
 from avest_client import EstimatorClient
 from avest_client.errors import InvalidArgumentError
+from tests.support.serve import stop_process
 
 B, K = 256, 16
 BLOCK = 50
@@ -94,11 +93,7 @@ class Server:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_process(self.proc, 60)
 
 
 def calls(client: EstimatorClient, pid: str) -> dict[str, Callable[[int], object]]:

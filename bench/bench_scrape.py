@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -45,6 +44,7 @@ from bench_ingest import (  # noqa: E402
 )
 
 from avest_client import EstimatorClient  # noqa: E402
+from tests.support.serve import stop_process  # noqa: E402
 
 B = 64
 
@@ -109,7 +109,7 @@ def scrape_table(pairs: int, calls: int, tree: Path | None = None) -> dict:
                 durations.append(float(ms) / 1e3)
                 sizes.append(int(size))
     finally:
-        stop_server(proc)
+        stop_process(proc, 60)
     p = {
         name: (float(np.percentile(a, 50)), float(np.percentile(a, 99)))
         for name, a in (("idle", idle), ("during scrape", during))
@@ -142,7 +142,7 @@ def memory(k: int, pairs: int) -> dict:
         time.sleep(1.0)
         after = rss_bytes(proc.pid)
     finally:
-        stop_server(proc)
+        stop_process(proc, 60)
     db = sqlite3.connect(Path(tmp) / "avest.sqlite3")
     blob = db.execute("SELECT avg(length(arrays)) FROM snapshots").fetchone()[0]
     return {
@@ -191,14 +191,6 @@ def start(data_dir: str, tree: Path | None = None) -> tuple:
         else:
             os.environ["PYTHONPATH"] = saved
     return proc, address, proc.avest_http  # type: ignore[attr-defined]
-
-
-def stop_server(proc) -> None:  # noqa: ANN001
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except Exception:  # noqa: BLE001
-        proc.kill()
 
 
 def main() -> None:

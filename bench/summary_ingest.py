@@ -5,7 +5,6 @@ many workers over gRPC (acknowledged per second, ack latency, CPU per summary)."
 from __future__ import annotations
 
 import asyncio
-import signal
 import tempfile
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ from avest_client import EstimatorClient
 from avest_client.summary import RoundAccumulator
 from avest_wire.messages import summary_to_pb
 from avest_wire.v1 import estimator_pb2 as pb
+from tests.support.serve import stop_process
 
 #: Steps one worker's round covers (vLLM's REFIT_INTERVAL).
 ROUND_STEPS = 100
@@ -177,11 +177,7 @@ def bench_ingest_summaries(ks: list[int], workers: int, streams: int, rate: floa
                     res["refits"] = info.coefficients.round
                     out[f"K={k} {label}"] = res
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except Exception:  # noqa: BLE001
-            proc.kill()
+        stop_process(proc, 30)
     return out
 
 

@@ -17,7 +17,7 @@ import pytest
 from avest.core.estimator import OnlineEstimator
 from avest_client import AsyncEstimatorClient, Backoff, EstimatorClient, Forwarder
 from tests.support.helpers import free_port, wait_until
-from tests.support.serve import serve_subprocess
+from tests.support.serve import serve_subprocess, stop_process
 from tests.support.traces import core_replay
 
 FAST = Backoff(initial_s=0.02, max_s=0.2)
@@ -381,11 +381,7 @@ def test_sigkill_mid_stream_loses_nothing_and_applies_nothing_twice(tmp_path, ch
         with EstimatorClient(address) as client:
             info = client.pair(reg.pair_id)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, 15)
     s = fwd.stats
     assert acked_before >= 80
     assert (s.submitted, s.acked, s.dropped, s.refused) == (300, 300, 0, 0)

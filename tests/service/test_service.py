@@ -4,6 +4,7 @@ persistence, refusals, health and reflection."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -197,15 +198,28 @@ def test_restart_resumes_the_same_coefficients(start_server, tmp_path, trace_sli
     assert acked == 60 and dup.steps_observed == before.steps_observed
 
 
-def _spawn(data_dir):
-    return spawn(data_dir, "--flush-interval-ms", "10")
+@contextlib.contextmanager
+def _spawned(data_dir, kill=False):
+    """``avest serve`` over ``data_dir`` flushing every 10 ms, and a stub: ``(process,
+    stub)``. At the end the process is killed, or (``kill=False``) stopped with SIGTERM
+    and given 20 s to exit."""
+    proc, address = spawn(data_dir, "--flush-interval-ms", "10")
+    channel, stub = stub_for(address)
+    try:
+        yield proc, stub
+    finally:
+        channel.close()
+        if kill:
+            proc.kill()
+            proc.wait()
+        else:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=20)
 
 
 def test_sigkill_mid_stream_loses_nothing_acknowledged(tmp_path, trace_slice):
     trace = trace_slice("chat", 0, 300)
-    proc, address = _spawn(tmp_path)
-    try:
-        channel, stub = stub_for(address)
+    with _spawned(tmp_path, kill=True) as (proc, stub):
         reg = register(stub, trace, "recursive", refit_interval=25)
         msgs = messages_for(trace, reg.pair_id, 0, 1, "w0", 1)
         acked = 0
@@ -222,14 +236,8 @@ def test_sigkill_mid_stream_loses_nothing_acknowledged(tmp_path, trace_slice):
                     acked = resp.ack.acked_sequence
                     if acked >= 120:
                         os.kill(proc.pid, signal.SIGKILL)
-        channel.close()
-    finally:
-        proc.kill()
-        proc.wait()
     assert 120 <= acked < 300
-    proc, address = _spawn(tmp_path)
-    try:
-        channel, stub = stub_for(address)
+    with _spawned(tmp_path) as (_, stub):
         restored = stub.GetPair(pb.GetPairRequest(pair_id=reg.pair_id)).pair
         # Everything acknowledged survived, and the last refit is restored.
         assert restored.steps_observed >= acked
@@ -239,10 +247,6 @@ def test_sigkill_mid_stream_loses_nothing_acknowledged(tmp_path, trace_slice):
         # The worker resends what was not acknowledged; duplicates are ignored.
         resent, _ = observe_all(stub, msgs[acked:])
         final = stub.GetPair(pb.GetPairRequest(pair_id=reg.pair_id)).pair
-        channel.close()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=20)
     full = core_replay(trace, "recursive", 25)
     assert resent == 300
     assert final.steps_observed == 300
@@ -410,9 +414,7 @@ def test_every_refusal_names_the_field_and_changes_nothing(start_server, tmp_pat
 
 def test_sigterm_drains_acknowledges_and_snapshots(tmp_path, trace_slice):
     trace = trace_slice("chat", 0, 400)
-    proc, address = _spawn(tmp_path)
-    try:
-        channel, stub = stub_for(address)
+    with _spawned(tmp_path, kill=True) as (proc, stub):
         reg = register(stub, trace, "recursive", refit_interval=30)
         msgs = messages_for(trace, reg.pair_id, 0, 1, "w0", 1)
         acked = 0
@@ -437,19 +439,9 @@ def test_sigterm_drains_acknowledges_and_snapshots(tmp_path, trace_slice):
         assert stream.code() == grpc.StatusCode.OK
         assert proc.wait(timeout=15) == 0
         assert time.monotonic() - t0 < 10
-        channel.close()
-    finally:
-        proc.kill()
-        proc.wait()
     assert 60 <= acked < 400
-    proc, address = _spawn(tmp_path)
-    try:
-        channel, stub = stub_for(address)
+    with _spawned(tmp_path) as (_, stub):
         restored = stub.GetPair(pb.GetPairRequest(pair_id=reg.pair_id)).pair
-        channel.close()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=20)
     # Nothing applied went unacknowledged or unsaved.
     assert restored.steps_observed == acked
     partial = core_replay(trace, "recursive", 30, acked)
