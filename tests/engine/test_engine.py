@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.support.helpers import free_port, http_get
+from tests.support.helpers import free_port, http_get, missing_environment
 from tests.support.serve import Served as AvestService
 from tests.support.serve import serve as start_avest
 from tests.support.serve import stop_process
@@ -80,12 +80,7 @@ def engine_python() -> Path:
             f"no vLLM CPU engine environment at {py}: run scripts/vllm-cpu-env (scripts/check "
             "does) or set AVEST_ENGINE_PYTHON. avest inside a real vLLM engine is NOT tested."
         )
-        log = REPO / ".cache" / "vllm-cpu-env.log"
-        if log.exists():
-            reason += "\n.cache/vllm-cpu-env.log ends:\n" + log.read_text()[-3000:]
-        if os.environ.get("CI") or os.environ.get("AVEST_REQUIRE_VLLM_ENV") == "1":
-            pytest.fail(reason)
-        pytest.skip(reason)
+        missing_environment(reason, REPO / ".cache" / "vllm-cpu-env.log")
     return py
 
 

@@ -47,7 +47,7 @@ from avest.commands.cli import main as avest_main
 from avest.offline.trace import FORMAT, Trace, write_trace
 from avest_client import EstimatorClient
 from avest_client.vllm import config as shim_config
-from tests.support.helpers import f32
+from tests.support.helpers import f32, missing_environment
 
 pytestmark = pytest.mark.slow
 
@@ -78,12 +78,7 @@ def python() -> Path:
             "WHEEL (scripts/check does) or set AVEST_VLLM_PYTHON. vLLM's real classes are NOT "
             "tested."
         )
-        log = REPO / ".cache" / "vllm-env.log"
-        if log.exists():
-            reason += "\n.cache/vllm-env.log ends:\n" + log.read_text()[-3000:]
-        if os.environ.get("CI") or os.environ.get("AVEST_REQUIRE_VLLM_ENV") == "1":
-            pytest.fail(reason)
-        pytest.skip(reason)
+        missing_environment(reason, REPO / ".cache" / "vllm-env.log")
     return py
 
 

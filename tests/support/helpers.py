@@ -11,8 +11,10 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
+import pytest
 
 
 def free_port() -> int:
@@ -50,3 +52,14 @@ def find_tool(name: str) -> str | None:
 def f32(x: float) -> float:
     """``x`` as a float32 tensor holds it."""
     return float(np.float32(x))
+
+
+def missing_environment(reason: str, log: Path) -> NoReturn:
+    """Skip a test whose environment (a vLLM build) is absent, with the end of ``log``
+    (the build's output) in the reason; fail it instead under CI or with
+    ``AVEST_REQUIRE_VLLM_ENV=1``, where the environment must be there."""
+    if log.exists():
+        reason += f"\n.cache/{log.name} ends:\n" + log.read_text()[-3000:]
+    if os.environ.get("CI") or os.environ.get("AVEST_REQUIRE_VLLM_ENV") == "1":
+        pytest.fail(reason)
+    pytest.skip(reason)
