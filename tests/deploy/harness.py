@@ -9,6 +9,7 @@ Prometheus is the real server scraping it.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -21,6 +22,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -432,3 +434,25 @@ def sample_names(exposition: str) -> set[str]:
     from prometheus_client.parser import text_string_to_metric_families
 
     return {s.name for fam in text_string_to_metric_families(exposition) for s in fam.samples}
+
+
+def load_script(path: Path, name: str) -> ModuleType:
+    """A script of the deploy tree (not a package) imported as module ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def grafana_values(fed: Any) -> dict[str, str]:
+    """Grafana's variables as the dashboards' queries see them for the fed pair ``fed``."""
+    return {
+        "job": "avest",
+        "instance": ".*",
+        "pair": fed.pair_id,
+        "target": fed.target,
+        "__rate_interval": "1m",
+        "__interval": "15s",
+        "__range": "1h",
+    }

@@ -5,7 +5,6 @@ avest, the shim installer, and ``docker compose config`` for every profile."""
 from __future__ import annotations
 
 import importlib.metadata as md
-import importlib.util
 import json
 import os
 import re
@@ -29,7 +28,7 @@ from tests.support.docker import (
     stages,
 )
 
-from .harness import COMPOSE, DEPLOY, REPO, find_tool, free_port, require_tool
+from .harness import COMPOSE, DEPLOY, REPO, find_tool, free_port, load_script, require_tool
 
 pytestmark = pytest.mark.slow
 
@@ -332,11 +331,7 @@ def test_the_vllm_image_is_vllm_0_33_with_the_shim_installer() -> None:
 
 
 def load_install_shim() -> Any:
-    spec = importlib.util.spec_from_file_location("avest_install_shim", INSTALL_SHIM)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(INSTALL_SHIM, "avest_install_shim")
 
 
 def test_the_shim_installer_pins_vllms_packages_and_checks_the_plugin(tmp_path: Path) -> None:

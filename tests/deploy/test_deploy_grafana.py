@@ -6,7 +6,6 @@ Prometheus scraping a real avest. Importing it elsewhere: test_deploy_grafana_im
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -25,8 +24,10 @@ from .harness import (
     VLLM_SPEC_DECODE_METRICS,
     dashboard_queries,
     grafana_function_to_promql,
+    grafana_values,
     iter_panels,
     load_dashboards,
+    load_script,
     metric_names,
     readmes,
     sample_names,
@@ -42,11 +43,7 @@ PROVISIONING = DEPLOY / "grafana" / "provisioning"
 
 
 def load_builder() -> Any:
-    spec = importlib.util.spec_from_file_location("avest_build_dashboard", BUILDER)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BUILDER, "avest_build_dashboard")
 
 
 @pytest.fixture(scope="module")
@@ -261,18 +258,6 @@ def test_the_vllm_metric_names_and_labels_match_vllm_0_33_source() -> None:
 
 
 # -- every query against the live Prometheus ------------------------------------------
-
-
-def grafana_values(fed: Any) -> dict[str, str]:
-    return {
-        "job": "avest",
-        "instance": ".*",
-        "pair": fed.pair_id,
-        "target": fed.target,
-        "__rate_interval": "1m",
-        "__interval": "15s",
-        "__range": "1h",
-    }
 
 
 def test_every_dashboard_query_runs_and_returns_data(

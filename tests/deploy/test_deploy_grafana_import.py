@@ -18,6 +18,7 @@ from .harness import (
     DASHBOARDS,
     DEPLOY,
     grafana_function_to_promql,
+    grafana_values,
     http_get,
     iter_panels,
     substitute_grafana,
@@ -260,23 +261,15 @@ def pick(regex: str, lines: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-def values_for(fed: Any) -> dict[str, str]:
-    return {
-        "job": "avest",
-        "instance": ".*",
-        "pair": fed.pair_id,
-        "target": fed.target,
-        "__rate_interval": "1m",
-    }
-
-
 def test_the_pair_picker_shows_target_draft_and_labels(
     dashboard: dict[str, Any], live_prometheus: Any
 ) -> None:
     prom = live_prometheus.prometheus
     fed = live_prometheus.avest.fed
     var = variables(dashboard)["pair"]
-    expr = substitute_grafana(grafana_function_to_promql(var["query"]["query"]), values_for(fed))
+    expr = substitute_grafana(
+        grafana_function_to_promql(var["query"]["query"]), grafana_values(fed)
+    )
     body = prom.query(expr)
     assert body["status"] == "success", body
     picked = pick(var["regex"], grafana_query_result_lines(body["data"]["result"]))
@@ -312,7 +305,7 @@ def test_the_reliability_bars_and_the_svg_link(
     by_ref: dict[str, dict[str, float]] = {}
     for t in bars["targets"]:
         assert t["instant"] and t["format"] == "table"
-        body = prom.query(substitute_grafana(t["expr"], values_for(fed)))
+        body = prom.query(substitute_grafana(t["expr"], grafana_values(fed)))
         assert body["status"] == "success", body
         result = body["data"]["result"]
         # One series per bin, labelled by bin alone, so Grafana's merge joins them.
