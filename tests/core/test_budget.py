@@ -80,16 +80,23 @@ def scores_of(survival, scheduled):
     return [survival[r, i] for r, i in ranked_slots(survival, scheduled)]
 
 
-@pytest.mark.parametrize("step_shaped", [True, False])
-def test_budget_size_is_the_global_argmax(step_shaped):
-    rng = np.random.default_rng(1 if step_shaped else 2)
-    for _ in range(300):
+def random_cases(seed, step_shaped, n=300):
+    """``n`` random decisions ``(costs, survival, scheduled, scores, s, r, t0)``: a step's
+    survival matrix and its ranked slots' scores, ``s`` sampling requests of ``r`` and
+    ``t0`` non-draft tokens in the verify pass."""
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
         costs = random_costs(rng, step_shaped)
         conf, sched = random_step(rng)
         surv = np.cumprod(conf, axis=1)
         r = conf.shape[0]
         s, t0 = int(rng.integers(0, r + 1)), int(rng.integers(0, 10))
-        scores = scores_of(surv, sched)
+        yield costs, surv, sched, scores_of(surv, sched), s, r, t0
+
+
+@pytest.mark.parametrize("step_shaped", [True, False])
+def test_budget_size_is_the_global_argmax(step_shaped):
+    for costs, surv, sched, scores, s, r, t0 in random_cases(1 if step_shaped else 2, step_shaped):
         want = brute_argmax(scores, s, r, t0, costs)
         assert budget_size(surv, s, r, t0, costs, scheduled=sched) == want
         assert budget_size(np.array(scores), s, r, t0, costs) == want
@@ -112,14 +119,7 @@ def test_budget_size_ties_go_to_the_smallest_budget():
 
 @pytest.mark.parametrize("step_shaped", [True, False])
 def test_lossless_walk_matches_the_literal_rule(step_shaped):
-    rng = np.random.default_rng(3 if step_shaped else 4)
-    for _ in range(300):
-        costs = random_costs(rng, step_shaped)
-        conf, sched = random_step(rng)
-        surv = np.cumprod(conf, axis=1)
-        r = conf.shape[0]
-        s, t0 = int(rng.integers(0, r + 1)), int(rng.integers(0, 10))
-        scores = scores_of(surv, sched)
+    for costs, surv, sched, scores, s, r, t0 in random_cases(3 if step_shaped else 4, step_shaped):
         walk = lossless_walk_size(surv, s, r, t0, costs, scheduled=sched)
         assert walk == brute_walk(scores, s, r, t0, costs)
         # What can be proved: never fewer drafts than the argmax, and no larger

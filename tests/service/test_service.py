@@ -127,42 +127,28 @@ def test_score_and_budget_equal_the_core(server, trace_slice):
         conf = wire.decode(score.confidences, rows, k)
         scheduled = rng.integers(0, k + 1, size=rows)
         table = CostTable.from_curves(draft, verify, cudagraph_limit=256)
+        request = dict(
+            pair_id=reg.pair_id,
+            confidences=score.confidences,
+            rows=rows,
+            k=k,
+            scheduled_drafts=scheduled.tolist(),
+            num_non_draft_tokens=rows,
+            num_sampling_requests=rows,
+            hardware="h200",
+        )
         for rule_pb, name in [
             (pb.BUDGET_RULE_UNSPECIFIED, "lossless-walk"),
             (pb.BUDGET_RULE_ARGMAX, "argmax"),
             (pb.BUDGET_RULE_FULL, "full"),
         ]:
-            got = stub.Budget(
-                pb.BudgetRequest(
-                    pair_id=reg.pair_id,
-                    confidences=score.confidences,
-                    rows=rows,
-                    k=k,
-                    scheduled_drafts=scheduled.tolist(),
-                    num_non_draft_tokens=rows,
-                    num_sampling_requests=rows,
-                    hardware="h200",
-                    rule=rule_pb,
-                )
-            )
+            got = stub.Budget(pb.BudgetRequest(**request, rule=rule_pb))
             want = decide(name, conf.astype(np.float64), scheduled, table, rows, rows)
             assert got.budget == want.budget
             assert list(got.verify_lengths) == want.verify_lengths.tolist()
             assert got.expected_tokens == pytest.approx(want.expected_tokens)
             assert got.lossless == want.lossless
-        stale = stub.Budget(
-            pb.BudgetRequest(
-                pair_id=reg.pair_id,
-                confidences=score.confidences,
-                stale_confidences=score.confidences,
-                rows=rows,
-                k=k,
-                scheduled_drafts=scheduled.tolist(),
-                num_non_draft_tokens=rows,
-                num_sampling_requests=rows,
-                hardware="h200",
-            )
-        )
+        stale = stub.Budget(pb.BudgetRequest(**request, stale_confidences=score.confidences))
         assert stale.rule == pb.BUDGET_RULE_STALE and stale.lossless
 
 
