@@ -21,7 +21,9 @@ from avest.offline.simulate.profiles import (
     load_profile,
     shipped_profiles,
 )
-from avest.offline.trace import FORMAT, Trace, write_trace
+from avest.offline.trace import Trace, write_trace
+
+from .handmade import hand_meta, write_profile
 
 pytestmark = pytest.mark.slow
 
@@ -41,15 +43,7 @@ def hand_trace(accepted: list[int], verified: list[int], k: int, requests: int) 
         num_accepted=np.asarray(accepted, dtype=np.int32),
         step=np.arange(rows, dtype=np.int64) // requests,
         request=np.arange(rows, dtype=np.int64) % requests,
-        meta={
-            "format": FORMAT,
-            "target": "t",
-            "draft": "d",
-            "method": "hand",
-            "num_speculative_tokens": k,
-            "temperature": 1.0,
-            "top_p": 1.0,
-        },
+        meta=hand_meta(k),
     ).validate()
 
 
@@ -268,17 +262,7 @@ def test_three_regimes_are_shipped() -> None:
 def test_bad_profiles_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ProfileError, match="no cost profile"):
         load_profile("no-such-profile")
-    bad = tmp_path / "bad.json"
-    bad.write_text(
-        json.dumps(
-            {
-                "format": "avest-costs/1",
-                "name": "x",
-                "draft_curve": [[1, 1]],
-                "verify_curve": [[2, 1], [1, 2]],
-            }
-        )
-    )
+    bad = write_profile(tmp_path / "bad.json", "x", [[1, 1]], [[2, 1], [1, 2]])
     with pytest.raises(ProfileError, match="increasing"):
         load_profile(bad)
     bad.write_text(json.dumps({"format": "other"}))
@@ -291,17 +275,8 @@ def test_bad_profiles_are_refused(tmp_path: Path) -> None:
 
 def test_cli_end_to_end_json(tmp_path: Path, trace_slice, capsys) -> None:
     path = write_trace(tmp_path / "slice.npz", trace_slice("sample", 0, 40))
-    profile = tmp_path / "p.json"
-    profile.write_text(
-        json.dumps(
-            {
-                "format": "avest-costs/1",
-                "name": "mine",
-                "draft_curve": [[1, 0.5]],
-                "verify_curve": [[1, 5], [512, 40]],
-                "cudagraph_limit": 0,
-            }
-        )
+    profile = write_profile(
+        tmp_path / "p.json", "mine", [[1, 0.5]], [[1, 5], [512, 40]], cudagraph_limit=0
     )
     rc = main(
         [

@@ -20,7 +20,9 @@ from avest.offline.simulate.derive import (
 from avest.offline.simulate.engine import simulate
 from avest.offline.simulate.profiles import CostProfile, load_profile
 from avest.offline.simulate.recommend import recommend
-from avest.offline.trace import FORMAT, Trace, write_trace
+from avest.offline.trace import Trace, write_trace
+
+from .handmade import hand_meta, write_profile
 
 pytestmark = pytest.mark.slow
 
@@ -42,15 +44,7 @@ def two_kinds(steps: int, k: int = 2) -> Trace:
         num_accepted=np.where(good, k, 0).astype(np.int32),
         step=np.repeat(np.arange(steps, dtype=np.int64), 2),
         request=np.tile(np.arange(2, dtype=np.int64), steps),
-        meta={
-            "format": FORMAT,
-            "target": "t",
-            "draft": "d",
-            "method": "hand",
-            "num_speculative_tokens": k,
-            "temperature": 1.0,
-            "top_p": 1.0,
-        },
+        meta=hand_meta(k),
         accept_rate_dist=np.where(good[:, None], 1.0, 0.0).repeat(k, 1).astype(np.float32),
     ).validate()
 
@@ -135,17 +129,7 @@ def test_best_fixed_length_in_closed_form() -> None:
 def test_cli_recommends_draft_lengths_and_says_it_cycled(tmp_path, capsys) -> None:
     path = tmp_path / "t.npz"
     write_trace(path, two_kinds(30, k=3))
-    profile = tmp_path / "p.json"
-    profile.write_text(
-        json.dumps(
-            {
-                "format": "avest-costs/1",
-                "name": "p",
-                "draft_curve": [[1, 1.0], [64, 1.0]],
-                "verify_curve": [[1, 11.0], [2, 12.0]],
-            }
-        )
-    )
+    profile = write_profile(tmp_path / "p.json", "p", [[1, 1.0], [64, 1.0]], [[1, 11.0], [2, 12.0]])
     argv = ["simulate", str(path), "--costs", str(profile), "--concurrency", "2"]
     assert main([*argv, "--min-steps", "100", "--recommend", "--policy", "oracle/*"]) == 0
     text = capsys.readouterr().out
