@@ -30,20 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-
-HERE = Path(__file__).resolve()
-for _path in (str(HERE.parents[1]), str(HERE.parent)):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
-
-from shim_variants import (  # noqa: E402
+from shim_variants import (
     CPU,
     KINDS,
     BenchSink,
@@ -54,11 +47,11 @@ from shim_variants import (  # noqa: E402
     shim_class,
 )
 
-from avest_client import Backoff  # noqa: E402
-from avest_client.vllm import costs  # noqa: E402
-from avest_client.vllm.config import ShimConfig  # noqa: E402
-from avest_client.vllm.sidecar.sink import SidecarSink  # noqa: E402
-from avest_wire.pair import PairKey  # noqa: E402
+from avest_client import Backoff
+from avest_client.vllm import costs
+from avest_client.vllm.config import ShimConfig
+from avest_client.vllm.sidecar.sink import SidecarSink
+from avest_wire.pair import PairKey
 
 TARGET_US = 20.0
 

@@ -44,30 +44,23 @@ import argparse
 import json
 import os
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-
-HERE = Path(__file__).resolve()
-for _path in (str(HERE.parents[1]), str(HERE.parent)):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
-
-from bench_ingest import make_steps  # noqa: E402
-from bench_shim import _phase  # noqa: E402
-from grpc_floor import grpc_floor  # noqa: E402
-from shim_costs import (  # noqa: E402
+from bench_ingest import make_steps
+from bench_shim import _phase
+from grpc_floor import grpc_floor
+from shim_costs import (
     bench_overhead,
     bench_record,
     compare_trees,
     print_shim_costs,
     summary_shim,
 )
-from shim_variants import CPU, StandinAcceptanceEstimator  # noqa: E402
-from summary_ingest import (  # noqa: E402
+from shim_variants import CPU, StandinAcceptanceEstimator
+from summary_ingest import (
     ROUND_STEPS,
     bench_handler,
     bench_ingest_summaries,
@@ -75,10 +68,11 @@ from summary_ingest import (  # noqa: E402
     summary_body,
 )
 
-from avest_wire import matrix as wire  # noqa: E402
-from avest_wire.messages import summary_to_pb  # noqa: E402
-from avest_wire.v1 import estimator_pb2 as pb  # noqa: E402
+from avest_wire import matrix as wire
+from avest_wire.messages import summary_to_pb
+from avest_wire.v1 import estimator_pb2 as pb
 
+HERE = Path(__file__).resolve()
 PAIR_ID, WORKER_ID = "0123456789abcdef", "gpu-node-17:48213:9f3a1c2e"
 
 
