@@ -449,17 +449,15 @@ def compose_binary() -> list[str]:
     return cmd
 
 
+def compose(cwd: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``docker compose ARGS`` in ``cwd``, its output captured."""
+    argv = [*compose_binary(), *args]
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+
+
 def compose_config(cwd: Path, profiles: list[str], env: dict[str, str]) -> dict[str, object]:
-    args = [*compose_binary(), *[a for p in profiles for a in ("--profile", p)]]
-    r = subprocess.run(
-        [*args, "config", "--format", "json"],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    profile_args = [a for p in profiles for a in ("--profile", p)]
+    r = compose(cwd, env, *profile_args, "config", "--format", "json")
     assert r.returncode == 0, r.stdout + r.stderr
     return json.loads(r.stdout)
 
@@ -509,15 +507,7 @@ def test_demo_compose_commands(tmp_path: Path) -> None:
     assert services["replay"]["environment"]["AVEST_TOKEN"] == values["AVEST_WORKER_TOKEN"]
     # Without the filled .env compose refuses, as the README says.
     (deploy / ".env").write_text((REPO / "deploy" / ".env.example").read_text())
-    r = subprocess.run(
-        [*compose_binary(), "--profile", "demo", "config"],
-        cwd=deploy,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    r = compose(deploy, env, "--profile", "demo", "config")
     assert r.returncode != 0 and "AVEST_WORKER_TOKEN" in r.stderr, r.stderr
 
 
