@@ -50,6 +50,10 @@ class ServerHandle:
         except BaseException:
             self.stop()
             raise
+        # Where it listens, ports 0 resolved to the ones it bound.
+        self.grpc_address: str = self.server.grpc_address
+        self.grpc_port: int = self.server.grpc_port
+        self.http_url = f"http://{self.server.http_address}"
 
     async def _build(self) -> Server:
         # Built on the loop: asyncio primitives inside bind to it.
@@ -58,18 +62,6 @@ class ServerHandle:
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
-
-    @property
-    def grpc_address(self) -> str:
-        return self.server.grpc_address
-
-    @property
-    def grpc_port(self) -> int:
-        return self.server.grpc_port
-
-    @property
-    def http_url(self) -> str:
-        return f"http://{self.server.http_address}"
 
     def call(self, coro_fn: Callable[..., Awaitable[T]], *args: Any, timeout: float = 30.0) -> T:
         """Run ``coro_fn(*args)`` on the server loop; its result (or exception)."""
