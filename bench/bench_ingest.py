@@ -39,6 +39,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 from serve_proc import ADMIN_TOKEN, serve
+from timing import call_seconds
 
 from avest.core.estimator import OnlineEstimator
 from avest.core.rule_factory import make_rule
@@ -188,14 +189,7 @@ def latency(client: EstimatorClient, calls: int) -> dict[str, tuple[float, float
         ("Score", lambda i: client.score(pid, feats[i % 16])),
         ("Budget", lambda i: client.budget(pid, confs[i % 16], sched, LAT_B, LAT_B)),
     ):
-        for i in range(50):
-            fn(i)
-        times = []
-        for i in range(calls):
-            t = time.perf_counter()
-            fn(i)
-            times.append(time.perf_counter() - t)
-        arr = np.array(times) * 1e3
+        arr = np.array(call_seconds(fn, calls, warmup=50)) * 1e3
         out[name] = (float(np.percentile(arr, 50)), float(np.percentile(arr, 99)))
     return out
 

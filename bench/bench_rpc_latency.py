@@ -40,6 +40,7 @@ import numpy as np
 from grpc_floor import unary_floor
 from prometheus_client.parser import text_string_to_metric_families
 from serve_proc import ADMIN_TOKEN, CLI, serve
+from timing import call_seconds
 
 from avest_client import EstimatorClient
 from avest_client.errors import InvalidArgumentError
@@ -138,14 +139,7 @@ def handler_ms(n: int = 300) -> dict[str, float]:
 
     out = {}
     for name, fn in (("Score", score), ("Budget", budget)):
-        for i in range(20):
-            fn(i)
-        t = []
-        for i in range(n):
-            t0 = time.perf_counter()
-            fn(i)
-            t.append(time.perf_counter() - t0)
-        out[name] = float(np.median(t) * 1e3)
+        out[name] = float(np.median(call_seconds(fn, n, warmup=20)) * 1e3)
     return out
 
 
@@ -176,10 +170,7 @@ def run(servers: dict[str, Server], n: int) -> dict[str, dict[str, dict[str, flo
                 fn = fns[label][method]
                 out = times[label].setdefault(method, [])
                 s0, c0 = servers[label].cpu_s(), time.process_time()
-                for i in range(start, start + BLOCK):
-                    t = time.perf_counter()
-                    fn(i)
-                    out.append(time.perf_counter() - t)
+                out.extend(call_seconds(fn, BLOCK, first=start))
                 cpu[label][0] += servers[label].cpu_s() - s0
                 cpu[label][1] += time.process_time() - c0
         for label in able:
