@@ -9,7 +9,8 @@
   their services with it too.
 - :mod:`tests.support.live`: an in-process server with a gRPC stub and an HTTP client,
   pair registration and Observe streams over it.
-- :mod:`tests.support.rpc`: the gRPC API over a raw stub (pairs, Observe streams).
+- :mod:`tests.support.rpc`: the gRPC API over a raw stub (pairs, Observe messages and
+  streams).
 - :mod:`tests.support.metrics`, :mod:`tests.support.http`, :mod:`tests.support.calibration`:
   what the metrics, admin HTTP and calibration-layer tests share.
 - :mod:`tests.support.traces` and :mod:`tests.support.steps`: named and synthetic
@@ -19,7 +20,8 @@
   estimator fed the same rows; :mod:`tests.support.sidecar`: the shim over a real
   sidecar sink.
 - :mod:`tests.support.docker`: Dockerfiles and Compose as the tests read them.
-- :mod:`tests.support.helpers`: free ports, polling, loopback HTTP, tools on PATH.
+- :mod:`tests.support.helpers`: free ports, polling, loopback HTTP, tools on PATH,
+  float32 rounding, a missing vLLM environment.
 
 Test modules import shared code from here only, never from one another
 (``tests/test_layout.py`` checks it).

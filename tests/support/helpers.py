@@ -1,5 +1,5 @@
 """Small helpers the tests share: free loopback ports, polling, loopback HTTP, tools,
-float32 rounding."""
+float32 rounding, and skipping for a missing vLLM environment."""
 
 from __future__ import annotations
 
