@@ -11,6 +11,7 @@ latency this buys).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Generator
 
 import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
@@ -23,6 +24,18 @@ from tests.support.live import Live, observe, observe_requests, register
 from tests.support.metrics import StubApp as _App
 from tests.support.metrics import escaped_pairs as _pairs
 from tests.support.metrics import samples_by_family as _samples
+
+
+def _drain(render: Generator[None, None, list[bytes]]) -> tuple[int, StopIteration]:
+    """A render run to its end: how many times it yielded, and the ``StopIteration``
+    that carries its text."""
+    yields = 0
+    while True:
+        try:
+            next(render)
+        except StopIteration as done:
+            return yields, done
+        yields += 1
 
 
 def test_the_sliced_text_is_prometheus_clients_text():
@@ -45,14 +58,8 @@ def test_the_sliced_text_is_prometheus_clients_text():
 def test_rendering_yields_between_pairs_and_runs_what_waits():
     pairs = _pairs(6)
     metrics = M.Metrics(_App(pairs), registry=CollectorRegistry())
-    gen = metrics.text.render(slice_s=0.0)
-    yields = 0
-    try:
-        while True:
-            next(gen)
-            yields += 1
-    except StopIteration as done:
-        body = b"".join(done.value)
+    yields, done = _drain(metrics.text.render(slice_s=0.0))
+    body = b"".join(done.value)
     # a slice of zero: the loop's turn after each of the registry's other families
     # and collectors, after each pair, and after each family's join (the pair
     # collector's, then the worker tables')
@@ -64,14 +71,8 @@ def test_rendering_yields_between_pairs_and_runs_what_waits():
     assert yields == len(others) + collectors + 2 * 6 + families
     assert _samples(body.decode()) == _samples(metrics.exposition()[0].decode())
     # the next scrape, nothing changed: no pair and no join, only the other families
-    gen = metrics.text.render(slice_s=0.0)
-    again = 0
-    try:
-        while True:
-            next(gen)
-            again += 1
-    except StopIteration as done:
-        assert _samples(b"".join(done.value).decode()) == _samples(body.decode())
+    again, done = _drain(metrics.text.render(slice_s=0.0))
+    assert _samples(b"".join(done.value).decode()) == _samples(body.decode())
     assert again == len(others) + collectors + 2 * 6
 
     async def scrape_with_a_call_in_between() -> list[str]:
@@ -215,11 +216,8 @@ def test_interleaved_scrapes_never_serve_a_pair_older_than_their_start():
         next(first)  # until the first scrape has re-rendered the busy pair
     second = metrics.text.render_now()  # a whole scrape meanwhile
     assert line in second.decode().splitlines()
-    try:
-        while True:
-            next(first)
-    except StopIteration as done:
-        assert line in b"".join(done.value).decode().splitlines()
+    _, done = _drain(first)
+    assert line in b"".join(done.value).decode().splitlines()
     assert line in metrics.exposition()[0].decode().splitlines()
 
 
