@@ -36,12 +36,19 @@ def test_curves_exist_from_registration_and_are_nan_until_drafts(live: Live) -> 
         assert spec.kind == "gauge" and spec in M.METRICS
 
 
-def test_survival_is_the_running_product_of_the_per_position_rates(
-    live: Live, trace_slice: Any
-) -> None:
+def _fed(live: Live, trace_slice: Any) -> tuple[Any, str]:
+    """The sample's first 200 steps observed by a new pair (a refit every 10 steps):
+    the trace and the pair's id."""
     trace = trace_slice("sample", 0, 200)
     pid = register(live, k=trace.k, refit_interval=10)
     assert observe(live, messages(trace, pid)) == 200
+    return trace, pid
+
+
+def test_survival_is_the_running_product_of_the_per_position_rates(
+    live: Live, trace_slice: Any
+) -> None:
+    trace, pid = _fed(live, trace_slice)
     pair = live.stub.GetPair(pb.GetPairRequest(pair_id=pid)).pair
     samples = scrape(live)
 
@@ -74,9 +81,7 @@ def test_survival_is_the_running_product_of_the_per_position_rates(
 def test_reliability_bins_are_the_admin_apis_reliability_diagram(
     live: Live, trace_slice: Any
 ) -> None:
-    trace = trace_slice("sample", 0, 200)
-    pid = register(live, k=trace.k, refit_interval=10)
-    assert observe(live, messages(trace, pid)) == 200
+    trace, pid = _fed(live, trace_slice)
     samples = scrape(live)
     r = live.http.get(f"/v1/pairs/{pid}/reliability")
     assert r.status_code == 200, r.text
