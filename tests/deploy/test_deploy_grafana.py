@@ -186,7 +186,7 @@ def test_every_metric_name_is_exposed_by_avest_or_vllm(
 ) -> None:
     """Names in the dashboards exist in the live service's /metrics (after a
     trace was observed) or among vLLM 0.33's spec-decode counters."""
-    from avest.metrics import registry as avest_metrics
+    from avest.metrics import names as avest_metrics
 
     live = sample_names(live_avest.service.metrics_text())
     declared = avest_metrics.exposed_names()

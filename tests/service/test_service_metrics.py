@@ -20,7 +20,10 @@ from avest.core.estimator import OnlineEstimator
 from avest.core.metrics import CalibrationState, CalibrationSummary
 from avest.core.rules import OUTCOMES
 from avest.grpc.interceptor import method_label
+from avest.metrics import collector
+from avest.metrics import names as N
 from avest.metrics import registry as M
+from avest.metrics.buckets import RPC_BUCKETS
 from avest.state.pairs import Pair
 from avest_wire.pair import PairKey
 from avest_wire.v1 import estimator_pb2 as pb
@@ -67,29 +70,29 @@ def _positions_are(samples: Any, pid: str, cal: Any, predicted: str, observed: s
 
 
 def test_names_are_defined_once_prefixed_and_in_base_units() -> None:
-    names = [m.name for m in M.METRICS]
+    names = [m.name for m in N.METRICS]
     assert len(names) == len(set(names))
-    for spec in M.METRICS:
+    for spec in N.METRICS:
         assert spec.name.startswith("avest_")
         assert spec.kind in ("gauge", "counter", "histogram")
         assert spec.name.endswith("_total") == (spec.kind == "counter"), spec.name
         assert not spec.name.endswith("_ms") and "millis" not in spec.name
         # Never unbounded labels.
         assert not {"request", "request_id", "worker", "worker_id"} & set(spec.labels)
-    assert "avest_rpc_duration_seconds_bucket" in M.exposed_names()
-    assert M.REFITS == "avest_refits_total" and M.SPECS[M.REFITS].labels == ("pair", "outcome")
+    assert "avest_rpc_duration_seconds_bucket" in N.exposed_names()
+    assert N.REFITS == "avest_refits_total" and N.SPECS[N.REFITS].labels == ("pair", "outcome")
     # The recent calibration gauges mirror the cumulative ones, labels included.
     for recent, cumulative in (
-        (M.RECENT_AUC, M.AUC),
-        (M.RECENT_ECE, M.ECE),
-        (M.RECENT_LOG_LOSS, M.LOG_LOSS),
-        (M.RECENT_PREDICTED_ACCEPTANCE, M.PREDICTED_ACCEPTANCE),
-        (M.RECENT_OBSERVED_ACCEPTANCE, M.OBSERVED_ACCEPTANCE),
+        (N.RECENT_AUC, N.AUC),
+        (N.RECENT_ECE, N.ECE),
+        (N.RECENT_LOG_LOSS, N.LOG_LOSS),
+        (N.RECENT_PREDICTED_ACCEPTANCE, N.PREDICTED_ACCEPTANCE),
+        (N.RECENT_OBSERVED_ACCEPTANCE, N.OBSERVED_ACCEPTANCE),
     ):
         assert recent == cumulative.replace("avest_", "avest_recent_", 1)
-        assert M.SPECS[recent].labels == M.SPECS[cumulative].labels
-        assert M.SPECS[recent].kind == "gauge"
-        assert "0.95" in M.SPECS[recent].help and "20 rounds" in M.SPECS[recent].help
+        assert N.SPECS[recent].labels == N.SPECS[cumulative].labels
+        assert N.SPECS[recent].kind == "gauge"
+        assert "0.95" in N.SPECS[recent].help and "20 rounds" in N.SPECS[recent].help
 
 
 def test_every_metric_is_exposed_with_its_labels(live: _Live) -> None:
@@ -98,7 +101,7 @@ def test_every_metric_is_exposed_with_its_labels(live: _Live) -> None:
     # tracking-only now, so this is a second rule, not a gauge's precondition)
     shared_register(live, 5, 10, target="tracked-model", rule=pb.UPDATE_RULE_TRACKING)
     samples = scrape(live)
-    for spec in M.METRICS:
+    for spec in N.METRICS:
         for name in spec.sample_names():
             assert name in samples, f"{name} missing from /metrics"
             for s in samples[name]:
@@ -106,8 +109,8 @@ def test_every_metric_is_exposed_with_its_labels(live: _Live) -> None:
                 assert labels == set(spec.labels), (name, s.labels)
     avest = {n for n in samples if n.startswith("avest_")}
     # Everything avest_ on the page is declared (prometheus_client's *_created aside).
-    assert {n for n in avest if not n.endswith("_created")} <= M.exposed_names()
-    assert value(samples, M.INFO, version=__version__) == 1.0
+    assert {n for n in avest if not n.endswith("_created")} <= N.exposed_names()
+    assert value(samples, N.INFO, version=__version__) == 1.0
 
 
 # -- per-pair series ----------------------------------------------------------------
@@ -116,8 +119,8 @@ def test_every_metric_is_exposed_with_its_labels(live: _Live) -> None:
 def test_per_pair_series_exist_from_registration(live: _Live) -> None:
     pid = register(live, k=5, workload="chat")
     samples = scrape(live)
-    assert value(samples, M.PAIRS) == 1.0
-    info = select(samples, M.PAIR_INFO, pair=pid)
+    assert value(samples, N.PAIRS) == 1.0
+    info = select(samples, N.PAIR_INFO, pair=pid)
     assert len(info) == 1 and info[0].value == 1.0
     assert info[0].labels == {
         "pair": pid,
@@ -128,27 +131,27 @@ def test_per_pair_series_exist_from_registration(live: _Live) -> None:
         "rule": "recursive",
         "labels": "workload=chat",
     }
-    assert value(samples, M.SLOPE, pair=pid) == 0.5
+    assert value(samples, N.SLOPE, pair=pid) == 0.5
     for pos in range(5):
-        assert value(samples, M.INTERCEPT, pair=pid, position=str(pos)) == -0.2
-        assert math.isnan(value(samples, M.PREDICTED_ACCEPTANCE, pair=pid, position=str(pos)))
-        assert math.isnan(value(samples, M.OBSERVED_ACCEPTANCE, pair=pid, position=str(pos)))
-    assert not select(samples, M.INTERCEPT, pair=pid, position="5")
+        assert value(samples, N.INTERCEPT, pair=pid, position=str(pos)) == -0.2
+        assert math.isnan(value(samples, N.PREDICTED_ACCEPTANCE, pair=pid, position=str(pos)))
+        assert math.isnan(value(samples, N.OBSERVED_ACCEPTANCE, pair=pid, position=str(pos)))
+    assert not select(samples, N.INTERCEPT, pair=pid, position="5")
     for pos in range(5):
-        for name in (M.RECENT_PREDICTED_ACCEPTANCE, M.RECENT_OBSERVED_ACCEPTANCE):
+        for name in (N.RECENT_PREDICTED_ACCEPTANCE, N.RECENT_OBSERVED_ACCEPTANCE):
             assert math.isnan(value(samples, name, pair=pid, position=str(pos))), name
-    assert not select(samples, M.RECENT_OBSERVED_ACCEPTANCE, pair=pid, position="5")
-    for name in (M.AUC, M.ECE, M.LOG_LOSS, M.RECENT_AUC, M.RECENT_ECE, M.RECENT_LOG_LOSS):
+    assert not select(samples, N.RECENT_OBSERVED_ACCEPTANCE, pair=pid, position="5")
+    for name in (N.AUC, N.ECE, N.LOG_LOSS, N.RECENT_AUC, N.RECENT_ECE, N.RECENT_LOG_LOSS):
         assert math.isnan(value(samples, name, pair=pid)), name
-    assert value(samples, M.CALIBRATION_DRAFTS, pair=pid) == 0.0
-    assert value(samples, M.COEFFICIENTS_VERSION, pair=pid) == 0.0
-    assert value(samples, M.ROUND, pair=pid) == 0.0
-    assert value(samples, M.DRAFTS_OBSERVED, pair=pid) == 0.0
-    assert value(samples, M.STEPS_OBSERVED, pair=pid) == 0.0
+    assert value(samples, N.CALIBRATION_DRAFTS, pair=pid) == 0.0
+    assert value(samples, N.COEFFICIENTS_VERSION, pair=pid) == 0.0
+    assert value(samples, N.ROUND, pair=pid) == 0.0
+    assert value(samples, N.DRAFTS_OBSERVED, pair=pid) == 0.0
+    assert value(samples, N.STEPS_OBSERVED, pair=pid) == 0.0
     for outcome in OUTCOMES:
-        assert value(samples, M.REFITS, pair=pid, outcome=outcome) == 0.0
-    assert value(samples, M.LAST_OBSERVED, pair=pid) == pytest.approx(time.time(), abs=60)
-    assert value(samples, M.QUEUE_DEPTH) == 0.0
+        assert value(samples, N.REFITS, pair=pid, outcome=outcome) == 0.0
+    assert value(samples, N.LAST_OBSERVED, pair=pid) == pytest.approx(time.time(), abs=60)
+    assert value(samples, N.QUEUE_DEPTH) == 0.0
 
 
 def test_gauges_follow_the_service_state(live: _Live, trace_slice: Any) -> None:
@@ -161,41 +164,41 @@ def test_gauges_follow_the_service_state(live: _Live, trace_slice: Any) -> None:
 
     # Coefficients: exactly those GetCoefficients returns (floats round-trip).
     assert coef.version > 0
-    assert value(samples, M.SLOPE, pair=pid) == coef.slope
+    assert value(samples, N.SLOPE, pair=pid) == coef.slope
     for pos, b in enumerate(coef.intercepts):
-        assert value(samples, M.INTERCEPT, pair=pid, position=str(pos)) == b
-    assert value(samples, M.COEFFICIENTS_VERSION, pair=pid) == coef.version
-    assert value(samples, M.ROUND, pair=pid) == coef.round == 12
+        assert value(samples, N.INTERCEPT, pair=pid, position=str(pos)) == b
+    assert value(samples, N.COEFFICIENTS_VERSION, pair=pid) == coef.version
+    assert value(samples, N.ROUND, pair=pid) == coef.round == 12
 
     # Totals.
-    assert value(samples, M.STEPS_OBSERVED, pair=pid) == pair.steps_observed == 120
-    assert value(samples, M.DRAFTS_OBSERVED, pair=pid) == pair.drafts_observed
+    assert value(samples, N.STEPS_OBSERVED, pair=pid) == pair.steps_observed == 120
+    assert value(samples, N.DRAFTS_OBSERVED, pair=pid) == pair.drafts_observed
     assert pair.drafts_observed == int(trace.labels()[0].sum())
-    refits = {o: value(samples, M.REFITS, pair=pid, outcome=o) for o in OUTCOMES}
+    refits = {o: value(samples, N.REFITS, pair=pid, outcome=o) for o in OUTCOMES}
     assert sum(refits.values()) == 12
     # Every version step is an applied or slope-held refit (rejected keeps the version).
     assert refits["applied"] + refits["slope_held"] == coef.version
-    assert value(samples, M.REFIT_DURATION + "_count") == 12
-    assert value(samples, M.REFIT_DURATION + "_sum") > 0
+    assert value(samples, N.REFIT_DURATION + "_count") == 12
+    assert value(samples, N.REFIT_DURATION + "_sum") > 0
 
     # Calibration: the service's summary.
     cal = pair.calibration
-    assert value(samples, M.AUC, pair=pid) == pytest.approx(cal.auc, abs=1e-12)
-    assert value(samples, M.ECE, pair=pid) == pytest.approx(cal.ece, abs=1e-12)
-    assert value(samples, M.LOG_LOSS, pair=pid) == pytest.approx(cal.logloss, abs=1e-12)
-    assert value(samples, M.CALIBRATION_DRAFTS, pair=pid) == cal.count == pair.drafts_observed
-    _positions_are(samples, pid, cal, M.PREDICTED_ACCEPTANCE, M.OBSERVED_ACCEPTANCE)
-    assert value(samples, M.LAST_OBSERVED, pair=pid) == pytest.approx(time.time(), abs=60)
-    assert value(samples, M.QUEUE_DEPTH) == 0.0  # the stream ended durable
+    assert value(samples, N.AUC, pair=pid) == pytest.approx(cal.auc, abs=1e-12)
+    assert value(samples, N.ECE, pair=pid) == pytest.approx(cal.ece, abs=1e-12)
+    assert value(samples, N.LOG_LOSS, pair=pid) == pytest.approx(cal.logloss, abs=1e-12)
+    assert value(samples, N.CALIBRATION_DRAFTS, pair=pid) == cal.count == pair.drafts_observed
+    _positions_are(samples, pid, cal, N.PREDICTED_ACCEPTANCE, N.OBSERVED_ACCEPTANCE)
+    assert value(samples, N.LAST_OBSERVED, pair=pid) == pytest.approx(time.time(), abs=60)
+    assert value(samples, N.QUEUE_DEPTH) == 0.0  # the stream ended durable
 
     # Recent calibration: the estimator's decayed state, read on the server's loop.
     recent = recent_calibration(live, pid)
     assert 0 < recent.count < cal.count  # older rounds weigh less
-    assert value(samples, M.RECENT_AUC, pair=pid) == pytest.approx(recent.auc, abs=1e-12)
-    assert value(samples, M.RECENT_ECE, pair=pid) == pytest.approx(recent.ece, abs=1e-12)
-    assert value(samples, M.RECENT_LOG_LOSS, pair=pid) == pytest.approx(recent.logloss, abs=1e-12)
+    assert value(samples, N.RECENT_AUC, pair=pid) == pytest.approx(recent.auc, abs=1e-12)
+    assert value(samples, N.RECENT_ECE, pair=pid) == pytest.approx(recent.ece, abs=1e-12)
+    assert value(samples, N.RECENT_LOG_LOSS, pair=pid) == pytest.approx(recent.logloss, abs=1e-12)
     assert len(recent.by_position) == trace.k
-    predicted, observed = M.RECENT_PREDICTED_ACCEPTANCE, M.RECENT_OBSERVED_ACCEPTANCE
+    predicted, observed = N.RECENT_PREDICTED_ACCEPTANCE, N.RECENT_OBSERVED_ACCEPTANCE
     _positions_are(samples, pid, recent, predicted, observed)
 
 
@@ -212,18 +215,18 @@ def test_restored_pairs_are_exposed_before_any_call(
     second = open_server()
     after = scrape(second)
     for name, labels in (
-        (M.SLOPE, {"pair": pid}),
-        (M.INTERCEPT, {"pair": pid, "position": "0"}),
-        (M.COEFFICIENTS_VERSION, {"pair": pid}),
-        (M.ROUND, {"pair": pid}),
-        (M.STEPS_OBSERVED, {"pair": pid}),
-        (M.DRAFTS_OBSERVED, {"pair": pid}),
-        (M.AUC, {"pair": pid}),
+        (N.SLOPE, {"pair": pid}),
+        (N.INTERCEPT, {"pair": pid, "position": "0"}),
+        (N.COEFFICIENTS_VERSION, {"pair": pid}),
+        (N.ROUND, {"pair": pid}),
+        (N.STEPS_OBSERVED, {"pair": pid}),
+        (N.DRAFTS_OBSERVED, {"pair": pid}),
+        (N.AUC, {"pair": pid}),
     ):
         assert value(after, name, **labels) == value(before, name, **labels), name
-    assert value(after, M.PAIRS) == 1.0
+    assert value(after, N.PAIRS) == 1.0
     # Refit counts are this process's: zero, but present.
-    assert value(after, M.REFITS, pair=pid, outcome="applied") == 0.0
+    assert value(after, N.REFITS, pair=pid, outcome="applied") == 0.0
 
 
 # -- refusals, RPC latency, streams, queue depth --------------------------------------
@@ -261,13 +264,13 @@ def test_refused_batches_are_counted_by_method_and_reason(live: _Live) -> None:
         observe(live, [wrong_k])
 
     samples = scrape(live)
-    assert value(samples, M.REFUSED_BATCHES, method="Observe", reason="invalid_argument") == 2
-    assert value(samples, M.REFUSED_BATCHES, method="GetCoefficients", reason="not_found") == 1
-    assert value(samples, M.REFUSED_BATCHES, method="Observe", reason="not_found") == 0
+    assert value(samples, N.REFUSED_BATCHES, method="Observe", reason="invalid_argument") == 2
+    assert value(samples, N.REFUSED_BATCHES, method="GetCoefficients", reason="not_found") == 1
+    assert value(samples, N.REFUSED_BATCHES, method="Observe", reason="not_found") == 0
     # The state is untouched.
-    assert value(samples, M.STEPS_OBSERVED, pair=pid) == 0.0
+    assert value(samples, N.STEPS_OBSERVED, pair=pid) == 0.0
     # The aborted calls are timed under their status code.
-    count = M.RPC_DURATION + "_count"
+    count = N.RPC_DURATION + "_count"
     assert value(samples, count, method="Observe", code="INVALID_ARGUMENT") == 2
     assert value(samples, count, method="GetCoefficients", code="NOT_FOUND") == 1
 
@@ -286,14 +289,14 @@ def test_rpc_duration_by_method_and_status(live: _Live, trace_slice: Any) -> Non
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
     samples = scrape(live)
-    count = M.RPC_DURATION + "_count"
+    count = N.RPC_DURATION + "_count"
     assert value(samples, count, method="RegisterPair", code="OK") == 1
     assert value(samples, count, method="Observe", code="OK") == 1
     assert value(samples, count, method="GetPair", code="OK") == 1
     assert value(samples, count, method="GetPair", code="NOT_FOUND") == 1
     assert not select(samples, count, method="Nope")
-    buckets = select(samples, M.RPC_DURATION + "_bucket", method="Observe", code="OK")
-    assert len(buckets) == len(M.RPC_BUCKETS) + 1
+    buckets = select(samples, N.RPC_DURATION + "_bucket", method="Observe", code="OK")
+    assert len(buckets) == len(RPC_BUCKETS) + 1
     assert buckets[-1].labels["le"] == "+Inf" and buckets[-1].value == 1
     # Every declared method has a series from the start.
     methods = {s.labels["method"] for s in samples[count]}
@@ -304,14 +307,14 @@ def test_streams_are_timed_whole_and_counted_while_open(live: _Live) -> None:
     pid = register(live, k=3)
     watch = live.stub.WatchCoefficients(pb.WatchCoefficientsRequest(pair_id=pid), timeout=30)
     assert next(watch).coefficients.version == 0
-    assert value(scrape(live), M.OPEN_STREAMS) == 1.0
+    assert value(scrape(live), N.OPEN_STREAMS) == 1.0
     time.sleep(0.3)
     watch.cancel()
-    count = M.RPC_DURATION + "_count"
+    count = N.RPC_DURATION + "_count"
 
     def closed() -> bool:
         s = scrape(live)
-        return value(s, M.OPEN_STREAMS) == 0.0 and bool(
+        return value(s, N.OPEN_STREAMS) == 0.0 and bool(
             select(s, count, method="WatchCoefficients", code="CANCELLED")
         )
 
@@ -320,7 +323,7 @@ def test_streams_are_timed_whole_and_counted_while_open(live: _Live) -> None:
     assert value(samples, count, method="WatchCoefficients", code="CANCELLED") == 1
     # The whole call: at least the time the stream stayed open.
     assert value(
-        samples, M.RPC_DURATION + "_sum", method="WatchCoefficients", code="CANCELLED"
+        samples, N.RPC_DURATION + "_sum", method="WatchCoefficients", code="CANCELLED"
     ) >= (0.3)
 
 
@@ -339,13 +342,13 @@ def test_queue_depth_counts_applied_steps_until_durable(
 
     call = live.stub.Observe(requests(), timeout=60)
     try:
-        wait_for(lambda: value(scrape(live), M.STEPS_OBSERVED, pair=pid) == 5.0)
-        assert value(scrape(live), M.QUEUE_DEPTH) == 5.0
+        wait_for(lambda: value(scrape(live), N.STEPS_OBSERVED, pair=pid) == 5.0)
+        assert value(scrape(live), N.QUEUE_DEPTH) == 5.0
     finally:
         release.set()
     acks = [r.ack.acked_sequence for r in call if r.HasField("ack")]
     assert acks and max(acks) == 5
-    assert value(scrape(live), M.QUEUE_DEPTH) == 0.0
+    assert value(scrape(live), N.QUEUE_DEPTH) == 0.0
 
 
 # -- the Metrics object on its own ----------------------------------------------------
@@ -371,23 +374,23 @@ def test_injected_registries_are_independent() -> None:
     ma.refused("Observe", "invalid_argument")
     mb.refused("Observe", "made-up reason")  # unknown reasons are bounded to "other"
     assert (
-        a.get_sample_value(M.REFUSED_BATCHES, {"method": "Observe", "reason": "invalid_argument"})
+        a.get_sample_value(N.REFUSED_BATCHES, {"method": "Observe", "reason": "invalid_argument"})
         == 1
     )
-    assert b.get_sample_value(M.REFUSED_BATCHES, {"method": "Observe", "reason": "other"}) == 1
+    assert b.get_sample_value(N.REFUSED_BATCHES, {"method": "Observe", "reason": "other"}) == 1
     assert (
-        b.get_sample_value(M.REFUSED_BATCHES, {"method": "Observe", "reason": "made-up reason"})
+        b.get_sample_value(N.REFUSED_BATCHES, {"method": "Observe", "reason": "made-up reason"})
         is None
     )
-    assert a.get_sample_value(M.PAIRS) == 0.0
+    assert a.get_sample_value(N.PAIRS) == 0.0
     body, ctype = ma.exposition()
     assert b"avest_pairs 0.0" in body and ctype.startswith("text/plain")
 
 
 def test_queue_depth_definition() -> None:
-    assert M.queue_depth({}, {}) == 0
-    assert M.queue_depth({"a": 7, "b": 3}, {"a": 5}) == 2 + 3
-    assert M.queue_depth({"a": 5}, {"a": 5}) == 0
+    assert collector.queue_depth({}, {}) == 0
+    assert collector.queue_depth({"a": 7, "b": 3}, {"a": 5}) == 2 + 3
+    assert collector.queue_depth({"a": 5}, {"a": 5}) == 0
 
 
 def test_method_labels() -> None:
@@ -432,7 +435,7 @@ def test_calibration_summaries_are_cached_until_the_state_changes() -> None:
         est.observe(rng.uniform(-3, 5, size=(4, k)), [k] * 4, rng.integers(0, k + 1, size=4))
 
     def scrape_recent_ece() -> float | None:
-        return registry.get_sample_value(M.RECENT_ECE, {"pair": pair.id})
+        return registry.get_sample_value(N.RECENT_ECE, {"pair": pair.id})
 
     # Fresh objects per property read, so caching on their identity never hit:
     # one read per kind, however many scrapes and API calls ask.
@@ -468,5 +471,5 @@ def test_calibration_summaries_are_cached_until_the_state_changes() -> None:
     assert 0 < recent.count < metrics.summary(pair).count
     assert scrape_recent_ece() == pytest.approx(recent.ece, abs=1e-12)
     assert registry.get_sample_value(
-        M.RECENT_OBSERVED_ACCEPTANCE, {"pair": pair.id, "position": "0"}
+        N.RECENT_OBSERVED_ACCEPTANCE, {"pair": pair.id, "position": "0"}
     ) == pytest.approx(recent.by_position[0].observed, abs=1e-12)

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from avest.metrics import registry as M
+from avest.metrics import names as N
 from avest_wire.bins import ECE_BINS
 from avest_wire.v1 import estimator_pb2 as pb
 from tests.support.live import Live, messages, observe, register
@@ -25,15 +25,15 @@ def curve(samples: Any, name: str, pid: str, label: str, n: int) -> list[float]:
 def test_curves_exist_from_registration_and_are_nan_until_drafts(live: Live) -> None:
     pid = register(live, k=4)
     samples = scrape(live)
-    for name in (M.PREDICTED_SURVIVAL, M.OBSERVED_SURVIVAL):
+    for name in (N.PREDICTED_SURVIVAL, N.OBSERVED_SURVIVAL):
         assert all(math.isnan(v) for v in curve(samples, name, pid, "position", 4)), name
         assert not select(samples, name, pair=pid, position="4")
-    assert curve(samples, M.RELIABILITY_DRAFTS, pid, "bin", ECE_BINS) == [0.0] * ECE_BINS
-    for name in (M.RELIABILITY_PREDICTED, M.RELIABILITY_OBSERVED):
+    assert curve(samples, N.RELIABILITY_DRAFTS, pid, "bin", ECE_BINS) == [0.0] * ECE_BINS
+    for name in (N.RELIABILITY_PREDICTED, N.RELIABILITY_OBSERVED):
         assert all(math.isnan(v) for v in curve(samples, name, pid, "bin", ECE_BINS)), name
-    assert not select(samples, M.RELIABILITY_DRAFTS, pair=pid, bin=str(ECE_BINS))
-    for spec in M.CURVE_METRICS:
-        assert spec.kind == "gauge" and spec in M.METRICS
+    assert not select(samples, N.RELIABILITY_DRAFTS, pair=pid, bin=str(ECE_BINS))
+    for spec in N.CURVE_METRICS:
+        assert spec.kind == "gauge" and spec in N.METRICS
 
 
 def _fed(live: Live, trace_slice: Any) -> tuple[Any, str]:
@@ -53,8 +53,8 @@ def test_survival_is_the_running_product_of_the_per_position_rates(
     samples = scrape(live)
 
     by_pos = pair.calibration.by_position
-    predicted = curve(samples, M.PREDICTED_SURVIVAL, pid, "position", trace.k)
-    observed = curve(samples, M.OBSERVED_SURVIVAL, pid, "position", trace.k)
+    predicted = curve(samples, N.PREDICTED_SURVIVAL, pid, "position", trace.k)
+    observed = curve(samples, N.OBSERVED_SURVIVAL, pid, "position", trace.k)
     for i in range(trace.k):
         assert predicted[i] == pytest.approx(
             math.prod(p.mean_predicted for p in by_pos[: i + 1]), rel=1e-12
@@ -88,9 +88,9 @@ def test_reliability_bins_are_the_admin_apis_reliability_diagram(
     bins = r.json()["bins"]
     assert len(bins) == ECE_BINS
 
-    drafts = curve(samples, M.RELIABILITY_DRAFTS, pid, "bin", ECE_BINS)
-    predicted = curve(samples, M.RELIABILITY_PREDICTED, pid, "bin", ECE_BINS)
-    observed = curve(samples, M.RELIABILITY_OBSERVED, pid, "bin", ECE_BINS)
+    drafts = curve(samples, N.RELIABILITY_DRAFTS, pid, "bin", ECE_BINS)
+    predicted = curve(samples, N.RELIABILITY_PREDICTED, pid, "bin", ECE_BINS)
+    observed = curve(samples, N.RELIABILITY_OBSERVED, pid, "bin", ECE_BINS)
     for b, want in enumerate(bins):
         assert drafts[b] == pytest.approx(want["count"], abs=1e-9)
         for got, key in ((predicted[b], "mean_predicted"), (observed[b], "observed")):
@@ -107,5 +107,5 @@ def test_reliability_bins_are_the_admin_apis_reliability_diagram(
     # The drafts-weighted gap between the bins' predicted and observed rates is the ECE.
     filled = [b for b in range(ECE_BINS) if drafts[b] > 0]
     ece = sum(drafts[b] * abs(predicted[b] - observed[b]) for b in filled) / sum(drafts)
-    assert ece == pytest.approx(value(samples, M.ECE, pair=pid), abs=1e-9)
+    assert ece == pytest.approx(value(samples, N.ECE, pair=pid), abs=1e-9)
     assert np.isfinite(ece)

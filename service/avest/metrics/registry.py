@@ -1,8 +1,6 @@
 """Prometheus metrics of the avest service: the :class:`Metrics` facade.
 
-The pieces live in their own modules and are re-exported here, so that the
-server, the tests and ``deploy/grafana/build_dashboard.py`` import everything
-from ``avest.metrics.registry``:
+The pieces live in their own modules, and their users import them from there:
 
 - :mod:`avest.metrics.names`: every metric's name, type, labels and help
   (:data:`METRICS`, :data:`SPECS`, :func:`exposed_names`, the name constants),
@@ -30,97 +28,17 @@ from prometheus_client import (
 from avest.core.metrics import CalibrationState, CalibrationSummary, Reliability
 from avest.core.rules import Refit
 from avest.metrics.buckets import REFIT_BUCKETS, RPC_BUCKETS
-from avest.metrics.collector import PairCollector, queue_depth
+from avest.metrics.collector import PairCollector
 from avest.metrics.exposition import Exposition
 from avest.metrics.names import (
-    AUC,
-    CALIBRATION_DRAFTS,
-    COEFFICIENTS_VERSION,
-    CURVE_METRICS,
-    DRAFTS_OBSERVED,
-    ECE,
-    INFO,
-    INTERCEPT,
-    LAST_OBSERVED,
-    LOG_LOSS,
-    METRICS,
-    OBSERVED_ACCEPTANCE,
-    OBSERVED_SURVIVAL,
-    OPEN_STREAMS,
-    PAIR_INFO,
-    PAIRS,
-    PREDICTED_ACCEPTANCE,
-    PREDICTED_SURVIVAL,
-    PREFIX,
-    QUEUE_DEPTH,
-    RECENT_AUC,
-    RECENT_ECE,
-    RECENT_LOG_LOSS,
-    RECENT_OBSERVED_ACCEPTANCE,
-    RECENT_PREDICTED_ACCEPTANCE,
     REFIT_DURATION,
-    REFITS,
     REFUSAL_REASONS,
     REFUSED_BATCHES,
-    RELIABILITY_DRAFTS,
-    RELIABILITY_OBSERVED,
-    RELIABILITY_PREDICTED,
-    ROUND,
     RPC_DURATION,
-    SLOPE,
     SPECS,
-    STEPS_OBSERVED,
-    MetricSpec,
-    exposed_names,
     family_name,
 )
 from avest.metrics.workers import WorkerCollector
-
-__all__ = [
-    "AUC",
-    "CALIBRATION_DRAFTS",
-    "COEFFICIENTS_VERSION",
-    "CURVE_METRICS",
-    "DRAFTS_OBSERVED",
-    "ECE",
-    "INFO",
-    "INTERCEPT",
-    "LAST_OBSERVED",
-    "LOG_LOSS",
-    "METRICS",
-    "OBSERVED_ACCEPTANCE",
-    "OBSERVED_SURVIVAL",
-    "OPEN_STREAMS",
-    "PAIRS",
-    "PAIR_INFO",
-    "PREDICTED_ACCEPTANCE",
-    "PREDICTED_SURVIVAL",
-    "PREFIX",
-    "QUEUE_DEPTH",
-    "RECENT_AUC",
-    "RECENT_ECE",
-    "RECENT_LOG_LOSS",
-    "RECENT_OBSERVED_ACCEPTANCE",
-    "RECENT_PREDICTED_ACCEPTANCE",
-    "REFITS",
-    "REFIT_BUCKETS",
-    "REFIT_DURATION",
-    "REFUSAL_REASONS",
-    "REFUSED_BATCHES",
-    "RELIABILITY_DRAFTS",
-    "RELIABILITY_OBSERVED",
-    "RELIABILITY_PREDICTED",
-    "ROUND",
-    "RPC_BUCKETS",
-    "RPC_DURATION",
-    "SLOPE",
-    "SPECS",
-    "STEPS_OBSERVED",
-    "MetricSpec",
-    "Metrics",
-    "exposed_names",
-    "queue_depth",
-]
 
 log = logging.getLogger("avest.metrics")
 
