@@ -23,6 +23,17 @@ of them, or all).
 and ``--greedy`` removes them one at a time, least costly first (by each
 one's own removal), keeping a removal only while the joint variant stays
 within noise of the full default (:func:`acceptable`).
+
+``--save-full BLOCKS.npz`` writes the full default's per-block scores, and
+``--before BLOCKS.npz`` scores the default against such a file written from
+an earlier version of the code (its ``service`` folder first on
+``PYTHONPATH``), paired block by block: the row ``after`` is this version
+minus that one, e.g. before and after a mechanism is deleted:
+
+    git archive REV service | tar -x -C /tmp/before
+    PYTHONPATH=/tmp/before/service python bench/ablate_rule.py --only none \
+        --seeds 8 --save-full /tmp/before.npz
+    python bench/ablate_rule.py --only none --seeds 8 --before /tmp/before.npz
 """
 
 from __future__ import annotations
@@ -71,7 +82,6 @@ OFF: dict[str, tuple[str, dict[str, Any] | None, str]] = {
     "slope-bound": ("rule", {"slope_decrease": math.inf}, "no bound on a fall of the slope"),
     "layer": ("layer", None, "no calibration layer"),
     "shift-discount": ("layer", {"shift_weight": 0.0}, "layer not aged at a detected shift"),
-    "serve-z": ("layer", {"serve_z": 0.0}, "layer served without the standard-error test"),
     "shrinkage": ("layer", {"pseudo_count": 1e-6}, "layer bins not shrunk to the logistic"),
 }
 
@@ -291,6 +301,26 @@ class Ablation:
             print(f"{v.name}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
         return {part: aggregate_one(self.results, v.name, part) for part in PARTS}
 
+    def blocks(self) -> dict[str, list[CalibrationState]]:
+        """The full default's per-block scores: each trace's, then each seed's of each kind."""
+        out = dict(self.full)
+        for kind, states in self.full_replicas.items():
+            out.update({f"{kind}#{i}": s for i, s in enumerate(states)})
+        return out
+
+    def score_before(self, before: dict[str, list[CalibrationState]]) -> dict[str, Any]:
+        """The full default scored against ``before`` (:meth:`blocks` of an earlier
+        version) as the row ``after``: deltas are this version minus that one."""
+        name = "after"
+        for n in self.traces:
+            self.results["traces"][n][name] = compare(before[n], self.full[n])
+        for kind, states in self.full_replicas.items():
+            self.results["replicas"][kind][name] = [
+                compare(before[f"{kind}#{i}"], s)["second"] for i, s in enumerate(states)
+            ]
+        self.results["variants"].append(name)
+        return {part: aggregate_one(self.results, name, part) for part in PARTS}
+
     def greedy(self, candidates: list[str]) -> list[str]:
         """The candidates removed one by one, least costly first (by their own
         removal), each kept out only while the joint removal stays :func:`acceptable`."""
@@ -303,6 +333,27 @@ class Ablation:
 
 
 PARTS = ("whole", "second")
+
+
+def save_blocks(path: Path, blocks: dict[str, list[CalibrationState]]) -> None:
+    """Per-block scores as one ``.npz``: ``NAME|BLOCK|ARRAY``."""
+    arrays = {
+        f"{n}|{i}|{a}": v
+        for n, states in blocks.items()
+        for i, state in enumerate(states)
+        for a, v in state.to_arrays().items()
+    }
+    np.savez_compressed(path, **arrays)  # type: ignore[arg-type]
+
+
+def load_blocks(path: Path) -> dict[str, list[CalibrationState]]:
+    """:func:`save_blocks`' file read back."""
+    parts: dict[str, dict[int, dict[str, np.ndarray]]] = {}
+    with np.load(path) as z:
+        for key in z.files:
+            n, i, a = key.rsplit("|", 2)
+            parts.setdefault(n, {}).setdefault(int(i), {})[a] = z[key]
+    return {n: [CalibrationState.from_arrays(by[i]) for i in sorted(by)] for n, by in parts.items()}
 
 
 def cost(rows: dict[str, dict[str, Any]]) -> float:
@@ -463,6 +514,12 @@ def main() -> int:
         default=0,
         help="also score every variant on this many fresh seeds of each synthetic kind",
     )
+    ap.add_argument("--save-full", type=Path, help="write the full default's block scores here")
+    ap.add_argument(
+        "--before",
+        type=Path,
+        help="score the full default against an earlier version's --save-full file",
+    )
     ap.add_argument("--json", type=Path, help="write every cell here")
     args = ap.parse_args()
     ablation = Ablation(args.refit_interval, args.traces, args.seeds)
@@ -474,6 +531,12 @@ def main() -> int:
         if args.greedy:
             kept = ablation.greedy(args.remove)
             print(f"greedy: removable together: {', '.join(kept) or 'none'}", file=sys.stderr)
+    if args.save_full:
+        save_blocks(args.save_full, ablation.blocks())
+    if args.before:
+        rows = ablation.score_before(load_blocks(args.before))
+        ok = acceptable(ablation.results, rows)
+        print(f"after vs before: no worse beyond noise: {ok}", file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps(ablation.results, indent=1))
     print(table(ablation.results))
