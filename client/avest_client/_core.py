@@ -38,8 +38,7 @@ from avest_client.types import BudgetResult, Coefficients, PairInfo, Registratio
 from avest_wire.v1 import estimator_pb2 as pb
 
 if TYPE_CHECKING:
-    from avest_client.aio import AsyncEstimatorClient
-    from avest_client.client import EstimatorClient
+    from avest_client.forwarder import AsyncForwarder, Forwarder
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -94,10 +93,10 @@ class Rpc(Generic[P, T]):
     @overload
     def __get__(self, client: None, owner: type) -> Rpc[P, T]: ...
     @overload
-    def __get__(self, client: EstimatorClient, owner: type) -> Callable[P, T]: ...
+    def __get__(self, client: ClientCore[Forwarder], owner: type) -> Callable[P, T]: ...
     @overload
     def __get__(
-        self, client: AsyncEstimatorClient, owner: type
+        self, client: ClientCore[AsyncForwarder], owner: type
     ) -> Callable[P, Coroutine[Any, Any, T]]: ...
     def __get__(self, client: Any, owner: type) -> Any:
         if client is None:
