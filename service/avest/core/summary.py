@@ -174,7 +174,9 @@ def observe_counts(recal: Recalibrator, rej: npt.ArrayLike, acc: npt.ArrayLike) 
     lin_acc, lin_rej = bernoulli_nll(e, ones), bernoulli_nll(e, zeros)
     recal.loss[0] += float(n_acc @ map_acc + n_rej @ map_rej)
     recal.loss[1] += float(n_acc @ lin_acc + n_rej @ lin_rej)
-    recal.drafts += float(n_acc.sum() + n_rej.sum())
+    # The serving test's spread, as Recalibrator.observe keeps it per draft.
+    recal.spread[0] += float(n_acc @ (lin_acc - map_acc) ** 2 + n_rej @ (lin_rej - map_rej) ** 2)
+    recal.spread[1] += float(n_acc.sum() + n_rej.sum())
     recal.round_total += tot @ _TO_RECAL_SLOTS
     recal.round_accepted += acc @ _TO_RECAL_SLOTS
 

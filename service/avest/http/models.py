@@ -73,7 +73,7 @@ class CalibrationOut(BaseModel):
 class CalibrationLayerOut(BaseModel):
     served: bool = Field(
         description="Whether Score (and the pushed coefficients) apply the map: only while "
-        "its recent predictive log loss is below the plain logistic's"
+        "its recent predictive log loss beats the plain logistic's by a margin"
     )
     recent_logloss: float | None = Field(
         description="Recent mean predictive log loss of the map, nats per draft"
@@ -209,7 +209,7 @@ def calibration_layer_out(pair: Pair) -> CalibrationLayerOut | None:
         served=layer.active,
         recent_logloss=finite(mapped),
         recent_logloss_logistic=finite(plain),
-        recent_drafts=layer.drafts,
+        recent_drafts=float(layer.spread[1]),
         knots=knots.tolist(),
         logits=logits.tolist(),
     )
