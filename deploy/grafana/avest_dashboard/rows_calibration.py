@@ -125,7 +125,7 @@ def calibration(lay: Layout) -> list[dict]:
             "the plain logistic's recent log loss minus the layer's, nats per draft "
             "(above 0: the layer predicts better). Served (right axis, 0 or 1): whether "
             "Score, Budget and the shims' tables use it now; it is served only while the "
-            "gain is positive. Empty for a pair without a layer yet.",
+            "gain is clearly positive. Empty for a pair without a layer yet.",
             refs(
                 (pair(CALIBRATION_LAYER_GAIN), "gain"),
                 (pair(CALIBRATION_LAYER_SERVED), "served"),
