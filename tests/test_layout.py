@@ -26,7 +26,7 @@ FOLDERS = {p.name for p in TESTS.iterdir() if (p / "__init__.py").is_file()}
 
 def python_files(base: Path) -> Iterator[Path]:
     for path in sorted(base.rglob("*.py")):
-        if "cpu_lift" not in path.parts:  # a vendored engine patch, not test code
+        if "cpu_lift" not in path.parts:  # the engine test's plugin, installed into vLLM's env
             yield path
 
 
