@@ -86,11 +86,11 @@ def live_prometheus(
             time.sleep(0.25)
         feed_sample_trace(live_avest.service.grpc_address, worker_prefix="deploy-test-again")
         want = 2 * live_avest.fed.steps
+        # The fed pair's own series: other tests feed other pairs of the same
+        # service, and one of theirs may pass the count first.
+        fed = f'avest_steps_observed_total{{job="avest",pair="{live_avest.fed.pair_id}"}}'
         while True:
-            r = prom.query(
-                f'count_over_time(avest_steps_observed_total{{job="avest"}}[1m]) >= 3 '
-                f"and avest_steps_observed_total >= {want}"
-            )
+            r = prom.query(f"count_over_time({fed}[1m]) >= 3 and {fed} >= {want}")
             v = prom.query(
                 'count_over_time(vllm:spec_decode_num_drafts_total{job="vllm"}[1m]) >= 3'
             )
