@@ -19,7 +19,7 @@ from avest.core.audit import (
     two_token_toy,
 )
 from avest.core.budget import RULES
-from avest.core.errors import InvalidInput
+from avest_wire.errors import InvalidInput
 
 TRIALS = 100_000
 PROFILES = cost_profiles()

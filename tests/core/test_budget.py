@@ -17,7 +17,7 @@ from avest.core.budget import (
     lossless_walk_size,
 )
 from avest.core.costs import CostTable, bucket_costs, overhead_costs
-from avest.core.errors import InvalidInput
+from avest_wire.errors import InvalidInput
 
 
 def random_costs(rng, step_shaped):

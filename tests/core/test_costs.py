@@ -13,7 +13,7 @@ from avest.core.costs import (
     bucket_costs,
     overhead_costs,
 )
-from avest.core.errors import InvalidInput
+from avest_wire.errors import InvalidInput
 
 DRAFT = [(1, 0.5)]
 

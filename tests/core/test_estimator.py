@@ -8,13 +8,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from avest.core.errors import InvalidInput
 from avest.core.estimator import OnlineEstimator
 from avest.core.features import logit_qmax_from_logits, logit_qmax_from_probs
 from avest.core.labels import counts_from_vllm, labels
 from avest.core.model import Coefficients
 from avest.core.rule_factory import DEFAULT_RULE, make_rule
 from avest.core.rules import RecursiveRule, VllmRule
+from avest_wire.errors import InvalidInput
 
 
 def state_of(est: OnlineEstimator) -> dict[str, np.ndarray]:

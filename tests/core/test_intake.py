@@ -7,11 +7,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from avest.core.errors import InvalidInput
 from avest.core.estimator import make_batch
 from avest.core.model import Coefficients
 from avest.core.summary import sketch_state, summarise, summary_coefficients, summary_stats
 from avest_wire.bins import CELLS_PER_POSITION
+from avest_wire.errors import InvalidInput
 from avest_wire.summary import RoundSummary, intake, make_sketch, make_summary
 from tests.support.steps import synthetic_steps
 

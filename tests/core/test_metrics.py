@@ -13,13 +13,13 @@ from hypothesis.extra import numpy as hnp
 from sklearn.metrics import log_loss, roc_auc_score
 
 from avest.core import exact
-from avest.core.errors import InvalidInput
 from avest.core.exact import exact_auc, exact_ece, exact_log_loss
 from avest.core.labels import labels
 from avest.core.metrics import CalibrationState, auc_from_histograms
 from avest.core.numeric import sigmoid
 from avest_wire.bins import AUC_SLOTS, ECE_BINS, probability_bin
 from avest_wire.bins import eta_slot as eta_bin
+from avest_wire.errors import InvalidInput
 
 
 def direct_ece(p: np.ndarray, y: np.ndarray) -> float:

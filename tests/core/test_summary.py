@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from avest.core.calibration import Recalibrator
-from avest.core.errors import InvalidInput
 from avest.core.estimator import OnlineEstimator
 from avest.core.metrics import CalibrationState
 from avest.core.model import Coefficients, linear_predictor
@@ -21,6 +20,7 @@ from avest.core.summary import (
     summarise,
     summary_stats,
 )
+from avest_wire.errors import InvalidInput
 from avest_wire.summary import make_sketch, make_summary
 from tests.support.steps import K, batches, synthetic_steps
 

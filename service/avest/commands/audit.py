@@ -34,7 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 def run(args: argparse.Namespace) -> int:
     from avest.core.audit import ALPHA, audit_all
-    from avest.core.errors import InvalidInput
+    from avest_wire.errors import InvalidInput
 
     alpha = ALPHA if args.alpha is None else args.alpha
     try:

@@ -39,8 +39,8 @@ import numpy.typing as npt
 
 from avest.core.budget import RULES, decide
 from avest.core.costs import CostTable, affine_costs, bucket_costs, overhead_costs
-from avest.core.errors import InvalidInput
 from avest.core.numeric import sigmoid
+from avest_wire.errors import InvalidInput
 from avest_wire.limits import MAX_LOG_ODDS
 
 FloatArray = npt.NDArray[np.float64]

@@ -27,7 +27,6 @@ import numpy as np
 import numpy.typing as npt
 
 from avest.core.costs import CostTable
-from avest.core.errors import InvalidInput
 from avest.core.model import survival as running_survival
 from avest.core.selection import (
     allocate,
@@ -39,6 +38,7 @@ from avest.core.selection import (
     eligible_slots,
     fill,
 )
+from avest_wire.errors import InvalidInput
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]

@@ -31,7 +31,7 @@ from typing import Any, overload
 import numpy as np
 import numpy.typing as npt
 
-from avest.core.errors import InvalidInput
+from avest_wire.errors import InvalidInput
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]

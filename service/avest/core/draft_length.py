@@ -26,7 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from avest.core.costs import CostTable
-from avest.core.errors import InvalidInput
+from avest_wire.errors import InvalidInput
 
 FloatArray = npt.NDArray[np.float64]
 

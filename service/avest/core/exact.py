@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from avest.core.errors import InvalidInput
 from avest.core.numeric import bernoulli_nll
 from avest_wire.bins import ECE_BINS
+from avest_wire.errors import InvalidInput
 
 FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]

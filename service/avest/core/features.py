@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from avest.core.errors import InvalidInput
+from avest_wire.errors import InvalidInput
 from avest_wire.limits import MAX_LOG_ODDS
 
 FloatArray = npt.NDArray[np.float64]

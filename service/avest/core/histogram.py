@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from avest.core.errors import InvalidInput
 from avest_wire.bins import AUC_SLOTS
+from avest_wire.errors import InvalidInput
 
 #: The window grows by multiples of this many slots (fewer reallocations).
 GRAIN = 32

@@ -27,11 +27,11 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 import numpy.typing as npt
 
-from avest.core.errors import InvalidInput
 from avest.core.histogram import EtaHistogram
 from avest.core.labels import check_counts, labels
 from avest.core.model import check_k
 from avest_wire.bins import AUC_BINS, AUC_SLOTS, ECE_BINS, ETA_RANGE, eta_slot, probability_bin
+from avest_wire.errors import InvalidInput
 from avest_wire.limits import MAX_K
 
 FloatArray = npt.NDArray[np.float64]

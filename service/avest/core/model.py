@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from avest.core.errors import InvalidInput
 from avest.core.numeric import sigmoid
+from avest_wire.errors import InvalidInput
 from avest_wire.limits import MAX_K
 
 FloatArray = npt.NDArray[np.float64]

@@ -46,12 +46,12 @@ import numpy as np
 import numpy.typing as npt
 
 from avest.core.calibration import Recalibrator, slot
-from avest.core.errors import InvalidInput
 from avest.core.metrics import CalibrationState
 from avest.core.model import Coefficients
 from avest.core.numeric import bernoulli_nll
 from avest.core.stats import RoundStats
 from avest_wire.bins import AUC_SLOTS, ETA_RANGE
+from avest_wire.errors import InvalidInput
 from avest_wire.summary import RoundSummary, Sketch, make_summary
 
 FloatArray = npt.NDArray[np.float64]

@@ -14,10 +14,10 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from avest.core.errors import InvalidInput
 from avest.core.features import check_features
 from avest.state.pairs import Pair
 from avest_wire import matrix as wire
+from avest_wire.errors import InvalidInput
 from avest_wire.v1 import estimator_pb2 as pb
 
 Matrix = npt.NDArray[np.floating]

@@ -7,8 +7,8 @@ from typing import Any
 
 import grpc
 
-from avest.core.errors import InvalidInput
 from avest.state.errors import Conflict, Exhausted, NotFound
+from avest_wire.errors import InvalidInput
 from avest_wire.matrix import MatrixError
 
 

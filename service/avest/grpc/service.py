@@ -17,7 +17,6 @@ import grpc
 import numpy as np
 
 from avest.core import budget as budget_rules
-from avest.core.errors import InvalidInput
 from avest.core.estimator import make_batch
 from avest.core.model import survival
 from avest.grpc.budgets import budget_confidences
@@ -42,6 +41,7 @@ from avest.state.errors import Exhausted, NotFound
 from avest.state.pairs import Pair, check_sequence
 from avest_wire import limits
 from avest_wire import matrix as wire
+from avest_wire.errors import InvalidInput
 from avest_wire.pair import PairKey
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from avest.core.errors import InvalidInput
 from avest.state.pairs import Pair
+from avest_wire.errors import InvalidInput
 from avest_wire.messages import summary_from_pb as summary_of
 from avest_wire.summary import RoundSummary
 from avest_wire.v1 import estimator_pb2 as pb

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from avest.core.costs import CostTable
-from avest.core.errors import InvalidInput
 from avest_wire import limits
+from avest_wire.errors import InvalidInput
 
 
 @dataclass(frozen=True)

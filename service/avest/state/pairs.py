@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from avest.core.costs import CostTable
-from avest.core.errors import InvalidInput
 from avest.core.estimator import Batch, OnlineEstimator
 from avest.core.model import Coefficients
 from avest.core.rule_factory import DEFAULT_RULE, RULE_NAMES, make_rule, rule_options
@@ -22,6 +21,7 @@ from avest.state.costs import CostCurves, check_costs
 from avest.state.errors import Conflict, Exhausted, NotFound
 from avest.state.workers import WorkerTable
 from avest_wire import limits
+from avest_wire.errors import InvalidInput
 from avest_wire.pair import PairKey
 from avest_wire.summary import RoundSummary
 

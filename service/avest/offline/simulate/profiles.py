@@ -44,7 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from avest.core.costs import CostTable, Curve, check_curve
-from avest.core.errors import InvalidInput
+from avest_wire.errors import InvalidInput
 
 FORMAT = "avest-costs/1"
 DRAFT_PER = ("position", "proposal")
