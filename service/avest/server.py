@@ -75,6 +75,8 @@ class Server:
         self.grpc_port = 0
         self.http_port = 0
         self.max_connections = settings.max_connections
+        #: Listeners whose traffic (tokens, or open writes) is readable on the network.
+        self.exposure: list[str] = []
         self._grpc: grpc.aio.Server | None = None
         self._http: _EmbeddedUvicorn | None = None
         self._http_task: asyncio.Task[None] | None = None
@@ -103,8 +105,44 @@ class Server:
                     "(--worker-token) and AVEST_ADMIN_TOKEN, or pass --insecure"
                 )
 
+    def plaintext_exposure(self) -> list[str]:
+        """What travels readable on the network: one line per listener beyond loopback
+        without TLS that carries a token, or that --insecure leaves open to anyone."""
+        s = self.settings
+        if s.tls_cert:
+            return []
+        tokens = [
+            flag
+            for flag, token in (
+                ("--worker-token", s.worker_token),
+                ("--admin-token", s.admin_token),
+            )
+            if token
+        ]
+        found = []
+        for name, address in (("gRPC", s.grpc_address), ("admin HTTP", s.http_address)):
+            if is_loopback(split_address(address)[0]):
+                continue
+            if tokens:
+                found.append(
+                    f"{name} listens on {address} without TLS: the bearer token(s) of "
+                    f"{' and '.join(tokens)} travel in plaintext to anyone on the network "
+                    "path. Set --tls-cert and --tls-key (AVEST_TLS_CERT, AVEST_TLS_KEY), or "
+                    "listen on loopback behind a TLS proxy"
+                )
+            elif s.insecure:
+                found.append(
+                    f"{name} listens on {address} without TLS and, by --insecure, without a "
+                    "worker token: anyone who reaches it can write to every pair. Set "
+                    "--worker-token (AVEST_WORKER_TOKEN) with --tls-cert and --tls-key"
+                )
+        return found
+
     async def start(self) -> None:
         self.check_exposure()
+        self.exposure = self.plaintext_exposure()
+        for line in self.exposure:
+            log.warning("%s", line)
         # Each listener may hold half the descriptors, less a reserve for the
         # store, logs and the process itself.
         self.max_connections = min(

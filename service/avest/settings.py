@@ -121,6 +121,13 @@ class Settings(BaseSettings):
         description="start even though the state file says the store held pairs and it is "
         "now missing or empty (begin afresh)",
     )
+    refuse_empty_store: bool = Field(
+        False,
+        description="refuse to start on a store with no pairs when no state file records "
+        "what it held: a data directory emptied whole or a volume not mounted (its state "
+        "file is gone too; a lost database beside a surviving state file is refused "
+        "anyway). A first start is such a start too: begin with --allow-empty-store once",
+    )
     worker_ttl_s: float = Field(
         86400.0,
         ge=0.0,
@@ -171,6 +178,7 @@ class Settings(BaseSettings):
             flush_interval_ms=self.flush_interval_ms,
             fold_thread_cells=self.fold_thread_cells,
             allow_empty_store=self.allow_empty_store,
+            refuse_empty_store=self.refuse_empty_store,
             worker_ttl_s=self.worker_ttl_s,
             pair_ttl_s=self.pair_ttl_s,
         )

@@ -71,7 +71,7 @@ class Avest:
         )
         self.state_file = StateFile(config.data_dir, config.database)
         if store is None:
-            self.state_file.check_present(config.allow_empty_store)
+            self.state_file.check_present(config.allow_empty_store, config.refuse_empty_store)
             store = Store(config.database)
         self.store = store
         self.hooks = Hooks()
@@ -140,8 +140,10 @@ class Avest:
             log.error(
                 "store damaged: rebuilt from the readable pairs; damaged file kept as %s", aside
             )
-        self.state_file.check_loaded(
-            len(self.registry.pairs) + len(self.quarantined), self.config.allow_empty_store
+        held = len(self.registry.pairs) + len(self.quarantined)
+        self.state_file.check_loaded(held, self.config.allow_empty_store)
+        self.state_file.check_unrecorded(
+            held, self.config.refuse_empty_store, self.config.allow_empty_store
         )
         self.state_file.record(len(self.registry.pairs))
         self._flusher = asyncio.create_task(self._flush_loop(), name="avest-flush")

@@ -30,6 +30,9 @@ class StateConfig:
     #: Idle workers' records and idle pairs are dropped after these (0: never).
     worker_ttl_s: float
     pair_ttl_s: float
+    #: Refuse to start on a store with no pairs and no state file (a data directory
+    #: emptied whole, or a first start).
+    refuse_empty_store: bool = False
 
     @property
     def database(self) -> Path:

@@ -5,11 +5,17 @@ held after its last write. A store that held pairs and is now missing, empty
 (0 bytes, or no pairs) is refused at start, unless the operator says it is
 meant (``--allow-empty-store``): a lost or truncated volume must not start
 READY with every pair gone.
+
+The state file lives in the data directory, so a directory emptied whole (a
+volume not mounted, a new empty volume) loses it too: a store with no pairs and
+no state file is a first start or such a directory, and nothing in it tells
+which. That start logs a warning; with ``--refuse-empty-store`` it is refused.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -18,6 +24,8 @@ from avest import __version__
 from avest.state.store_format import STORE_FORMAT
 
 STATE_FILE = "avest.state.json"
+
+log = logging.getLogger("avest")
 
 
 class StoreEmptied(RuntimeError):
@@ -41,8 +49,12 @@ class StateFile:
             # An unreadable state file is no evidence either way; it is rewritten.
             return 0
 
-    def check_present(self, allow_empty: bool) -> None:
-        """Before opening: refuse a missing or 0-byte database that held pairs."""
+    def check_present(self, allow_empty: bool, refuse_unrecorded: bool = False) -> None:
+        """Before opening: refuse a missing or 0-byte database that held pairs, and
+        with ``refuse_unrecorded`` one that no state file is beside (nothing written)."""
+        new = not self.database.exists() or self.database.stat().st_size == 0
+        if refuse_unrecorded and new:
+            self.check_unrecorded(0, refuse=True, allow_empty=allow_empty)
         held = self.recorded_pairs()
         if held == 0 or allow_empty:
             return
@@ -56,6 +68,31 @@ class StateFile:
         held = self.recorded_pairs()
         if held and loaded_pairs == 0 and not allow_empty:
             raise StoreEmptied(self._message(held, "holds no pairs"))
+
+    def check_unrecorded(self, loaded_pairs: int, refuse: bool, allow_empty: bool) -> None:
+        """After loading, before the first :meth:`record`: an empty store with no
+        state file is a first start or a data directory emptied whole. Warn, or
+        refuse when ``refuse`` (``--refuse-empty-store``) and not ``allow_empty``."""
+        if loaded_pairs or self.path.exists():
+            return
+        what = (
+            f"{self.database} holds no pairs and {self.path.name} is not beside it: either "
+            "this is the first start on this data directory, or the directory was emptied "
+            "or its volume is not mounted (the state file that would say it held pairs is "
+            "gone with it)."
+        )
+        if refuse and not allow_empty:
+            raise StoreEmptied(
+                f"{what} Refusing to start with no pairs (--refuse-empty-store, "
+                "AVEST_REFUSE_EMPTY_STORE). Mount or restore the data volume; to begin "
+                "afresh on purpose, start once with --allow-empty-store."
+            )
+        log.warning(
+            "%s Starting with no pairs. If the directory should hold pairs, stop and mount "
+            "or restore it; --refuse-empty-store (AVEST_REFUSE_EMPTY_STORE=1) refuses such "
+            "a start.",
+            what,
+        )
 
     def record(self, pairs: int) -> None:
         """Write the count (atomically) when it changed."""

@@ -29,16 +29,19 @@ from avest.state.store_format import (
     STORE_FORMAT,
     CorruptSnapshot,
     StoreTooNew,
+    begin,
     blob_format,
     checksum,
     migrate,
+    not_avest,
     pack_arrays,
+    rollback,
     stored_format,
     unpack_arrays,
     written_by,
 )
 
-__all__ = ["HISTORY_KEPT", "Loaded", "Store", "StoreTooNew", "StoreUnreadable"]
+__all__ = ["HISTORY_KEPT", "Loaded", "NotAStore", "Store", "StoreTooNew", "StoreUnreadable"]
 
 #: How many history rows a restored pair keeps in memory.
 HISTORY_KEPT = 256
@@ -46,6 +49,10 @@ HISTORY_KEPT = 256
 
 class StoreUnreadable(RuntimeError):
     """The database file itself cannot be opened or read (not one pair: all of it)."""
+
+
+class NotAStore(StoreUnreadable):
+    """The file is a database, but not one avest wrote: refused, nothing written."""
 
 
 @dataclass
@@ -63,9 +70,17 @@ class Store:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self.db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            foreign = not_avest(self.db)
             found = stored_format(self.db)
         except sqlite3.DatabaseError as exc:
             raise StoreUnreadable(f"{self.path}: {exc}") from exc
+        if foreign:
+            self.db.close()
+            raise NotAStore(
+                f"{self.path} {foreign}; refusing to write into it (nothing was changed). "
+                "It is not a store avest wrote: give avest a data directory of its own "
+                "(--data-dir)."
+            )
         if found > STORE_FORMAT:
             by = written_by(self.db)
             self.db.close()
@@ -100,13 +115,13 @@ class Store:
         if not records:
             return
         cur = self.db.cursor()
-        cur.execute("BEGIN IMMEDIATE")
+        begin(cur)
         try:
             for r in records:
                 self._write_one(cur, r)
             cur.execute("COMMIT")
-        except BaseException:
-            cur.execute("ROLLBACK")
+        except BaseException as exc:
+            rollback(self.db, exc)
             raise
 
     def _write_one(self, cur: sqlite3.Cursor, r: dict[str, Any]) -> None:
@@ -178,14 +193,14 @@ class Store:
     def delete(self, pair_id: str) -> None:
         """Remove every row of a pair (one transaction)."""
         cur = self.db.cursor()
-        cur.execute("BEGIN IMMEDIATE")
+        begin(cur)
         try:
             for table in ("workers", "coefficient_history", "cost_curves", "snapshots"):
                 cur.execute(f"DELETE FROM {table} WHERE pair_id = ?", (pair_id,))
             cur.execute("DELETE FROM pairs WHERE id = ?", (pair_id,))
             cur.execute("COMMIT")
-        except BaseException:
-            cur.execute("ROLLBACK")
+        except BaseException as exc:
+            rollback(self.db, exc)
             raise
 
     def quarantine(self, pair_id: str, reason: str) -> bool:

@@ -17,7 +17,9 @@ table written only for the workers that changed.
 Opening a store runs every forward migration from its format to the current
 one in one transaction (a copy of the file is kept beside it first). A store
 whose format is newer than this release knows is refused before anything is
-read. To change a format: bump the number, add a step to
+read, and so is a file avest did not write (someone else's tables or
+``user_version``: :func:`not_avest`), before anything is written into it. To
+change a format: bump the number, add a step to
 :data:`SCHEMA_MIGRATIONS` (file layout) or :data:`BLOB_MIGRATIONS` (arrays of
 one snapshot), and a test that opens a store of the previous format.
 """
@@ -27,6 +29,8 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
+import re
 import sqlite3
 import struct
 import zlib
@@ -35,6 +39,8 @@ from collections.abc import Callable
 import numpy as np
 
 from avest import __version__
+
+log = logging.getLogger("avest")
 
 #: Layout of the SQLite file this release writes (and the newest it reads).
 STORE_FORMAT = 2
@@ -234,12 +240,57 @@ def stored_format(db: sqlite3.Connection) -> int:
     return FIRST_FORMAT if "pairs" in tables else 0
 
 
+#: Tables the first release (0.1.0) wrote; it left no version anywhere.
+FIRST_TABLES = frozenset({"pairs", "snapshots", "coefficient_history", "cost_curves"})
+#: Tables of :data:`SCHEMA`.
+TABLES = frozenset(re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", SCHEMA))
+#: Tables and columns every store avest wrote has, whatever its format.
+SIGNATURE = {"pairs": {"id", "key_json", "rule"}, "snapshots": {"pair_id", "arrays"}}
+
+
+def not_avest(db: sqlite3.Connection) -> str:
+    """Why the file is not a store avest wrote, or "" (a store of any format, or a
+    new file with no tables).
+
+    Read before anything is written: a database of someone else's (its own tables,
+    or its own ``user_version``) must never be taken for a store and migrated.
+    """
+    version = int(db.execute("PRAGMA user_version").fetchone()[0])
+    tables = sorted(
+        r[0]
+        for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+        if not str(r[0]).startswith("sqlite_")  # SQLite's own (sequences, statistics)
+    )
+    if not tables:
+        if version:
+            return f"has user_version {version} and no tables, which avest never writes"
+        return ""
+    if version > STORE_FORMAT and "meta" in tables and written_by(db) != UNKNOWN_RELEASE:
+        return ""  # a newer release's store: refused as too new, with its release named
+    foreign = [t for t in tables if t not in TABLES | FIRST_TABLES]
+    if foreign:
+        return f"holds tables that are not avest's: {', '.join(foreign)}"
+    for table, columns in SIGNATURE.items():
+        if table not in tables:
+            return f"holds no {table} table (its tables: {', '.join(tables)})"
+        missing = columns - _columns(db.cursor(), table)
+        if missing:
+            return f"has a {table} table without avest's columns {', '.join(sorted(missing))}"
+    if version > STORE_FORMAT:
+        return f"has user_version {version} but no record of the avest release that wrote it"
+    return ""
+
+
+#: What :func:`written_by` answers for a file that does not name its release.
+UNKNOWN_RELEASE = "an unknown release"
+
+
 def written_by(db: sqlite3.Connection) -> str:
     try:
         row = db.execute("SELECT value FROM meta WHERE key = 'written_by'").fetchone()
     except sqlite3.DatabaseError:
-        return "an unknown release"
-    return f"avest {row[0]}" if row else "an unknown release"
+        return UNKNOWN_RELEASE
+    return f"avest {row[0]}" if row else UNKNOWN_RELEASE
 
 
 def _columns(cur: sqlite3.Cursor, table: str) -> set[str]:
@@ -304,7 +355,7 @@ SCHEMA_MIGRATIONS: dict[int, Callable[[sqlite3.Cursor], None]] = {
 def migrate(db: sqlite3.Connection, found: int) -> None:
     """Create or migrate the file to :data:`STORE_FORMAT` in one transaction."""
     cur = db.cursor()
-    cur.execute("BEGIN IMMEDIATE")
+    begin(cur)
     try:
         for statement in SCHEMA.split(";\n"):
             if statement.strip():
@@ -314,9 +365,34 @@ def migrate(db: sqlite3.Connection, found: int) -> None:
         set_meta(cur)
         cur.execute(f"PRAGMA user_version = {STORE_FORMAT}")
         cur.execute("COMMIT")
-    except BaseException:
-        cur.execute("ROLLBACK")
+    except BaseException as exc:
+        rollback(db, exc)
         raise
+
+
+def rollback(db: sqlite3.Connection, failure: BaseException) -> None:
+    """Undo the transaction ``failure`` interrupted; ``failure`` stays what is reported.
+
+    After some errors (disk full, I/O errors) SQLite has already rolled the whole
+    transaction back, and a ROLLBACK then fails with "cannot rollback - no
+    transaction is active": raised, that would hide the cause. A ROLLBACK that
+    fails for another reason is logged and noted on ``failure``, never raised in
+    its place; the next transaction retries it (:func:`begin`).
+    """
+    if not db.in_transaction:
+        return
+    try:
+        db.execute("ROLLBACK")
+    except sqlite3.Error as exc:
+        failure.add_note(f"the rollback failed too: {type(exc).__name__}: {exc}")
+        log.warning("rollback after %s failed too: %s", failure, exc)
+
+
+def begin(cur: sqlite3.Cursor) -> None:
+    """Open a write transaction, first ending one a failed rollback left open."""
+    if cur.connection.in_transaction:
+        cur.execute("ROLLBACK")
+    cur.execute("BEGIN IMMEDIATE")
 
 
 def set_meta(cur: sqlite3.Cursor) -> None:
