@@ -14,8 +14,8 @@ Traces: the three in ``--traces`` (the ones the default was chosen on), the
 small engine traces in ``bench/data``, and variants made here: each shared
 trace with its steps in reverse order, the three concatenated (cut to K = 5),
 and synthetic traces with a known truth (stationary, drifting, an abrupt
-shift of the intercepts, a fall of the slope, drafts at the +40 clamp: part
-of them, or all).
+shift of the intercepts, a fall of the slope, acceptance falling as the
+feature rises, drafts at the +40 clamp: part of them, or all).
 
     python bench/ablate_rule.py --json /tmp/ablation.json
 
@@ -80,6 +80,7 @@ OFF: dict[str, tuple[str, dict[str, Any] | None, str]] = {
     "warmup": ("rule", {"warmup_rounds": 0}, "full-length first rounds"),
     "trust-region": ("rule", {"trust_region": math.inf}, "no per-position trust region"),
     "slope-bound": ("rule", {"slope_decrease": math.inf}, "no bound on a fall of the slope"),
+    "slope-floor": ("rule", {"slope_floor": False}, "a slope step below 0 dropped, not cut at 0"),
     "layer": ("layer", None, "no calibration layer"),
     "shift-discount": ("layer", {"shift_weight": 0.0}, "layer not aged at a detected shift"),
     "shrinkage": ("layer", {"pseudo_count": 1e-6}, "layer bins not shrunk to the logistic"),
@@ -161,6 +162,8 @@ def synthetic(seed: int, kind: str, k: int = 5, n: int = 500, rows: int = 24) ->
             b = base - (1.0 if u >= 0.5 else 0.0)
         elif kind == "slope-fall":
             slope, b = (1.2, base) if u < 0.5 else (0.6, base - 0.5)
+        elif kind == "inverted":
+            slope = -0.5  # acceptance falls as the drafter grows confident
         x = rng.normal(1.0, 2.5, size=(rows, k))
         if kind == "clamp":
             x[rng.random(rows) < 0.4] = 40.0  # confident drafts at vLLM's float32 clamp
@@ -200,6 +203,7 @@ SYNTHETIC = {
     "drift": (2, 3, 4),
     "jump": (5,),
     "slope-fall": (6,),
+    "inverted": (9,),
     "clamp": (7,),
     "piled": (8,),
 }

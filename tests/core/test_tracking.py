@@ -42,7 +42,13 @@ def test_features_piled_at_the_clamp_stay_calibrated(rule):
     assert est.coefficients.slope >= 0
 
 
-def test_slope_guard_solves_the_intercepts_with_the_slope_held():
+@pytest.mark.parametrize(
+    ("slope_floor", "outcome", "slope"), [(True, APPLIED, 0.0), (False, SLOPE_HELD, 0.05)]
+)
+def test_slope_guard_solves_the_intercepts_with_the_slope_at_the_guard(slope_floor, outcome, slope):
+    """Acceptance falls as the feature rises: the step below 0 is cut at 0 (or,
+    without the floor, dropped as vLLM does), and either way the intercepts are
+    solved for the slope the guard leaves."""
     k = 3
     rng = np.random.default_rng(1)
     x = rng.uniform(-2.0, 4.0, size=(3000, k))
@@ -51,11 +57,11 @@ def test_slope_guard_solves_the_intercepts_with_the_slope_held():
     a = np.where(success.all(axis=1), k, np.argmin(success, axis=1))
     obs, acc = labels(np.full(3000, k), a.astype(np.int64), k)
     coef = Coefficients.of(0.05, np.zeros(k))
-    result = TrackingRule(TrackingConfig(warmup_rounds=0)).refit(
+    result = TrackingRule(TrackingConfig(warmup_rounds=0, slope_floor=slope_floor)).refit(
         coef, fold(x, linear_predictor(coef, x), obs, acc)
     )
-    assert result.outcome == SLOPE_HELD
-    assert result.coefficients.slope == coef.slope
+    assert result.outcome == outcome
+    assert result.coefficients.slope == slope
     p = 1 / (1 + np.exp(-linear_predictor(result.coefficients, x)))
     for j in range(k):
         assert abs(p[obs[:, j], j].mean() - acc[obs[:, j], j].mean()) < 0.03
@@ -66,8 +72,8 @@ def test_a_falling_slope_lands_near_the_rounds_fit_instead_of_overshooting():
 
     At the old coefficients the predictions are too confident, their weights
     understate the curvature, and the full Newton step goes past the round's
-    own fit (0.57) to a negative slope, so the guard held the slope at 1.2
-    (vLLM's rule does the same). The bounded fall moves toward the fit
+    own fit (0.57) to a negative slope, which the guard cuts at 0 (vLLM's rule
+    holds the slope at 1.2). The bounded fall moves toward the fit
     without passing it, and the intercepts re-solved for it bring each
     position's mean prediction within 0.05 of its observed rate.
     """
@@ -85,7 +91,7 @@ def test_a_falling_slope_lands_near_the_rounds_fit_instead_of_overshooting():
     unbounded = TrackingRule(TrackingConfig(warmup_rounds=0, slope_decrease=math.inf)).refit(
         coef, stats
     )
-    assert unbounded.outcome == SLOPE_HELD and unbounded.coefficients.slope == coef.slope
+    assert unbounded.outcome == APPLIED and unbounded.coefficients.slope == 0.0
 
     def gaps(c):
         p = 1 / (1 + np.exp(-linear_predictor(c, x)))

@@ -19,12 +19,18 @@ Each refit solves ``(H_t + D_t + s A) d = g_t`` and moves ``theta += d``:
   workload moved), and ``s = 1 / max(1, (z - d) / tr(A^-1 H_t))`` discounts
   the old information by that much, here and in what is carried forward.
 
-Guards leave a consistent fit: a slope step that would go negative (or is
-not finite) is replaced by the solve with the slope held, and each
-position's step is bounded in the linear predictor by a trust region that
-still allows the jump that matches the position's observed rate (so drafts
-piled at one feature value, e.g. vLLM's +40 clamp, are calibrated within a
-round or two instead of being driven to 0 or 1).
+Guards leave a consistent fit: a slope step that would go negative is cut
+at 0 with the intercepts re-solved for it (the Newton step constrained to
+``slope >= 0``, so that where acceptance does not rise with the feature the
+slope settles at 0 and the intercepts carry the per-position rates: the
+constrained MLE); one that is not finite is replaced by the solve with the
+slope held. While the slope sits at 0 with the round pushing it below, the
+innovation test reads the intercepts alone (the slope's gradient there is
+the bound's, not a sign that the point is off). Each position's step is
+bounded in the linear predictor by a trust region that still allows the
+jump that matches the position's observed rate (so drafts piled at one
+feature value, e.g. vLLM's +40 clamp, are calibrated within a round or two
+instead of being driven to 0 or 1).
 
 A fall of the slope is bounded too (:attr:`TrackingConfig.slope_decrease`), with the
 intercepts re-solved for the bounded slope. The step's Hessian is taken at
@@ -101,6 +107,12 @@ class TrackingConfig:
     #: within-position standard deviation of the features: the Newton step from
     #: over-confident coefficients overshoots; lower follows a real fall slower.
     slope_decrease: float = 0.5
+    #: A slope step past 0 is cut at 0, the intercepts re-solved for it (the
+    #: Newton step constrained to ``slope >= 0``), so that where acceptance does
+    #: not rise with the feature the fit reaches the constrained MLE; off drops
+    #: the slope step as vLLM does, leaving the slope where the last applied step
+    #: put it and the predictions inverted.
+    slope_floor: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.forgetting <= 1.0:
@@ -118,11 +130,23 @@ DEFAULT_TRACKING = TrackingConfig()
 
 
 def solve_arrowhead(
-    a: float, b: FloatArray, c: FloatArray, g: FloatArray, hold_slope: bool = False
+    a: float,
+    b: FloatArray,
+    c: FloatArray,
+    g: FloatArray,
+    hold_slope: bool = False,
+    slope_step: float | None = None,
 ) -> FloatArray:
-    """Solve ``[[a, b^T], [b, diag(c)]] d = g`` in O(K); ``hold_slope``: ``d[0] = 0``."""
+    """Solve ``[[a, b^T], [b, diag(c)]] d = g`` in O(K).
+
+    ``slope_step`` fixes ``d[0]`` and solves the intercept rows for it
+    (``hold_slope``: ``d[0] = 0``): the minimum of the quadratic model on
+    that line.
+    """
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        if hold_slope:
+        if slope_step is not None:
+            dw = float(slope_step)
+        elif hold_slope:
             dw = 0.0
         else:
             den = a - float(np.sum(b * b / c))
@@ -175,17 +199,25 @@ class TrackingRule(UpdateRule):
         self._c = np.zeros(start.k)
         self.last_weight = 1.0
 
-    def _prior_weight(self, stats: RoundStats, g: FloatArray, l2: float) -> float:
-        """The innovation test: how much of the carried information still applies."""
+    def _prior_weight(self, slope: float, stats: RoundStats, g: FloatArray, l2: float) -> float:
+        """The innovation test: how much of the carried information still applies.
+
+        With the slope at its bound 0 and the round's own step pushing it
+        below, the slope's gradient is the constraint's, not a sign that the
+        point is off (it stays however long the point is right): the test
+        then reads the intercepts alone.
+        """
         if self._a <= 0.0 or not self.config.innovation:
             return 1.0
         at = float(stats.a.sum())
         live = stats.n > 0
-        dof = 1 + int(np.count_nonzero(live))
         hg = solve_arrowhead(at + l2, stats.b, stats.c + l2, g)
-        z = float(g @ hg)
-        h = arrowhead_dense(at, stats.b, stats.c)
-        p = arrowhead_dense(self._a + l2, self._b, self._c + l2)
+        pinned = self.config.slope_floor and slope <= 0.0 and bool(hg[0] < 0.0)
+        free = slice(1, None) if pinned else slice(0, None)
+        dof = int(np.count_nonzero(live)) + (0 if pinned else 1)
+        z = float(np.sum(g[1:] ** 2 / (stats.c + l2))) if pinned else float(g @ hg)
+        h = arrowhead_dense(at, stats.b, stats.c)[free, free]
+        p = arrowhead_dense(self._a + l2, self._b, self._c + l2)[free, free]
         try:
             tr = float(np.trace(np.linalg.solve(p, h)))
         except np.linalg.LinAlgError:
@@ -208,7 +240,7 @@ class TrackingRule(UpdateRule):
         at = float(stats.a.sum())
         with np.errstate(divide="ignore", invalid="ignore"):
             damp_k = np.where(n > 0, cfg.damping / np.maximum(n, 1e-300), 0.0)
-        s = self._prior_weight(stats, g, cfg.l2)
+        s = self._prior_weight(coef.slope, stats, g, cfg.l2)
         a = at * (1.0 + cfg.damping / total) + cfg.l2 + s * self._a
         b = stats.b + s * self._b
         c = stats.c * (1.0 + damp_k) + cfg.l2 + s * self._c
@@ -216,6 +248,8 @@ class TrackingRule(UpdateRule):
         outcome = APPLIED
         if np.all(np.isfinite(step)):
             step = _bound_slope_decrease(stats, b, c, g, step, cfg.slope_decrease)
+            if coef.slope + step[0] < 0.0 and cfg.slope_floor:
+                step = solve_arrowhead(a, b, c, g, slope_step=-coef.slope)
         if not (np.all(np.isfinite(step)) and coef.slope + step[0] >= 0.0):
             step = solve_arrowhead(a, b, c, g, hold_slope=True)
             outcome = SLOPE_HELD
