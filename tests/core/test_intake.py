@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -10,9 +12,16 @@ import pytest
 from avest.core.estimator import make_batch
 from avest.core.model import Coefficients
 from avest.core.summary import sketch_state, summarise, summary_coefficients, summary_stats
-from avest_wire.bins import CELLS_PER_POSITION
+from avest_wire.bins import CELLS_PER_POSITION, ECE_BINS
 from avest_wire.errors import InvalidInput
-from avest_wire.summary import RoundSummary, intake, make_sketch, make_summary
+from avest_wire.limits import MAX_LOG_ODDS
+from avest_wire.summary import (
+    BOUND_REL_SLACK,
+    RoundSummary,
+    intake,
+    make_sketch,
+    make_summary,
+)
 from tests.support.steps import synthetic_steps
 
 
@@ -128,6 +137,28 @@ def _extend(part: str, extra: float, cut: str | None = None):
     return mutate
 
 
+def _at_position_0(part: str, col: int, value: Callable[[dict[str, Any]], float]):
+    """Column ``col`` of position 0's row of ``part`` set to ``value(w)``."""
+
+    def mutate(w: dict[str, Any]) -> None:
+        w[part] = list(w[part])
+        w[part][col] = value(w)
+
+    return mutate
+
+
+def _n0(w: dict[str, Any]) -> float:
+    return float(w["counts"][0])
+
+
+def _predict_below_a_busy_bin(w: dict[str, Any]) -> None:
+    """0 predicted in a bin past the first of position 0 that holds drafts."""
+    rej, acc = w["sketch"][2], w["sketch"][3]
+    busy = next(j for j in range(1, ECE_BINS) if rej[j] + acc[j])
+    w["sketch"][4] = list(w["sketch"][4])
+    w["sketch"][4][busy] = 0.0
+
+
 K = 5
 CORRUPTIONS = {
     "intercept NaN": _set("intercepts", 0, float("nan")),
@@ -162,6 +193,16 @@ CORRUPTIONS = {
     "a log loss negative": _sketch_set(5, 0, -1.0),
     "a log loss too many": lambda w: w["sketch"][5].append(0.0),
     "a draft at another position": _move_a_draft,
+    "|g1_k| above counts_k": _at_position_0("grad", 1, lambda w: _n0(w) + 1.0),
+    "|g0_k| above 40 counts_k": _at_position_0("grad", 0, lambda w: -41.0 * _n0(w)),
+    "c_k = 1e300": _at_position_0("info", 2, lambda w: 1e300),
+    "a_k above 40^2/4 counts_k": _at_position_0("info", 0, lambda w: 401.0 * _n0(w)),
+    "|b_k| above 40/4 counts_k": _at_position_0("info", 1, lambda w: 11.0 * _n0(w)),
+    "information not PSD": _at_position_0(
+        "info", 1, lambda w: 2.0 * math.sqrt(w["info"][0] * w["info"][2]) + 1.0
+    ),
+    "a log loss of 1e308": _sketch_set(5, 0, 1e308),
+    "predictions below a bin's range": _predict_below_a_busy_bin,
 }
 
 
@@ -204,3 +245,63 @@ def test_random_corruptions_never_pass_the_fast_check_alone():
         _same(fast, _thorough(K, w))
     # both branches ran: most corruptions matter, some (e.g. 1 for 1) do not
     assert accepted > 20 and refused > 200
+
+
+def _bounds_at_position(w: dict[str, Any], p: int) -> dict[str, tuple[str, int, float]]:
+    """Each bound of position ``p``: ``(part, index, bound)`` of the value it bounds.
+
+    Sketch parts are named ``sketch.<index>``; the ECE bound is the busiest bin's top.
+    """
+    n = float(w["counts"][p])
+    a, c = w["info"][3 * p], w["info"][3 * p + 2]
+    e = w["slope"] * MAX_LOG_ODDS + abs(w["intercepts"][p])
+    rej, acc = w["sketch"][2], w["sketch"][3]
+    row = range(p * ECE_BINS, (p + 1) * ECE_BINS)
+    busy = max(row, key=lambda i: rej[i] + acc[i])
+    drafts = rej[busy] + acc[busy]
+    return {
+        "c": ("info", 3 * p + 2, n / 4),
+        "a": ("info", 3 * p, n * MAX_LOG_ODDS**2 / 4),
+        "b": ("info", 3 * p + 1, min(n * MAX_LOG_ODDS / 4, math.sqrt(a * c))),
+        "g0": ("grad", 2 * p, n * MAX_LOG_ODDS),
+        "g1": ("grad", 2 * p + 1, n),
+        "nll": ("sketch.5", p, n * (e + math.log1p(math.exp(-e)))),
+        "psum": ("sketch.4", busy, drafts * (busy % ECE_BINS + 1) / ECE_BINS),
+    }
+
+
+def test_values_at_the_bounds_are_judged_alike_by_both_paths():
+    """Sums set to their bounds times factors about the slack: the one-pass check
+    accepts exactly what the thorough checks accept, with equal arrays."""
+    rng = np.random.default_rng(11)
+    base = _wire(K, 2, steps=12)
+    rel = BOUND_REL_SLACK
+    factors = [1 - 2 * rel, 1.0, 1 + rel / 2, 1 + 0.999 * rel, 1 + 1.001 * rel, 1 + 2 * rel, 10.0]
+    accepted = refused = 0
+    for _ in range(300):
+        w = {n: v for n, v in base.items() if n != "sketch"}
+        w["sketch"] = [list(p) for p in base["sketch"]]
+        for _ in range(int(rng.integers(1, 3))):
+            p = int(rng.integers(K))
+            bounds = _bounds_at_position(w, p)
+            name = str(rng.choice(sorted(bounds)))
+            part, i, bound = bounds[name]
+            # b_k, g0_k and g1_k are bounded in magnitude: either sign
+            sign = -1.0 if name in ("b", "g0", "g1") and rng.random() < 0.5 else 1.0
+            value = sign * bound * factors[int(rng.integers(len(factors)))]
+            if part.startswith("sketch."):
+                w["sketch"][int(part[-1])][i] = value
+            else:
+                w[part] = list(w[part])
+                w[part][i] = value
+        fast = _fast(K, w)
+        try:
+            thorough = _thorough(K, w)
+        except InvalidInput:
+            assert fast is None
+            refused += 1
+            continue
+        assert fast is not None
+        _same(fast, thorough)
+        accepted += 1
+    assert accepted > 30 and refused > 30

@@ -119,7 +119,7 @@ def _good(**over):
         version=0,
         slope=0.5,
         intercepts=[-0.2] * K,
-        info=np.ones((K, 3)),
+        info=np.full((K, 3), 0.5),  # two drafts a position at x = 1, p = 1/2
         grad=np.zeros((K, 2)),
         counts=np.full(K, 2.0),
         steps=3,

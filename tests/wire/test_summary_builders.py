@@ -95,8 +95,9 @@ def test_a_summary_crosses_the_wire_unchanged() -> None:
 
 def test_a_summary_is_checked_when_made() -> None:
     k = 3
+    # two drafts a position at x = 1, p = 1/2
     good = dict(
-        version=0, slope=0.5, intercepts=[0.0] * k, info=np.ones((k, 3)),
+        version=0, slope=0.5, intercepts=[0.0] * k, info=np.full((k, 3), 0.5),
         grad=np.zeros((k, 2)), counts=np.full(k, 2.0), steps=1,
     )  # fmt: skip
     assert make_summary(k, **good).drafts == 2 * k

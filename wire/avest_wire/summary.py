@@ -18,6 +18,13 @@ checks in about half the numpy calls: a *sufficient* test whose result, when
 it gives one, equals the thorough path's array for array; when anything is
 off it returns ``None`` and the caller runs the thorough path for the
 message. ``tests/core/test_intake.py`` checks both directions.
+
+Besides shapes and finiteness, both paths refuse sums no round can produce
+(:data:`SUM_BOUNDS`, the ECE and log-loss bounds in :func:`make_sketch` and
+:func:`make_summary`): each bound follows from the sums' definitions and the
+feature clamp, and holds up to :data:`BOUND_REL_SLACK` and
+:data:`BOUND_ABS_SLACK`. The bound checks are computed once, by the same
+functions, for both paths.
 """
 
 from __future__ import annotations
@@ -32,14 +39,113 @@ import numpy.typing as npt
 
 from avest_wire.bins import AUC_SLOTS, CELLS_PER_POSITION, ECE_BINS
 from avest_wire.errors import InvalidInput
-from avest_wire.limits import MAX_K, MAX_SUMMARY_STEPS
+from avest_wire.limits import MAX_K, MAX_LOG_ODDS, MAX_SUMMARY_STEPS
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
 
-#: A bin's predicted probabilities may exceed its drafts by this much (float32
-#: sums on the device round up to this far).
-PSUM_SLACK = 1e-3
+#: Relative slack of every bound a summary's sums must meet. The shim sums in float32
+#: on the device (unit roundoff u = 2**-24, 6e-8): a draft's term is off by a few u, a
+#: step's reduction over its requests by about log2(requests) u, and the round adds its
+#: steps one by one, so a round of T steps is off by at most about (T + 20) u of the sum
+#: of its terms' magnitudes: 7e-6 for vLLM's 100-step round, 6e-5 at 1,000 steps (and
+#: by about sqrt(T) u in practice). The wire carries ``ece_sum_predicted`` in float32
+#: (one more u). An honest round meets a bound with equality only in degenerate cases
+#: (every p = 1/2; every x of a position equal, or a single draft; every draft at the
+#: clamp and wrong), where its sums sit on the bound up to those errors. A forged
+#: summary can pass a bound by at most this share of it.
+BOUND_REL_SLACK = 1e-4
+#: Absolute slack, in the sums' own units (drafts times p and x terms): a bound of 0 (a
+#: position without drafts, ``c_k = 0``) holds exactly for honest sums up to float32
+#: subnormals (below 1.2e-38 a term), which a millionth of a draft covers.
+BOUND_ABS_SLACK = 1e-6
+#: ``|eta|`` is capped here in the log-loss bound only so that ``counts_k x softplus``
+#: stays finite for any claimed coefficients: far above any linear predictor a worker
+#: computes (the shim's is float32, at most 3.4e38; larger claimed coefficients give it
+#: an infinite eta and a non-finite log loss, refused as such).
+LOG_LOSS_ETA_CAP = 1e250
+
+#: Per position ``k``, over its ``n_k = counts_k`` labelled drafts, with ``p`` in
+#: ``[0, 1]``, label ``y`` in ``{0, 1}``, ``|x| <= X = MAX_LOG_ODDS`` (the feature clamp),
+#: ``w = p (1 - p)`` in ``[0, 1/4]`` and ``r = y - p`` in ``[-1, 1]``:
+#:
+#: - ``c_k = sum w <= n_k / 4``;
+#: - ``a_k = sum w x^2 <= n_k X^2 / 4``;
+#: - ``|b_k| = |sum w x| <= n_k X / 4``;
+#: - ``|b_k| <= sqrt(a_k c_k)`` (Cauchy-Schwarz with weights ``w``: ``(sum w x)^2 <=
+#:   sum w x^2 sum w``): with ``a_k, c_k >= 0`` exactly the information
+#:   ``[[a_k, b_k], [b_k, c_k]]`` being positive semidefinite (compared as square roots,
+#:   which cannot overflow; the relative slack on ``|b_k|`` is twice that on ``b_k^2``);
+#: - ``|g0_k| = |sum r x| <= n_k X``;
+#: - ``|g1_k| = |sum r| <= n_k``.
+#:
+#: Each entry: the field, and what its failure means (the rows of :func:`_sum_bounds`).
+SUM_BOUNDS = (
+    ("info", "c_k = sum p(1-p) exceeds counts_k / 4"),
+    ("info", f"a_k = sum w x^2 exceeds counts_k * {MAX_LOG_ODDS:g}^2 / 4"),
+    ("info", f"|b_k| = |sum w x| exceeds counts_k * {MAX_LOG_ODDS:g} / 4"),
+    ("info", "[[a_k, b_k], [b_k, c_k]] is not positive semidefinite: |b_k| exceeds sqrt(a_k c_k)"),
+    ("grad", f"|g0_k| = |sum r x| exceeds counts_k * {MAX_LOG_ODDS:g}"),
+    ("grad", "|g1_k| = |sum r| exceeds counts_k"),
+)
+#: Each ECE bin's probability range: bin ``j`` holds the drafts with ``p`` in
+#: ``[j / ECE_BINS, (j + 1) / ECE_BINS)`` (the last one with ``p = 1``).
+_BIN_LOW = np.arange(ECE_BINS) / ECE_BINS
+_BIN_HIGH = np.arange(1, ECE_BINS + 1) / ECE_BINS
+#: A bin's centre, and how far from ``drafts x centre`` its predicted sum may lie per
+#: draft: half the bin's width, and the relative slack of the bin's top.
+_BIN_MIDDLE = (_BIN_LOW + _BIN_HIGH) / 2.0
+_BIN_REACH = (_BIN_HIGH - _BIN_LOW) / 2.0 + BOUND_REL_SLACK * _BIN_HIGH
+
+
+def _over(value: FloatArray, bound: FloatArray) -> BoolArray:
+    """Where ``value`` exceeds ``bound`` (>= 0) beyond the slack."""
+    return np.asarray(value > bound * (1.0 + BOUND_REL_SLACK) + BOUND_ABS_SLACK)
+
+
+def _sum_bounds(every: FloatArray, k: int) -> tuple[FloatArray, FloatArray]:
+    """``(value, bound)``, each ``[len(SUM_BOUNDS), K]``, of :data:`SUM_BOUNDS`.
+
+    ``every`` is a summary's ``[intercepts | info | grad | counts]`` with ``a_k, c_k
+    >= 0``; gathered by index, in a handful of numpy calls for any K.
+    """
+    value = np.abs(every[_SUM_VALUES[k]])
+    bound = every[_SUM_COUNTS[k]] * _SUM_SCALES[k]
+    info = every[k : 4 * k]
+    bound[3 * k : 4 * k] = np.sqrt(info[0::3]) * np.sqrt(info[2::3])
+    return value.reshape(-1, k), bound.reshape(-1, k)
+
+
+def _psum_off(drafts: FloatArray, psum: FloatArray) -> BoolArray:
+    """``[K, ECE_BINS]``: bins whose predicted sum lies outside their drafts' range.
+
+    A bin of ``m`` drafts, each with ``p`` in ``[lo, hi)``, predicts between ``m lo``
+    and ``m hi`` in all: within ``m (hi - lo) / 2`` of ``m (lo + hi) / 2``.
+    """
+    return np.asarray(np.abs(psum - drafts * _BIN_MIDDLE) > drafts * _BIN_REACH + BOUND_ABS_SLACK)
+
+
+def _log_loss_below(nll: FloatArray, n: FloatArray) -> BoolArray:
+    """``[K]``: positions whose log loss lies below 0 beyond the slack.
+
+    Each draft adds ``softplus(eta) - y eta >= 0``; on the device a draft with
+    ``y = 1`` and ``eta`` up to torch's softplus threshold (20) can come out a few
+    float32 ulps of 20 (2e-6) below 0, which the relative slack per draft covers.
+    """
+    return np.asarray(nll < -(n * BOUND_REL_SLACK + BOUND_ABS_SLACK))
+
+
+def _log_loss_bound(n: FloatArray, slope: float, intercepts: FloatArray) -> FloatArray:
+    """``[K]``: the most log loss a position's drafts can add at the claimed coefficients.
+
+    A draft's term ``softplus(eta) - y eta`` is ``softplus(eta)`` or
+    ``softplus(-eta)``, at most ``softplus(|eta|)``, and ``|eta| = |slope x +
+    b_k| <= slope X + |b_k| = E_k`` with ``|x| <= X``: the position's sum is at most
+    ``n_k softplus(E_k)`` (``softplus(E) = E + log1p(exp(-E))`` for ``E >= 0``).
+    """
+    e = np.minimum(np.abs(intercepts) + slope * MAX_LOG_ODDS, LOG_LOSS_ETA_CAP)
+    return np.asarray(n * (e + np.log1p(np.exp(-e))))
 
 
 @dataclass(frozen=True)
@@ -175,6 +281,27 @@ def make_summary(
             raise InvalidInput("sketch", f"has K={sketch.k}, expected {k}")
         if not np.array_equal(sketch.drafts_per_position(), n):
             raise InvalidInput("sketch", "its drafts per position differ from counts")
+    value, bound = _sum_bounds(every, k)
+    off = _over(value, bound)
+    if off.any():
+        row, pos = (int(i) for i in np.argwhere(off)[0])
+        field, what = SUM_BOUNDS[row]
+        raise InvalidInput(
+            field,
+            f"position {pos}: {what} ({value[row, pos]:.6g} > {bound[row, pos]:.6g}, "
+            f"counts_k = {n[pos]:g})",
+        )
+    if sketch is not None:
+        most = _log_loss_bound(n, w, every[:k])
+        over = _over(sketch.nll, most)
+        if over.any():
+            pos = int(np.argmax(over))
+            raise InvalidInput(
+                "sketch.logloss_sum",
+                f"position {pos}: {sketch.nll[pos]:.6g} exceeds {most[pos]:.6g}, the most "
+                f"{n[pos]:g} drafts can lose at the summary's coefficients (counts_k x "
+                f"softplus(slope x {MAX_LOG_ODDS:g} + |intercept_k|))",
+            )
     return _summary(k, version, w, every, steps, total, sketch)
 
 
@@ -229,21 +356,40 @@ def make_sketch(
     for (field, size), part in zip(sizes, parts, strict=True):
         if part.size != size:
             raise InvalidInput(field, f"must have {size} entries, got {part.size}")
+    for (field, _), part in zip(sizes, parts, strict=True):
+        if not np.isfinite(part).all():
+            raise InvalidInput(field, "must be finite")
+    for (field, _), part in zip(sizes[:3], parts[:3], strict=True):
+        if part.min() < 0:
+            raise InvalidInput(field, "must be >= 0")
     every = np.concatenate(parts)
-    if not (every.min(initial=0.0) >= 0 and np.isfinite(every).all()):
-        raise InvalidInput("ece_rejected", "the ECE and log-loss sums must be finite and >= 0")
     rej = every[:grid].reshape(k, ECE_BINS)
     acc = every[grid : 2 * grid].reshape(k, ECE_BINS)
     psum = every[2 * grid : 3 * grid].reshape(k, ECE_BINS)
     nll = every[3 * grid :]
     both = rej + acc
-    if (psum > both + PSUM_SLACK).any():
-        raise InvalidInput("ece_sum_predicted", "a bin's predictions exceed its drafts")
+    off = _psum_off(both, psum)
+    if off.any():
+        pos, b = (int(i) for i in np.argwhere(off)[0])
+        m = both[pos, b]
+        raise InvalidInput(
+            "ece_sum_predicted",
+            f"position {pos}, bin {b}: {psum[pos, b]:.6g} lies outside "
+            f"[{m * _BIN_LOW[b]:.6g}, {m * _BIN_HIGH[b]:.6g}], what its {m:g} drafts with p "
+            f"between {b}/{ECE_BINS} and {b + 1}/{ECE_BINS} can predict",
+        )
     ece = np.stack([rej, acc], axis=2)
     sketch = Sketch(k, idx, cnt, ece, psum, nll)
-    if not np.array_equal(sketch.drafts_per_position(), both.sum(axis=1)):
+    drafts = both.sum(axis=1)
+    if not np.array_equal(sketch.drafts_per_position(), drafts):
         raise InvalidInput(
             "cell_counts", "the eta histogram and the ECE bins count different drafts"
+        )
+    below = _log_loss_below(nll, drafts)
+    if below.any():
+        pos = int(np.argmax(below))
+        raise InvalidInput(
+            "logloss_sum", f"position {pos}: {nll[pos]:.6g} is below 0 (a sum of losses >= 0)"
         )
     return sketch
 
@@ -296,6 +442,10 @@ def intake(
     checked = None if sketch is None else _sketch(k, n, *sketch)
     if sketch is not None and checked is None:
         return None
+    if _over(*_sum_bounds(every, k)).any():
+        return None
+    if checked is not None and _over(checked.nll, _log_loss_bound(n, w, every[:k])).any():
+        return None
     return _summary(k, version, w, every, steps, total, checked)
 
 
@@ -330,15 +480,15 @@ def _sketch(
     ]
     if tuple(p.size for p in parts) != (grid, grid, grid, k):
         return None
-    # [rejected | accepted | predicted | log loss]: min >= 0 fails on NaN, the
-    # sum catches an infinity
+    # [rejected | accepted | predicted | log loss]: min >= 0 of the first three
+    # fails on NaN, the sum catches an infinity (and a NaN log loss)
     sums = np.concatenate(parts)
-    if not (sums.min() >= 0 and math.isfinite(sums.sum())):
+    if not (sums[: 3 * grid].min() >= 0 and math.isfinite(sums.sum())):
         return None
     ece = sums[: 2 * grid].reshape(2, k, ECE_BINS)
     both = ece[0] + ece[1]
     psum = sums[2 * grid : 3 * grid].reshape(k, ECE_BINS)
-    if (psum > both + PSUM_SLACK).any():
+    if _psum_off(both, psum).any():
         return None
     # drafts per position: the cells ascend, so each position's cells are one
     # run, and a running sum read at the runs' ends gives them
@@ -352,7 +502,10 @@ def _sketch(
     per[1:] -= at_ends[:-1]
     if (per != both.sum(axis=1)).any() or (per != n).any():
         return None
-    sketch = Sketch(k, cells, cnt, ece.transpose(1, 2, 0).copy(), psum, sums[3 * grid :])
+    nll = sums[3 * grid :]
+    if _log_loss_below(nll, per).any():
+        return None
+    sketch = Sketch(k, cells, cnt, ece.transpose(1, 2, 0).copy(), psum, nll)
     # the drafts per position are known now: spare the sketch its own bincount
     sketch.__dict__["_per_position"] = per
     return sketch
@@ -361,6 +514,25 @@ def _sketch(
 #: Per K, where ``a_k``, ``c_k`` and the counts lie in ``[intercepts | info | grad | counts]``.
 _NON_NEGATIVE = [
     np.concatenate((k + 3 * np.arange(k), k + 3 * np.arange(k) + 2, 6 * k + np.arange(k)))
+    for k in range(MAX_K + 1)
+]
+
+
+def _sum_values(k: int) -> npt.NDArray[np.intp]:
+    """Where the values :data:`SUM_BOUNDS` bound lie in ``[intercepts | info | grad |
+    counts]``, one row of K each: c, a, b, b (against sqrt(a c)), g0, g1."""
+    i = np.arange(k)
+    c, a, b = k + 3 * i + 2, k + 3 * i, k + 3 * i + 1
+    g0, g1 = 4 * k + 2 * i, 4 * k + 2 * i + 1
+    return np.concatenate((c, a, b, b, g0, g1)).astype(np.intp)
+
+
+_SUM_VALUES = [_sum_values(k) for k in range(MAX_K + 1)]
+#: Per K, the counts against each of those values, and the multiples of them each bound
+#: is (``X = MAX_LOG_ODDS``; the row of sqrt(a c) is filled in apart).
+_SUM_COUNTS = [np.tile(6 * k + np.arange(k), len(SUM_BOUNDS)) for k in range(MAX_K + 1)]
+_SUM_SCALES = [
+    np.repeat([0.25, MAX_LOG_ODDS**2 / 4.0, MAX_LOG_ODDS / 4.0, 0.0, MAX_LOG_ODDS, 1.0], k)
     for k in range(MAX_K + 1)
 ]
 #: Per K, the first cell past each position: where each position's run of cells ends.
