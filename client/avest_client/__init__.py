@@ -53,6 +53,7 @@ _EXPORTS = {
     "Ledger": "avest_client.ledger",
     "NotFoundError": "avest_client.errors",
     "PairInfo": "avest_client.types",
+    "PairsPage": "avest_client.types",
     "PairKey": "avest_wire.pair",
     "PositionCalibration": "avest_client.types",
     "PermissionDeniedError": "avest_client.errors",
@@ -64,6 +65,7 @@ _EXPORTS = {
     "UnavailableError": "avest_client.errors",
     "Watcher": "avest_client.watch",
     "WorkerIdCollisionError": "avest_client.errors",
+    "WorkerIdReusedError": "avest_client.errors",
     "default_worker_id": "avest_client.forwarder",
 }
 
@@ -100,6 +102,7 @@ __all__ = [
     "Ledger",
     "NotFoundError",
     "PairInfo",
+    "PairsPage",
     "PairKey",
     "PositionCalibration",
     "PermissionDeniedError",
@@ -111,5 +114,6 @@ __all__ = [
     "UnavailableError",
     "Watcher",
     "WorkerIdCollisionError",
+    "WorkerIdReusedError",
     "default_worker_id",
 ]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
 
@@ -34,7 +34,7 @@ from avest_client.errors import (
     UnavailableError,
     from_rpc_error,
 )
-from avest_client.types import BudgetResult, Coefficients, PairInfo, Registration
+from avest_client.types import BudgetResult, Coefficients, PairInfo, PairsPage, Registration
 from avest_wire.v1 import estimator_pb2 as pb
 
 if TYPE_CHECKING:
@@ -221,13 +221,31 @@ def set_cost_curves(
     return Unary("SetCostCurves", req, lambda _: None, timeout)
 
 
-def pairs(*, timeout: float | None = DEFAULT) -> Unary[list[PairInfo]]:
-    """Every registered pair with its state, ordered by id."""
-    return Unary("ListPairs", pb.ListPairsRequest(), _pair_infos, timeout, "pairs")
+def pairs_page(
+    page_size: int = 0, page_token: str = "", *, timeout: float | None = DEFAULT
+) -> Unary[PairsPage]:
+    """One page of the registered pairs with their state, ordered by id: at most
+    ``page_size`` (0: the service's default, which is also its cap) after the
+    page that gave ``page_token`` ("" for the first page)."""
+    with _local("ListPairs"):
+        if page_size < 0:
+            raise ValueError(f"page_size must be >= 0, got {page_size}")
+        req = pb.ListPairsRequest(page_size=page_size, page_token=page_token)
+    return Unary("ListPairs", req, _pairs_page, timeout)
 
 
-def _pair_infos(msgs: Iterable[pb.Pair]) -> list[PairInfo]:
-    return [codec.pair_info(p) for p in msgs]
+def _pairs_page(resp: pb.ListPairsResponse) -> PairsPage:
+    return PairsPage(tuple(codec.pair_info(p) for p in resp.pairs), resp.next_page_token)
+
+
+def next_page(page: PairsPage, token: str) -> str:
+    """The token to ask for after ``page`` (asked for with ``token``); "" when it was
+    the last. A service that answers a token with that same token would never end."""
+    if page.next_page_token and page.next_page_token == token:
+        raise AvestError(
+            "ListPairs answered a page with its own page token", grpc.StatusCode.INTERNAL
+        )
+    return page.next_page_token
 
 
 def pair(pair_id: str, *, timeout: float | None = DEFAULT) -> Unary[PairInfo]:
@@ -286,7 +304,7 @@ class ClientCore(Generic[F]):
     score = Rpc(score)
     budget = Rpc(budget)
     set_cost_curves = Rpc(set_cost_curves)
-    pairs = Rpc(pairs)
+    pairs_page = Rpc(pairs_page)
     pair = Rpc(pair)
 
     def _closed_error(self) -> AvestError:

@@ -75,6 +75,10 @@ class _Driver:
         self.fetch_coefficients = fetch_coefficients
         self.control = _Control()
 
+    def stopped(self) -> bool:
+        """Closed and done, cancelled, or failed for good (no stream again)."""
+        return self.control.finished(self.ledger) or self.session.failure is not None
+
 
 class ThreadDriver(_Driver):
     """The sync-stack transport: call :meth:`run` on a thread of its own.
@@ -119,9 +123,9 @@ class ThreadDriver(_Driver):
         channel = sync_channel(self.address, self.channel_options, self.credentials)
         stub = pb_grpc.EstimatorServiceStub(channel)
         try:
-            while not self.control.finished(self.ledger):
+            while not self.stopped():
                 delay = self._one_stream(channel, stub)
-                if self.control.finished(self.ledger):
+                if self.stopped():
                     break
                 if delay > 0:
                     self._wake.clear()
@@ -171,6 +175,8 @@ class ThreadDriver(_Driver):
         try:
             for resp in call:
                 session.on_response(resp)
+                if resp.HasField("opened"):
+                    self.notify()  # the steps may go out now
         except grpc.RpcError as exc:
             code, details, trailing = exc.code(), exc.details() or "", exc.trailing_metadata()
         except Exception as exc:  # transport oddities: a broken stream
@@ -185,7 +191,18 @@ class ThreadDriver(_Driver):
     def _requests(self, alive: list[bool]) -> Iterator[pb.ObserveRequest]:
         """The stream's request iterator (consumed by a gRPC thread)."""
         ledger, session, control, cond = self.ledger, self.session, self.control, self._cond
+        if session.opening:
+            yield session.open_message()
         while alive[0] and not control.cancelled:
+            if session.failure is not None:
+                return  # half-close: nothing more goes out
+            if session.opening:
+                with cond:  # the steps wait for the service's answer to the opening
+                    self._waiting = True
+                    if session.opening and alive[0] and not control.cancelled:
+                        cond.wait(0.5)
+                    self._waiting = False
+                continue
             step = ledger.next_to_send()
             if step is None:
                 if control.closing:
@@ -249,9 +266,9 @@ class AsyncDriver(_Driver):
         channel = aio_channel(self.address, self.channel_options, self.credentials)
         stub = pb_grpc.EstimatorServiceStub(channel)
         try:
-            while not control.finished(self.ledger):
+            while not self.stopped():
                 delay = await self._one_stream(channel, stub)
-                if control.finished(self.ledger):
+                if self.stopped():
                     break
                 if delay > 0:
                     self._wakeup.clear()
@@ -298,10 +315,12 @@ class AsyncDriver(_Driver):
 
     async def _read(self, call: Any) -> tuple[grpc.StatusCode, str, Metadata]:
         """Read the stream to its end: its status code, message and trailing metadata."""
-        session = self.session
+        session, wakeup = self.session, self._wakeup
         try:
             async for resp in call:
                 session.on_response(resp)
+                if resp.HasField("opened") and wakeup is not None:
+                    wakeup.set()  # the steps may go out now
         except grpc.aio.AioRpcError as exc:
             return exc.code(), exc.details() or "", exc.trailing_metadata()
         except asyncio.CancelledError:
@@ -315,7 +334,21 @@ class AsyncDriver(_Driver):
         wakeup = self._wakeup
         assert wakeup is not None
         try:
+            if session.opening:
+                await call.write(session.open_message())
             while True:
+                if session.failure is not None:
+                    await call.done_writing()  # nothing more goes out
+                    return
+                if session.opening:
+                    # The steps wait for the service's answer to the opening.
+                    self._waiting = True
+                    wakeup.clear()
+                    if session.opening:
+                        with contextlib.suppress(asyncio.TimeoutError):
+                            await asyncio.wait_for(wakeup.wait(), timeout=0.5)
+                    self._waiting = False
+                    continue
                 step = ledger.next_to_send()
                 if step is None:
                     if control.closing:

@@ -31,6 +31,7 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
+from avest_client.errors import WorkerIdReusedError
 from avest_client.ledger import Ledger, Step
 from avest_client.types import Served
 from avest_wire.limits import MAX_K, MAX_LOG_ODDS
@@ -52,6 +53,13 @@ REFUSAL_CODES = frozenset(
         grpc.StatusCode.RESOURCE_EXHAUSTED,
     }
 )
+
+#: What a forwarder does when the service holds steps of an earlier sender of its
+#: worker id at or above its first sequence (a restarted worker reusing its id):
+#: ``continue`` renumbers its steps above them (they are new steps), ``resume``
+#: takes them for its own steps sent before (a rerun replay: the service ignores
+#: those again), ``fail`` stops with :class:`WorkerIdReusedError`.
+REUSED_WORKER_ID = ("continue", "resume", "fail")
 
 ChannelOptions = Sequence[tuple[str, Any]]
 #: A status's trailing metadata as the gRPC stacks give it: ``(key, value)`` pairs.
@@ -182,11 +190,31 @@ class Session:
     :attr:`latest` is replaced atomically.
     """
 
-    def __init__(self, pair_id: str, worker_id: str, ledger: Ledger, backoff: Backoff) -> None:
+    def __init__(
+        self,
+        pair_id: str,
+        worker_id: str,
+        ledger: Ledger,
+        backoff: Backoff,
+        reused_worker_id: str = "continue",
+    ) -> None:
+        if reused_worker_id not in REUSED_WORKER_ID:
+            raise ValueError(
+                f"reused_worker_id must be one of {', '.join(REUSED_WORKER_ID)}, "
+                f"got {reused_worker_id!r}"
+            )
         self.pair_id = pair_id
         self.worker_id = worker_id
         self.ledger = ledger
         self.backoff = backoff
+        self.reused_worker_id = reused_worker_id
+        #: Whether each stream opens the worker first (``ObserveRequest.open``):
+        #: False once the service turned out not to know it (release 0.1.0).
+        self.opens = True
+        #: The current stream's opening request is unanswered: no step goes out.
+        self.opening = False
+        #: Why the forwarder stopped for good (``reused_worker_id="fail"``), or None.
+        self.failure: WorkerIdReusedError | None = None
         #: ``(version, slope, intercepts)`` last received, or None.
         self.latest: Served | None = None
         #: ``(knots, logits, served)`` of the calibration layer pushed with them, or None.
@@ -215,6 +243,11 @@ class Session:
         self._streams += 1
         self.ledger.rewind()
         self.connected = True
+        self.opening = self.opens
+
+    def open_message(self) -> pb.ObserveRequest:
+        """The request that opens the worker on a new stream (before its steps)."""
+        return pb.ObserveRequest(pair_id=self.pair_id, worker_id=self.worker_id, open=True)
 
     def on_response(self, resp: pb.ObserveResponse) -> None:
         event = resp.WhichOneof("event")
@@ -225,6 +258,54 @@ class Session:
                 self._attempt = 0  # the stream works: reset the backoff
         elif event == "coefficients_update":
             self.update(resp.coefficients_update.coefficients)
+        elif event == "opened":
+            opened = resp.opened
+            if opened.pair_id == self.pair_id and opened.worker_id == self.worker_id:
+                self.worker_opened(opened.applied_sequence, opened.acked_sequence)
+
+    def worker_opened(self, applied: int, acked: int) -> None:
+        """The service's answer to the opening request: it has applied this worker's
+        steps up to ``applied`` and acknowledged them up to ``acked``.
+
+        Before this forwarder ever sent a step, steps applied at or above its first
+        sequence are an earlier sender's (a restarted worker reusing its id): it
+        continues above them, takes them for its own, or fails, as configured.
+        """
+        self._attempt = 0  # the stream works: reset the backoff
+        if self.ledger.never_sent() and self.reused_worker_id != "resume":
+            if self.reused_worker_id == "fail":
+                first = self.ledger.sequences()[1][:1] or [self.ledger.stats().last_sequence + 1]
+                if applied >= first[0]:
+                    self.fail(applied)
+                    return
+            else:
+                shift = self.ledger.continue_above(applied)
+                if shift:
+                    log.warning(
+                        "avest: pair %s already applied sequence %d of worker %r from an "
+                        "earlier sender with that worker id; this one continues above it "
+                        "(its steps renumbered by +%d)",
+                        self.pair_id,
+                        applied,
+                        self.worker_id,
+                        shift,
+                    )
+        self.ledger.ack(acked)
+        self.opening = False
+
+    def fail(self, applied: int) -> None:
+        """Stop for good: the service holds steps of an earlier sender of this worker id."""
+        self.failure = WorkerIdReusedError(
+            f"pair {self.pair_id} already applied sequence {applied} of worker "
+            f"{self.worker_id!r} from an earlier sender with that worker id; its steps would "
+            "be ignored as duplicates. Give each sender its own worker_id, or let the "
+            'forwarder continue above them (reused_worker_id="continue")',
+            method="Observe",
+        )
+        dropped = self.ledger.abandon()
+        self.last_error = str(self.failure)
+        self.opening = False
+        log.error("avest: forwarder stopped, %d step(s) dropped: %s", dropped, self.failure)
 
     def update(self, c: pb.Coefficients, current: bool = False) -> None:
         """Keep pushed coefficients newer than the last; ``current`` (the server's
@@ -278,6 +359,7 @@ class Session:
         """Digest how a stream ended (its status and trailing metadata); returns the
         delay before the next one."""
         self.connected = False
+        was_opening, self.opening = self.opening, False
         if code == grpc.StatusCode.OK:
             if closing:
                 return 0.0
@@ -285,6 +367,23 @@ class Session:
             self.last_error = "stream closed by the server"
             return self.next_delay()
         self.last_error = f"{code.name}: {details}"
+        if was_opening:
+            seq = refused_sequence(details, trailing)
+            if code == grpc.StatusCode.INVALID_ARGUMENT and seq == 0:
+                # A service before the opening request took it for a step numbered 0.
+                self.opens = False
+                log.warning(
+                    "avest: the service at hand does not tell a worker its watermark (an "
+                    "older release): worker %r sends its steps without it. A restarted "
+                    "sender reusing a worker id has its steps taken for duplicates there",
+                    self.worker_id,
+                )
+                return 0.0
+            if code in REFUSAL_CODES and seq in (0, None):
+                # The opening stands for the first step: drop that, as its refusal would.
+                if self.ledger.refuse(None):
+                    log.warning("avest refused a step of %s: %s", self.worker_id, details)
+                return self.next_delay()
         if code == grpc.StatusCode.ALREADY_EXISTS:
             # Another open stream sends as this worker id: nothing of ours was
             # applied. Say so loudly, keep the steps, try again later.

@@ -18,7 +18,7 @@ from avest_client._stream import channel_options
 from avest_client.credentials import aio_channel
 from avest_client.errors import AvestError
 from avest_client.forwarder import AsyncForwarder
-from avest_client.types import Coefficients
+from avest_client.types import Coefficients, PairInfo, PairsPage
 from avest_client.watch import Follow, stream_error
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 
@@ -161,6 +161,23 @@ class AsyncEstimatorClient(_core.ClientCore[AsyncForwarder]):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    async def pair_pages(
+        self, page_size: int = 0, *, timeout: float | None = _core.DEFAULT
+    ) -> AsyncIterator[PairsPage]:
+        """The registered pairs a page at a time (``ListPairs``, ``page_size`` 0: the
+        service's default), following each page's token to the last."""
+        token = ""
+        while True:
+            page = await self.pairs_page(page_size, token, timeout=timeout)
+            yield page
+            token = _core.next_page(page, token)
+            if not token:
+                return
+
+    async def pairs(self, *, timeout: float | None = _core.DEFAULT) -> list[PairInfo]:
+        """Every registered pair with its state, ordered by id (all pages)."""
+        return [p async for page in self.pair_pages(timeout=timeout) for p in page.pairs]
 
     async def _unary(self, build: Callable[..., _core.Unary[T]], *args: Any, **kwargs: Any) -> T:
         call = build(*args, **kwargs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -14,6 +14,7 @@ from avest_client import _core
 from avest_client._stream import channel_options
 from avest_client.credentials import sync_channel
 from avest_client.forwarder import Forwarder
+from avest_client.types import PairInfo, PairsPage
 from avest_client.watch import CoefficientsWatch, Watcher
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 
@@ -106,6 +107,23 @@ class EstimatorClient(_core.ClientCore[Forwarder]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def pair_pages(
+        self, page_size: int = 0, *, timeout: float | None = _core.DEFAULT
+    ) -> Iterator[PairsPage]:
+        """The registered pairs a page at a time (``ListPairs``, ``page_size`` 0: the
+        service's default), following each page's token to the last."""
+        token = ""
+        while True:
+            page = self.pairs_page(page_size, token, timeout=timeout)
+            yield page
+            token = _core.next_page(page, token)
+            if not token:
+                return
+
+    def pairs(self, *, timeout: float | None = _core.DEFAULT) -> list[PairInfo]:
+        """Every registered pair with its state, ordered by id (all pages)."""
+        return [p for page in self.pair_pages(timeout=timeout) for p in page.pairs]
 
     def _unary(self, build: Callable[..., _core.Unary[T]], *args: Any, **kwargs: Any) -> T:
         call = build(*args, **kwargs)

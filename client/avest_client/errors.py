@@ -85,6 +85,13 @@ class WorkerIdCollisionError(AvestError, code=_S.ALREADY_EXISTS):
     sender its own ``worker_id``."""
 
 
+class WorkerIdReusedError(FailedPreconditionError):
+    """A forwarder set to fail (``reused_worker_id="fail"``) found steps of an
+    earlier sender of its worker id applied at or above its own first sequence:
+    sending would have its steps ignored as duplicates. Give each sender its own
+    ``worker_id``, or let the forwarder continue above them."""
+
+
 def from_rpc_error(exc: grpc.RpcError, method: str = "") -> AvestError:
     """The :class:`AvestError` for a failed call (sync ``grpc.RpcError`` or ``grpc.aio.AioRpcError``)."""
     code_fn = getattr(exc, "code", None)

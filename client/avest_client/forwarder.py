@@ -11,6 +11,15 @@ watermark covers them, reconnects with backoff when the stream fails and
 resends every unacknowledged step, in order, before new ones. Coefficient
 updates pushed on the stream are available from :meth:`latest_coefficients`.
 
+A worker id given explicitly may be one an earlier sender used (a restarted
+worker): each stream first opens the worker, and the service answers with the
+sequence it applied of that id. Before its first step goes out, a forwarder
+whose steps start at or below it continues above it (``reused_worker_id=
+"continue"``, the default: its steps are new, renumbered and counted in
+``stats.renumbered``), takes them for its own earlier steps (``"resume"``: a
+rerun replay), or stops (``"fail"``: an error logged, :attr:`error` set, its
+steps dropped and :meth:`flush` raising :class:`WorkerIdReusedError`).
+
 Bounds: ``queue_size`` steps waiting to be sent (the oldest is dropped when
 a new one arrives and the queue is full) and ``max_unacked`` steps sent but
 not yet acknowledged (default ``queue_size``). Every drop is counted in
@@ -33,8 +42,16 @@ from typing import Any
 import numpy.typing as npt
 
 from avest_client._drivers import AsyncDriver, ThreadDriver
-from avest_client._stream import Backoff, ChannelOptions, Session, StepData, encode_step
+from avest_client._stream import (
+    REUSED_WORKER_ID,
+    Backoff,
+    ChannelOptions,
+    Session,
+    StepData,
+    encode_step,
+)
 from avest_client.credentials import Credentials
+from avest_client.errors import WorkerIdReusedError
 from avest_client.ledger import Ledger, Stats
 from avest_client.types import Served
 from avest_wire.summary import RoundSummary
@@ -70,9 +87,15 @@ class _Base:
         token: str | None = None,
         tls_ca: str | None = None,
         credentials: Credentials | None = None,
+        reused_worker_id: str = "continue",
     ) -> None:
         if not pair_id:
             raise ValueError("pair_id must not be empty")
+        if reused_worker_id not in REUSED_WORKER_ID:
+            raise ValueError(
+                f"reused_worker_id must be one of {', '.join(REUSED_WORKER_ID)}, "
+                f"got {reused_worker_id!r}"
+            )
         if worker_id is not None and not 1 <= len(worker_id.encode()) <= 128:
             raise ValueError("worker_id must be 1 to 128 bytes")
         self.address = address
@@ -82,6 +105,7 @@ class _Base:
         self._queue_size = queue_size
         self._max_unacked = max_unacked
         self._backoff = backoff or Backoff()
+        self._reused_worker_id = reused_worker_id
         self._driver_kwargs: dict[str, Any] = dict(
             channel_options=tuple(channel_options),
             connect_timeout=connect_timeout,
@@ -98,7 +122,9 @@ class _Base:
         self._pid = os.getpid()
         self.worker_id = self._given_worker_id or default_worker_id()
         self._ledger = Ledger(self._queue_size, self._max_unacked)
-        self._session = Session(self.pair_id, self.worker_id, self._ledger, self._backoff)
+        self._session = Session(
+            self.pair_id, self.worker_id, self._ledger, self._backoff, self._reused_worker_id
+        )
         self._driver = self._make_driver()
 
     def _make_driver(self) -> Any:
@@ -134,6 +160,8 @@ class _Base:
         exclude: npt.ArrayLike | None,
     ) -> bool:
         """Validate and queue; False (counted in ``stats.invalid``) for a bad step."""
+        if self._session.failure is not None:
+            return self._refuse("step", self._session.failure)
         try:
             data = encode_step(features, num_verified, num_accepted, exclude, self.k)
         except (ValueError, TypeError) as exc:
@@ -144,6 +172,8 @@ class _Base:
     def _queue_summary(self, summary: RoundSummary) -> bool:
         """Queue a round summary (checked when made); False (counted in ``stats.invalid``)
         if it is not one or its K is not the pair's."""
+        if self._session.failure is not None:
+            return self._refuse("summary", self._session.failure)
         if not isinstance(summary, RoundSummary):
             return self._refuse(
                 "summary", TypeError(f"expected a RoundSummary, got {type(summary).__name__}")
@@ -182,6 +212,13 @@ class _Base:
     def stats(self) -> Stats:
         """Exact counters (a consistent snapshot)."""
         return self._ledger.stats()
+
+    @property
+    def error(self) -> WorkerIdReusedError | None:
+        """Why the forwarder stopped for good, or None: with ``reused_worker_id="fail"``,
+        the service held steps of an earlier sender of its worker id at or above its
+        first sequence. Its steps were dropped; later ones are not queued."""
+        return self._session.failure
 
     @property
     def last_error(self) -> str:
@@ -244,12 +281,17 @@ class Forwarder(_Base):
             log.exception("avest forwarder stopped on an error")
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Wait until every submitted step is acknowledged (or dropped); False on timeout."""
+        """Wait until every submitted step is acknowledged (or dropped); False on timeout.
+
+        Raises :class:`WorkerIdReusedError` when the forwarder stopped for good (:attr:`error`).
+        """
         deadline = time.monotonic() + timeout
-        while self._ledger.pending:
+        while self._ledger.pending and self._session.failure is None:
             if time.monotonic() >= deadline or self._thread is None:
                 return False
             time.sleep(0.005)
+        if self._session.failure is not None:
+            raise self._session.failure
         return True
 
     def close(self, timeout: float = 5.0) -> None:
@@ -312,12 +354,17 @@ class AsyncForwarder(_Base):
         )
 
     async def flush(self, timeout: float = 10.0) -> bool:
-        """Wait until every submitted step is acknowledged (or dropped); False on timeout."""
+        """Wait until every submitted step is acknowledged (or dropped); False on timeout.
+
+        Raises :class:`WorkerIdReusedError` when the forwarder stopped for good (:attr:`error`).
+        """
         deadline = time.monotonic() + timeout
-        while self._ledger.pending:
+        while self._ledger.pending and self._session.failure is None:
             if time.monotonic() >= deadline or self._task is None:
                 return False
             await asyncio.sleep(0.005)
+        if self._session.failure is not None:
+            raise self._session.failure
         return True
 
     async def close(self, timeout: float = 5.0) -> None:

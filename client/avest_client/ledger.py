@@ -71,11 +71,17 @@ class Stats:
     acked_sequence: int = 0
     #: Last sequence number assigned.
     last_sequence: int = 0
+    #: Steps renumbered above the sequence an earlier sender of the same worker id
+    #: left applied (:meth:`Ledger.continue_above`).
+    renumbered: int = 0
 
 
 #: What the ledger adds to as it goes; the rest of :class:`Stats` is read off its deques
 #: and sequence numbers when a snapshot is taken.
-_COUNTED = ("submitted", "sent", "resent", "acked", "dropped", "refused", "invalid", "reconnects")
+_COUNTED = (
+    "submitted", "sent", "resent", "acked", "dropped", "refused", "invalid", "reconnects",
+    "renumbered",
+)  # fmt: skip
 
 
 class Ledger:
@@ -184,6 +190,43 @@ class Ledger:
                 self._queue.popleft()
                 self._count["dropped"] += 1
             return moved
+
+    def never_sent(self) -> bool:
+        """Whether no step was ever written to a stream."""
+        with self._lock:
+            return self._count["sent"] == 0
+
+    def continue_above(self, applied: int) -> int:
+        """Renumber every held step, and the ones to come, above ``applied`` (the
+        sequence an earlier sender of the same worker id left applied), in order and
+        with the same gaps; returns how far they moved (0: all were above already).
+
+        Only before any step was written (:meth:`never_sent`): steps of this
+        ledger are then new to the service, never duplicates of applied ones.
+        """
+        with self._lock:
+            if self._count["sent"]:
+                raise RuntimeError("steps were sent: their sequence numbers are taken")
+            first = self._queue[0].sequence if self._queue else self._next
+            if applied < first:
+                return 0
+            shift = applied + 1 - first
+            for step in self._queue:
+                step.sequence += shift
+                if step.message is not None:
+                    step.message.sequence = step.sequence
+            self._next += shift
+            self._count["renumbered"] += len(self._queue)
+            return shift
+
+    def abandon(self) -> int:
+        """Drop every held step (counted in ``dropped``); returns how many."""
+        with self._lock:
+            n = len(self._queue) + len(self._inflight)
+            self._queue.clear()
+            self._inflight.clear()
+            self._count["dropped"] += n
+            return n
 
     def count_reconnect(self) -> None:
         with self._lock:

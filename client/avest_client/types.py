@@ -104,3 +104,12 @@ class PairInfo:
     steps_observed: int
     calibration: Calibration
     cost_curve_hardware: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PairsPage:
+    """One page of ``ListPairs``: pairs in id order and the token of the next page."""
+
+    pairs: tuple[PairInfo, ...]
+    #: ``page_token`` of the next page; "" when this page holds the last pair.
+    next_page_token: str = ""

@@ -190,6 +190,7 @@ class Settings(BaseSettings):
             steps_per_turn=self.steps_per_turn,
             pair_rate=self.pair_rate,
             stream_step_rate=self.stream_step_rate,
+            max_message_bytes=self.max_message_bytes,
         )
 
 

@@ -261,6 +261,7 @@ def test_every_message_and_field_is_covered():
         "Ack",
         "CoefficientsUpdate",
         "ObserveResponse",
+        "WorkerOpened",
         "GetCoefficientsRequest",
         "GetCoefficientsResponse",
         "WatchCoefficientsRequest",

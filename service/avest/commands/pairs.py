@@ -99,13 +99,17 @@ def run(args: argparse.Namespace) -> int:
     from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 
     address = grpc_address(args.address)
+    pairs: list[Any] = []
     try:
         with sync_channel(address, (), Credentials.resolve()) as channel:
-            pairs = (
-                pb_grpc.EstimatorServiceStub(channel)
-                .ListPairs(pb.ListPairsRequest(), timeout=10)
-                .pairs
-            )
+            stub = pb_grpc.EstimatorServiceStub(channel)
+            token = ""
+            while True:  # every page, each as large as the service allows
+                page = stub.ListPairs(pb.ListPairsRequest(page_token=token), timeout=10)
+                pairs.extend(page.pairs)
+                if not page.next_page_token or page.next_page_token == token:
+                    break
+                token = page.next_page_token
     except grpc.RpcError as exc:
         print(f"avest pairs: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1

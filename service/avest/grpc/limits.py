@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from avest_wire.limits import MAX_MESSAGE_BYTES
+
 
 @dataclass(frozen=True)
 class StreamLimits:
@@ -15,3 +17,5 @@ class StreamLimits:
     pair_rate: float
     #: Observe steps per second per stream (0: no limit).
     stream_step_rate: float
+    #: Largest gRPC message sent or received (``ListPairs`` pages fit it).
+    max_message_bytes: int = MAX_MESSAGE_BYTES

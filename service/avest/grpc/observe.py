@@ -11,15 +11,23 @@ from typing import Any, Protocol
 import grpc
 
 from avest.grpc.gate import MALFORMED, malformed_reply
-from avest.grpc.refusals import Refused
+from avest.grpc.refusals import Refused, refusals
 from avest.grpc.turns import Turns
-from avest.policy.throttle import TokenBucket
+from avest.policy.throttle import LogLimiter, TokenBucket
 from avest.state.app import Avest
 from avest.state.pairs import Pair
 from avest_wire import limits, refusal
+from avest_wire.errors import InvalidInput
 from avest_wire.v1 import estimator_pb2 as pb
 
 log = logging.getLogger("avest.grpc")
+#: Steps taken for duplicates on a stream that never told their worker its watermark.
+_stale = LogLimiter("avest.grpc")
+#: The fields of an ObserveRequest that carry a step: an opening request sets none.
+_STEP_FIELDS = (
+    "sequence", "features", "rows", "k", "num_verified", "num_accepted", "exclude",
+    "coefficients_version", "summary",
+)  # fmt: skip
 
 
 class StreamHost(Protocol):
@@ -66,6 +74,8 @@ class ObserveStream:
         self.pairs: set[str] = set()
         #: Worker ids this stream holds (no other stream may send as them meanwhile).
         self.claimed: set[tuple[str, str]] = set()
+        #: Workers opened on this stream (told their watermark before any step).
+        self.opened: set[tuple[str, str]] = set()
         self.error: Refused | None = None
         #: When this stream was last given a turn (:class:`Turns`).
         self.served = 0
@@ -117,6 +127,64 @@ class ObserveStream:
         self.service.owners[key] = self
         self.claimed.add(key)
 
+    def _open(self, req: pb.ObserveRequest) -> None:
+        """Open a worker (``ObserveRequest.open``): claim it for this stream and answer
+        with what the pair holds of it, before any of its steps is applied here."""
+        with refusals():
+            problem = limits.worker_id_problem(req.worker_id)
+            if problem is not None:
+                raise InvalidInput("worker_id", problem)
+            for name in _STEP_FIELDS:
+                field = getattr(req, name)
+                if req.HasField(name) if name in ("coefficients_version", "summary") else field:
+                    raise InvalidInput(name, "must be empty in a request that opens a worker")
+            pair = self.service.app.registry.get(req.pair_id)
+        self._claim(pair.id, req.worker_id)
+        key = (pair.id, req.worker_id)
+        self.pairs.add(pair.id)
+        self.opened.add(key)
+        durable = pair.durable.get(req.worker_id, 0)
+        applied = max(pair.applied.get(req.worker_id, 0), durable)
+        self.acked[key] = max(self.acked.get(key, 0), durable)
+        self.out.put_nowait(
+            pb.ObserveResponse(
+                opened=pb.WorkerOpened(
+                    pair_id=pair.id,
+                    worker_id=req.worker_id,
+                    applied_sequence=applied,
+                    acked_sequence=durable,
+                )
+            )
+        )
+
+    def _duplicate(self, pair: Pair, req: pb.ObserveRequest) -> None:
+        """A step at or below what the pair applied of its worker: acknowledge it again
+        once what covers it is durable, and say so when this stream never told the
+        worker its watermark (a restarted sender reusing a worker id loses its steps)."""
+        key = (pair.id, req.worker_id)
+        level = pair.durable.get(req.worker_id, 0)
+        applied = pair.applied.get(req.worker_id, 0)
+        if req.sequence <= applied and key not in self.opened and self.acked.get(key, 0) == 0:
+            _stale.warning(
+                "stale-sequence",
+                "worker %s of pair %s sent sequence %d at or below the %d the pair already "
+                "applied of it, on a stream that never acknowledged it: ignored as a "
+                "duplicate. A resend after a lost acknowledgement, or a restarted sender "
+                "reusing the worker id (its steps are lost: give each sender its own id, or "
+                "a client that opens its worker)",
+                limits.echo(req.worker_id),
+                pair.id,
+                req.sequence,
+                applied,
+            )
+        if level >= req.sequence:
+            self.acked[key] = level
+            self.out.put_nowait(
+                pb.ObserveResponse(
+                    ack=pb.Ack(pair_id=pair.id, worker_id=req.worker_id, acked_sequence=level)
+                )
+            )
+
     def release(self) -> None:
         for key in self.claimed:
             if self.service.owners.get(key) is self:
@@ -139,6 +207,16 @@ class ObserveStream:
                 self.served = await turns.take(self.served)
                 if service.draining:
                     break
+                if req.open:
+                    try:
+                        self._open(req)
+                    except Refused as r:
+                        service.on_refused("Observe", r.reason)
+                        self.error = Refused(
+                            r.code, f"opening worker {limits.echo(req.worker_id)}: {r.message}"
+                        )
+                        break
+                    continue
                 try:
                     pair, batch = service.validate_observe(req)
                     self._claim(pair.id, req.worker_id)
@@ -156,17 +234,7 @@ class ObserveStream:
                 self.pairs.add(pair.id)
                 self.acked.setdefault(key, 0)
                 if not await service.app.observe_soon(pair, req.worker_id, req.sequence, batch):
-                    # A duplicate: acknowledge again once what covers it is durable.
-                    level = pair.durable.get(req.worker_id, 0)
-                    if level >= req.sequence:
-                        self.acked[key] = level
-                        self.out.put_nowait(
-                            pb.ObserveResponse(
-                                ack=pb.Ack(
-                                    pair_id=pair.id, worker_id=req.worker_id, acked_sequence=level
-                                )
-                            )
-                        )
+                    self._duplicate(pair, req)
                 # A stream over its step rate waits (backpressure through gRPC
                 # flow control, nothing refused or lost). Without turns, each
                 # stream yields after each step so that health and pushes run

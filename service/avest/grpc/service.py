@@ -30,11 +30,13 @@ from avest.grpc.convert import (
 )
 from avest.grpc.limits import StreamLimits
 from avest.grpc.observe import ObserveStream
+from avest.grpc.pages import page_cap
 from avest.grpc.refusals import Refused, refusals
 from avest.grpc.summaries import summary_from_pb
 from avest.grpc.turns import Turns
 from avest.policy.access import Access, may_replace_costs
 from avest.policy.throttle import KeyedRates, LogLimiter, TokenBucket
+from avest.state import listing
 from avest.state.app import Avest
 from avest.state.costs import CostCurves
 from avest.state.errors import Exhausted, NotFound
@@ -188,7 +190,16 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
     async def ListPairs(
         self, request: pb.ListPairsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListPairsResponse:
-        return pb.ListPairsResponse(pairs=[pair_pb(p) for p in self.app.registry.pairs.values()])
+        def run() -> pb.ListPairsResponse:
+            cap = page_cap(self.limits.max_message_bytes)
+            if request.page_size < 0:
+                raise InvalidInput("page_size", f"is {request.page_size}, must be >= 0")
+            pairs, token = listing.page(
+                self.app.registry.pairs, min(request.page_size or cap, cap), request.page_token
+            )
+            return pb.ListPairsResponse(pairs=[pair_pb(p) for p in pairs], next_page_token=token)
+
+        return await self._unary("ListPairs", context, run)
 
     async def Score(
         self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext

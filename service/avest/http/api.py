@@ -12,7 +12,7 @@ blocking I/O.
                                             503 before, while draining, while store
                                             writes fail (with the reason)
 ``GET /metrics``                            Prometheus text exposition
-``GET /v1/pairs``                           every pair (see ``PairOut``)
+``GET /v1/pairs``                           the pairs, a page at a time (see ``PairsOut``)
 ``GET /v1/pairs/{id}``                      one pair: key, rule, coefficients, calibration
                                             (all-time and recent)
 ``GET /v1/pairs/{id}/history``              coefficient history (newest last, at most 256)
@@ -70,8 +70,10 @@ from avest.http.recording import add_recording_routes
 from avest.metrics.deflate import accepts_gzip
 from avest.metrics.exposition import pieces
 from avest.policy.access import Access, http_role
+from avest.state import listing
 from avest.state.errors import NotFound
 from avest.state.pairs import Pair
+from avest_wire.errors import InvalidInput
 
 #: Module level: the handlers' annotations are strings resolved in this module.
 _BEARER = HTTPBearer(
@@ -86,6 +88,18 @@ _NOT_FOUND: dict[int | str, dict[str, Any]] = {
 _HistoryLimit = Annotated[int, Query(ge=1, le=256, description="At most this many, newest last")]
 _WorkersLimit = Annotated[
     int, Query(ge=1, le=4096, description="At most this many; the rest fold into 'other'")
+]
+#: Pairs in a page of ``GET /v1/pairs`` when the request names no page size: a
+#: K = 64 pair is about 15 KB of JSON, so a page stays under a megabyte.
+PAGE_SIZE = 50
+#: The most a request may ask for (a larger page_size is lowered to it): about 3 MB
+#: at K = 64, built on the event loop that the RPCs share.
+MAX_PAGE_SIZE = 200
+_PageSize = Annotated[
+    int, Query(ge=0, description=f"At most this many (0: {PAGE_SIZE}; at most {MAX_PAGE_SIZE})")
+]
+_PageToken = Annotated[
+    str, Query(description="next_page_token of the previous page; empty for the first")
 ]
 #: The position whose reliability to show (all pooled when absent), as data and as a diagram.
 _Position = Annotated[int | None, Query(description="One position; all positions pooled if absent")]
@@ -218,10 +232,21 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
         # Sent in pieces: one write of megabytes would hold the loop while it is copied.
         return StreamingResponse(pieces(parts), media_type=ctype, headers=headers)
 
-    @api.get("/v1/pairs", response_model=PairsOut, tags=["pairs"])
-    async def list_pairs() -> PairsOut:
-        """Every registered pair."""
-        return PairsOut(pairs=[pair_out(p, metrics) for p in list(app.registry.pairs.values())])
+    @api.get(
+        "/v1/pairs",
+        response_model=PairsOut,
+        tags=["pairs"],
+        responses={400: {"model": ErrorOut, "description": "A malformed page_token"}},
+    )
+    async def list_pairs(page_size: _PageSize = 0, page_token: _PageToken = "") -> PairsOut:
+        """The registered pairs, one page at a time in id order: follow
+        ``next_page_token`` (as ``page_token``) until it is empty."""
+        size = min(page_size or PAGE_SIZE, MAX_PAGE_SIZE)
+        try:
+            pairs, token = listing.page(app.registry.pairs, size, page_token)
+        except InvalidInput as exc:
+            raise HTTPException(400, detail=str(exc)) from None
+        return PairsOut(pairs=[pair_out(p, metrics) for p in pairs], next_page_token=token)
 
     @pair_view("", PairOut)
     async def get_pair_endpoint(pair_id: str) -> PairOut:

@@ -116,7 +116,10 @@ class PairOut(BaseModel):
 
 
 class PairsOut(BaseModel):
-    pairs: list[PairOut]
+    pairs: list[PairOut] = Field(description="One page of the pairs, ordered by id")
+    next_page_token: str = Field(
+        "", description="page_token of the next page; empty when this page holds the last pair"
+    )
 
 
 class HistoryEntryOut(BaseModel):

@@ -137,6 +137,8 @@ async def replay(
                 k=trace.k,
                 credentials=credentials,
                 backoff=Backoff(initial_s=0.05, max_s=1.0),
+                # A rerun sends the same steps again: those the service applied count once.
+                reused_worker_id="resume",
             )
             for w, plan in enumerate(plans)
         ]

@@ -104,7 +104,7 @@ class RegisterPairResponse(_message.Message):
     def __init__(self, pair_id: _Optional[str] = ..., update_rule: _Optional[_Union[UpdateRule, str]] = ..., refit_interval: _Optional[int] = ..., coefficients: _Optional[_Union[Coefficients, _Mapping]] = ..., created: _Optional[bool] = ..., accepts_round_summaries: _Optional[bool] = ...) -> None: ...
 
 class ObserveRequest(_message.Message):
-    __slots__ = ("pair_id", "worker_id", "sequence", "features", "rows", "k", "num_verified", "num_accepted", "exclude", "coefficients_version", "summary")
+    __slots__ = ("pair_id", "worker_id", "sequence", "features", "rows", "k", "num_verified", "num_accepted", "exclude", "coefficients_version", "summary", "open")
     PAIR_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class ObserveRequest(_message.Message):
     EXCLUDE_FIELD_NUMBER: _ClassVar[int]
     COEFFICIENTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
     pair_id: str
     worker_id: str
     sequence: int
@@ -127,7 +128,8 @@ class ObserveRequest(_message.Message):
     exclude: _containers.RepeatedScalarFieldContainer[bool]
     coefficients_version: int
     summary: RoundSummary
-    def __init__(self, pair_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., sequence: _Optional[int] = ..., features: _Optional[bytes] = ..., rows: _Optional[int] = ..., k: _Optional[int] = ..., num_verified: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., exclude: _Optional[_Iterable[bool]] = ..., coefficients_version: _Optional[int] = ..., summary: _Optional[_Union[RoundSummary, _Mapping]] = ...) -> None: ...
+    open: bool
+    def __init__(self, pair_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., sequence: _Optional[int] = ..., features: _Optional[bytes] = ..., rows: _Optional[int] = ..., k: _Optional[int] = ..., num_verified: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., exclude: _Optional[_Iterable[bool]] = ..., coefficients_version: _Optional[int] = ..., summary: _Optional[_Union[RoundSummary, _Mapping]] = ..., open: _Optional[bool] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("pair_id", "worker_id", "acked_sequence")
@@ -145,13 +147,27 @@ class CoefficientsUpdate(_message.Message):
     coefficients: Coefficients
     def __init__(self, coefficients: _Optional[_Union[Coefficients, _Mapping]] = ...) -> None: ...
 
+class WorkerOpened(_message.Message):
+    __slots__ = ("pair_id", "worker_id", "applied_sequence", "acked_sequence")
+    PAIR_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    ACKED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    pair_id: str
+    worker_id: str
+    applied_sequence: int
+    acked_sequence: int
+    def __init__(self, pair_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., applied_sequence: _Optional[int] = ..., acked_sequence: _Optional[int] = ...) -> None: ...
+
 class ObserveResponse(_message.Message):
-    __slots__ = ("ack", "coefficients_update")
+    __slots__ = ("ack", "coefficients_update", "opened")
     ACK_FIELD_NUMBER: _ClassVar[int]
     COEFFICIENTS_UPDATE_FIELD_NUMBER: _ClassVar[int]
+    OPENED_FIELD_NUMBER: _ClassVar[int]
     ack: Ack
     coefficients_update: CoefficientsUpdate
-    def __init__(self, ack: _Optional[_Union[Ack, _Mapping]] = ..., coefficients_update: _Optional[_Union[CoefficientsUpdate, _Mapping]] = ...) -> None: ...
+    opened: WorkerOpened
+    def __init__(self, ack: _Optional[_Union[Ack, _Mapping]] = ..., coefficients_update: _Optional[_Union[CoefficientsUpdate, _Mapping]] = ..., opened: _Optional[_Union[WorkerOpened, _Mapping]] = ...) -> None: ...
 
 class GetCoefficientsRequest(_message.Message):
     __slots__ = ("pair_id",)
@@ -276,14 +292,20 @@ class SetCostCurvesResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ListPairsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListPairsResponse(_message.Message):
-    __slots__ = ("pairs",)
+    __slots__ = ("pairs", "next_page_token")
     PAIRS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     pairs: _containers.RepeatedCompositeFieldContainer[Pair]
-    def __init__(self, pairs: _Optional[_Iterable[_Union[Pair, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, pairs: _Optional[_Iterable[_Union[Pair, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class GetPairRequest(_message.Message):
     __slots__ = ("pair_id",)

@@ -168,7 +168,8 @@ class EstimatorServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListPairs(self, request, context):
-        """Lists all registered pairs with their state.
+        """Lists the registered pairs with their state, one page at a time (see
+        ListPairsRequest).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
