@@ -20,9 +20,10 @@ from avest.grpc.pages import LARGEST_PAIR_BYTES, page_cap
 from avest.http.api import MAX_PAGE_SIZE, PAGE_SIZE
 from avest.state.listing import page_token
 from avest_client import AsyncEstimatorClient, EstimatorClient, InvalidArgumentError
+from avest_wire.limits import MAX_MESSAGE_BYTES
 from avest_wire.v1 import estimator_pb2 as pb
 from tests.support.live import TOKEN, Live
-from tests.support.rpc import register_named
+from tests.support.rpc import register_named, stub_for
 
 #: The live servers' admin token as gRPC metadata (deleting a pair needs it).
 ADMIN = (("authorization", f"Bearer {TOKEN}"),)
@@ -143,6 +144,31 @@ def test_both_clients_and_the_cli_follow_the_pages(crowded, capsys) -> None:  # 
 
     assert main(["pairs", "--address", live.grpc_address, "--json"]) == 0
     assert [p["pair_id"] for p in json.loads(capsys.readouterr().out)] == made
+
+
+def test_a_thousand_pairs_at_k_64_are_listed_at_the_default_limit(server) -> None:  # noqa: ANN001
+    """The case as found: at the default 4 MiB limit, 1000 pairs at K = 64 (a few
+    seconds to register) are past what one reply may hold."""
+    channel, stub = stub_for(server.grpc_address)
+    try:
+        made = sorted(register_named(stub, f"target-{i:04d}", 64) for i in range(1000))
+        cap = page_cap(MAX_MESSAGE_BYTES)
+        pages, token = [], ""
+        while True:
+            resp = stub.ListPairs(pb.ListPairsRequest(page_token=token), timeout=30)
+            pages.append(resp)
+            token = resp.next_page_token
+            if not token:
+                break
+    finally:
+        channel.close()
+    assert [len(p.pairs) for p in pages] == [cap, cap, 1000 - 2 * cap]
+    assert all(p.ByteSize() <= MAX_MESSAGE_BYTES for p in pages)
+    # All of them in one reply, as the service used to send it: over the limit.
+    whole = pb.ListPairsResponse(pairs=[pair for p in pages for pair in p.pairs])
+    assert ids_of(whole.pairs) == made and whole.ByteSize() > MAX_MESSAGE_BYTES
+    with EstimatorClient(server.grpc_address, timeout=30) as client:
+        assert ids_of(client.pairs()) == made
 
 
 def test_the_http_listing_goes_in_pages_too(crowded) -> None:  # noqa: ANN001
