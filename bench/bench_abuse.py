@@ -16,13 +16,18 @@
 * ``busy-turns``: ``busy`` twice in one run, without fair turns
   (``--steps-per-turn 0``, one step per stream per loop iteration, as before)
   and with the default.
+* ``overload``: the capacity first (steps folded per second with every stream
+  flat out, shedding off), then N streams (default 1,000) each paced so that
+  together they offer twice that, next to the light worker of ``busy``: its
+  ack latency and the steps folded and turns shed, once with shedding off
+  (``--shed-after-ms 0``) and once with the default, in one run.
 * ``heavy``: one stream sending 2 MiB steps (8,192 rows x K = 64, the largest
   allowed) flat out, while /healthz and GetCoefficients are probed every 50 ms:
   their latency (p50, p99, max), once with every step folded on the event loop
   (``--fold-thread-cells 0``, as before) and once with the default (heavy steps
   folded on a worker thread), in the same run.
 
-Usage: python bench/bench_abuse.py poison|busy|busy-turns|idle|heavy|all [--streams N] [--json]
+Usage: python bench/bench_abuse.py poison|busy|busy-turns|overload|idle|heavy|all [--streams N] [--json]
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import asyncio
 import contextlib
 import json
 import multiprocessing as mp
+import random
 import resource
 import socket
 import sys
@@ -140,6 +146,126 @@ def _busy_proc(address: str, pid: str, first: int, count: int, seconds: float) -
         resource.RLIMIT_NOFILE, (8192, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
     )
     asyncio.run(main())
+
+
+def _paced_proc(
+    address: str, pid: str, first: int, count: int, seconds: float, rate: float
+) -> None:
+    """``count`` streams each sending ``rate`` steps per second (no faster, and no
+    more than flow control lets through) for ``seconds``."""
+
+    async def one(w: int) -> None:
+        channel = grpc.aio.insecure_channel(address)
+        stub = pb_grpc.EstimatorServiceStub(channel)
+        msg = step(pid, f"paced-{w}", 1)
+        deadline = time.monotonic() + seconds
+        await asyncio.sleep(random.uniform(0, 1.0 / rate))
+
+        async def gen():  # noqa: ANN202
+            seq, t = 0, time.monotonic()
+            while time.monotonic() < deadline:
+                seq += 1
+                msg.sequence = seq
+                yield msg
+                t += 1.0 / rate
+                await asyncio.sleep(max(0.0, t - time.monotonic()))
+
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            async for _ in stub.Observe(gen(), metadata=WORKER, timeout=seconds + 60):
+                pass
+        await channel.close()
+
+    async def main() -> None:
+        await asyncio.gather(*(one(w) for w in range(first, first + count)))
+
+    resource.setrlimit(
+        resource.RLIMIT_NOFILE, (8192, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    )
+    asyncio.run(main())
+
+
+def _scrape(http_url: str, name: str) -> float:
+    text = httpx.get(http_url + "/metrics", timeout=30).text
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _capacity(streams: int = 200, seconds: float = 15.0, procs: int = 4) -> float:
+    """Steps folded per second with ``streams`` streams flat out and no shedding."""
+    served = serve(Path(tempfile.mkdtemp(prefix="avest-capacity-")), ["--shed-after-ms", "0"])
+    try:
+        with grpc.insecure_channel(served.grpc_address) as ch:
+            stub = pb_grpc.EstimatorServiceStub(ch)
+            pid = stub.RegisterPair(pb.RegisterPairRequest(key=key("cap")), metadata=WORKER).pair_id
+        ctx = mp.get_context("spawn")
+        per = streams // procs
+        workers = [
+            ctx.Process(target=_busy_proc, args=(served.grpc_address, pid, i * per, per, seconds))
+            for i in range(procs)
+        ]
+        for p in workers:
+            p.start()
+        time.sleep(5.0)  # every stream open and running
+        s0, t0 = _scrape(served.http_url, "avest_steps_observed_total"), time.monotonic()
+        time.sleep(seconds - 7.0)
+        s1, t1 = _scrape(served.http_url, "avest_steps_observed_total"), time.monotonic()
+        for p in workers:
+            p.join(seconds + 60)
+        return (s1 - s0) / (t1 - t0)
+    finally:
+        served.stop()
+
+
+def overload(streams: int, factor: float = 2.0, steps: int = 50, procs: int = 4) -> dict[str, Any]:
+    capacity = _capacity(procs=procs)
+    rate = factor * capacity / streams
+    out: dict[str, Any] = {
+        "capacity_steps_per_s": round(capacity, 1),
+        "streams": streams,
+        "per_stream_rate": round(rate, 3),
+        "offered_steps_per_s": round(rate * streams, 1),
+    }
+    for name, extra in (("no_shedding", ["--shed-after-ms", "0"]), ("shedding", [])):
+        served = serve(Path(tempfile.mkdtemp(prefix="avest-overload-")), extra)
+        try:
+            with grpc.insecure_channel(served.grpc_address) as ch:
+                stub = pb_grpc.EstimatorServiceStub(ch)
+                busy_pid = stub.RegisterPair(
+                    pb.RegisterPairRequest(key=key("busy")), metadata=WORKER
+                ).pair_id
+                light_pid = stub.RegisterPair(
+                    pb.RegisterPairRequest(key=key("light")), metadata=WORKER
+                ).pair_id
+            seconds = 25.0 + steps * 0.3
+            ctx = mp.get_context("spawn")
+            per = streams // procs
+            workers = [
+                ctx.Process(
+                    target=_paced_proc,
+                    args=(served.grpc_address, busy_pid, i * per, per, seconds, rate),
+                )
+                for i in range(procs)
+            ]
+            for p in workers:
+                p.start()
+            time.sleep(10.0)  # every stream open, the line built
+            s0 = _scrape(served.http_url, "avest_steps_observed_total")
+            t0 = time.monotonic()
+            result = asyncio.run(_light(served.grpc_address, light_pid, steps, served.http_url))
+            s1 = _scrape(served.http_url, "avest_steps_observed_total")
+            result["folded_steps_per_s"] = round((s1 - s0) / (time.monotonic() - t0), 1)
+            result["shed_turns"] = _scrape(served.http_url, "avest_shed_turns_total")
+            out[name] = result
+            for p in workers:
+                p.join(seconds + 60)
+        finally:
+            served.stop()
+    out["light_ack_p99_ratio_shedding_vs_not"] = round(
+        out["shedding"]["ack_ms_p99"] / out["no_shedding"]["ack_ms_p99"], 3
+    )
+    return out
 
 
 async def _light(address: str, pid: str, steps: int, http_url: str) -> dict[str, Any]:
@@ -314,7 +440,9 @@ def idle(
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["poison", "busy", "busy-turns", "idle", "heavy", "all"])
+    parser.add_argument(
+        "what", choices=["poison", "busy", "busy-turns", "overload", "idle", "heavy", "all"]
+    )
     parser.add_argument("--streams", type=int, default=1000)
     parser.add_argument("--sockets", type=int, default=1100)
     parser.add_argument("--json", action="store_true")
@@ -331,6 +459,8 @@ def main() -> int:
     if args.what == "busy-turns":
         out["busy_no_turns"] = busy(args.streams, extra=["--steps-per-turn", "0"])
         out["busy_turns"] = busy(args.streams)
+    if args.what in ("overload", "all"):
+        out["overload"] = overload(args.streams)
     if args.what in ("heavy", "all"):
         out["heavy"] = heavy()
     if args.what in ("idle", "all"):

@@ -96,6 +96,13 @@ class Settings(BaseSettings):
         description="Observe steps applied per event-loop iteration, all streams together; "
         "streams served least recently go first (0: no limit, one step per stream per turn)",
     )
+    shed_after_ms: float = Field(
+        100.0,
+        ge=0,
+        description="overloaded once Observe steps have waited this long for their turn for half "
+        "a second: streams that send faster than they are served are then held back for "
+        "1-2 s each, nothing refused or lost (0: never shed; needs steps_per_turn)",
+    )
     fold_thread_cells: int = Field(
         65536,
         ge=0,
@@ -190,6 +197,7 @@ class Settings(BaseSettings):
             steps_per_turn=self.steps_per_turn,
             pair_rate=self.pair_rate,
             stream_step_rate=self.stream_step_rate,
+            shed_after_s=self.shed_after_ms / 1000.0,
             max_message_bytes=self.max_message_bytes,
         )
 

@@ -17,5 +17,8 @@ class StreamLimits:
     pair_rate: float
     #: Observe steps per second per stream (0: no limit).
     stream_step_rate: float
+    #: Shed streams that press once steps have stood this long in line for a turn,
+    #: seconds (0: never shed; see :class:`avest.grpc.turns.Shedding`).
+    shed_after_s: float = 0.1
     #: Largest gRPC message sent or received (``ListPairs`` pages fit it).
     max_message_bytes: int = MAX_MESSAGE_BYTES

@@ -12,7 +12,7 @@ import grpc
 
 from avest.grpc.gate import MALFORMED, malformed_reply
 from avest.grpc.refusals import Refused, refusals
-from avest.grpc.turns import Turns
+from avest.grpc.turns import Place, Shed, Turns
 from avest.policy.throttle import LogLimiter, TokenBucket
 from avest.state.app import Avest
 from avest.state.pairs import Pair
@@ -47,6 +47,8 @@ class StreamHost(Protocol):
 
     def malformed(self, method: str) -> None: ...
 
+    def shed(self) -> None: ...
+
     def validate_observe(self, req: pb.ObserveRequest) -> tuple[Pair, Any]: ...
 
 
@@ -77,8 +79,8 @@ class ObserveStream:
         #: Workers opened on this stream (told their watermark before any step).
         self.opened: set[tuple[str, str]] = set()
         self.error: Refused | None = None
-        #: When this stream was last given a turn (:class:`Turns`).
-        self.served = 0
+        #: Its place in the turns (:class:`Turns`).
+        self.place = Place()
 
     def coefficients(self, pair_id: str, msg: pb.Coefficients) -> None:
         if pair_id in self.pairs:
@@ -191,6 +193,19 @@ class ObserveStream:
                 del self.service.owners[key]
         self.claimed.clear()
 
+    async def _turn(self, turns: Turns) -> None:
+        """Wait for a turn; shed while the service is overloaded and this stream
+        presses: it is held back, reading nothing (its client's next steps wait
+        in gRPC's flow control and on the client), then asks again. Nothing is
+        refused or lost, and the stream stays open."""
+        while True:
+            try:
+                await turns.take(self.place)
+                return
+            except Shed as shed:
+                self.service.shed()
+                await asyncio.sleep(shed.retry_s)
+
     async def _consume(self) -> None:
         service = self.service
         rate = service.step_rate()
@@ -204,7 +219,7 @@ class ObserveStream:
                     self.error = Refused(*malformed_reply())
                     break
                 # Wait for a turn: streams that sent least recently go first.
-                self.served = await turns.take(self.served)
+                await self._turn(turns)
                 if service.draining:
                     break
                 if req.open:

@@ -33,7 +33,7 @@ from avest.grpc.observe import ObserveStream
 from avest.grpc.pages import page_cap
 from avest.grpc.refusals import Refused, refusals
 from avest.grpc.summaries import summary_from_pb
-from avest.grpc.turns import Turns
+from avest.grpc.turns import Shedding, Turns
 from avest.policy.access import Access, may_replace_costs
 from avest.policy.throttle import KeyedRates, LogLimiter, TokenBucket
 from avest.state import listing
@@ -64,12 +64,14 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         #: Who may replace cost curves (``None``: anyone, as in-process tests build it).
         self.access = access
         self.on_refused = on_refused or (lambda method, reason: None)
+        #: Called for each turn shed (a stream held back while overloaded).
+        self.on_shed: Callable[[], None] = lambda: None
         #: Open Observe streams: each a callback taking pushed responses.
         self.streams: set[ObserveStream] = set()
         self.watchers: dict[str, set[asyncio.Queue[pb.Coefficients | None]]] = {}
         self.open_streams = 0
         self.owners: dict[tuple[str, str], ObserveStream] = {}
-        self.turns = Turns(limits.steps_per_turn)
+        self.turns = Turns(limits.steps_per_turn, Shedding(target_s=limits.shed_after_s))
         #: Calls and steps per pair, whoever sends them (``pair_rate``).
         self.pair_rates = KeyedRates(limits.pair_rate)
         self._logs = LogLimiter("avest.grpc")
@@ -87,6 +89,15 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         """A new stream's step-rate bucket (``None``: no limit)."""
         rate = self.limits.stream_step_rate
         return TokenBucket(rate, rate) if rate > 0 else None
+
+    def shed(self) -> None:
+        self.on_shed()
+        self._logs.warning(
+            "shed",
+            "overloaded: Observe steps stand in line past %.0f ms; streams that press are "
+            "held back",
+            self.turns.shedding.target_s * 1000,
+        )
 
     def malformed(self, method: str) -> None:
         self.on_refused(method, "malformed")

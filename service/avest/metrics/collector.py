@@ -23,6 +23,7 @@ class PairSource(Protocol):
 
     app: Any
     open_streams: Callable[[], int]
+    load: Callable[[], tuple[bool, float]]
 
     def summary(self, pair: Any) -> CalibrationSummary: ...
 
@@ -58,6 +59,8 @@ COLLECTED = (
     names.STEPS_OBSERVED,
     names.REFITS,
     names.OPEN_STREAMS,
+    names.OVERLOADED,
+    names.TURN_WAIT,
     names.QUEUE_DEPTH,
     names.STORE_ERRORS,
     names.STORE_WRITABLE,
@@ -127,6 +130,9 @@ class PairCollector:
         m = self._metrics
         f[names.INFO].add_metric([__version__], 1.0)
         f[names.OPEN_STREAMS].add_metric([], float(m.open_streams()))
+        overloaded, wait = m.load()
+        f[names.OVERLOADED].add_metric([], 1.0 if overloaded else 0.0)
+        f[names.TURN_WAIT].add_metric([], wait)
         app = m.app
         for operation, count in getattr(app, "store_errors", {}).items():
             f[names.STORE_ERRORS].add_metric([operation], float(count))

@@ -78,6 +78,9 @@ REFITS = "avest_refits_total"
 REFIT_DURATION = "avest_refit_duration_seconds"
 RPC_DURATION = "avest_rpc_duration_seconds"
 OPEN_STREAMS = "avest_open_streams"
+OVERLOADED = "avest_overloaded"
+TURN_WAIT = "avest_turn_wait_seconds"
+SHED_TURNS = "avest_shed_turns_total"
 QUEUE_DEPTH = "avest_queue_depth"
 REFUSED_BATCHES = "avest_refused_batches_total"
 STORE_ERRORS = "avest_store_errors_total"
@@ -303,6 +306,27 @@ METRICS: tuple[MetricSpec, ...] = (
         "gRPC call duration in seconds (streams: the whole call) by method and status code.",
     ),
     MetricSpec(OPEN_STREAMS, "gauge", (), "Open Observe and WatchCoefficients streams."),
+    MetricSpec(
+        OVERLOADED,
+        "gauge",
+        (),
+        "1 while Observe steps stand in line past the shedding target (--shed-after-ms) "
+        "and streams that press are shed, else 0.",
+    ),
+    MetricSpec(
+        SHED_TURNS,
+        "counter",
+        (),
+        "Turns refused to Observe streams that press while the service is overloaded: each "
+        "such stream is held back (reads nothing) for 1-2 s, its later steps waiting in gRPC "
+        "flow control and on its client; nothing is refused or lost.",
+    ),
+    MetricSpec(
+        TURN_WAIT,
+        "gauge",
+        (),
+        "How long the last Observe step granted a turn had waited in line for it, seconds.",
+    ),
     MetricSpec(
         QUEUE_DEPTH,
         "gauge",
