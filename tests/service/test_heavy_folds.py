@@ -7,6 +7,7 @@ import contextlib
 import queue
 import threading
 from types import SimpleNamespace
+from typing import Any
 
 import grpc
 import httpx
@@ -47,12 +48,12 @@ def _heavy_step_held(start_server, data, monkeypatch: pytest.MonkeyPatch):  # no
     apply = OnlineEstimator.apply
     calls: list[int] = []
 
-    def held_apply(self: OnlineEstimator, batch: Batch):  # noqa: ANN202
+    def held_apply(self: OnlineEstimator, batch: Batch, *args: Any):  # noqa: ANN202
         if batch.features.shape[0] == HEAVY_ROWS:
             calls.append(self.steps)
             folding.set()
             release.wait(20)
-        return apply(self, batch)
+        return apply(self, batch, *args)
 
     monkeypatch.setattr(OnlineEstimator, "apply", held_apply)
     handle = start_server(data, fold_thread_cells=HEAVY_ROWS * K)

@@ -136,12 +136,19 @@ class OnlineEstimator:
         """Validate and fold one decode step; refit when the round is full."""
         return self.apply(make_batch(features, num_verified, num_accepted, self.k, exclude))
 
-    def apply(self, batch: Batch) -> Refit | None:
-        """Fold a validated batch scored at the coefficients in force."""
+    def apply(self, batch: Batch, stats: RoundStats | None = None) -> Refit | None:
+        """Fold a validated batch scored at the coefficients in force.
+
+        ``stats``: the batch's round statistics as the caller wants them folded
+        (:meth:`contribution`, bounded by :mod:`avest.core.quarantine`); the
+        calibration measures always score the batch itself.
+        """
         eta = linear_predictor(self.coefficients, batch.features)
         # The IRLS sums stay on the logistic prediction; the calibration
         # measures score what was served (the layer's map while it is served).
-        self.round_stats.add_(fold(batch.features, eta, batch.observed, batch.accepted))
+        if stats is None:
+            stats = fold(batch.features, eta, batch.observed, batch.accepted)
+        self.round_stats.add_(stats)
         layer = self.recalibrator
         served = eta if layer is None else layer.apply(eta)
         self._calibration_round.update(served, batch.observed, batch.accepted)
@@ -154,17 +161,29 @@ class OnlineEstimator:
             return self.refit()
         return None
 
-    def apply_summary(self, summary: RoundSummary) -> Refit | None:
+    def contribution(self, batch: Batch | RoundSummary) -> RoundStats:
+        """The round statistics ``batch`` adds to the open round, at the coefficients in force."""
+        if isinstance(batch, Batch):
+            eta = linear_predictor(self.coefficients, batch.features)
+            return fold(batch.features, eta, batch.observed, batch.accepted)
+        if batch.k != self.k:
+            raise ValueError(f"summary has K={batch.k}, estimator has K={self.k}")
+        stats = summary_stats(batch)
+        if batch.version != self.version:
+            stats = rebase(stats, summary_coefficients(batch), self.coefficients)
+        return stats
+
+    def apply_summary(self, summary: RoundSummary, stats: RoundStats | None = None) -> Refit | None:
         """Pool one worker's round summary into the open round; refit when it is full.
 
         Statistics at the current version merge as they are; older ones are
         first moved to the coefficients in force (:func:`avest.core.summary.rebase`).
+        ``stats``: those statistics as the caller wants them folded (see :meth:`apply`).
         """
         if summary.k != self.k:
             raise ValueError(f"summary has K={summary.k}, estimator has K={self.k}")
-        stats = summary_stats(summary)
-        if summary.version != self.version:
-            stats = rebase(stats, summary_coefficients(summary), self.coefficients)
+        if stats is None:
+            stats = self.contribution(summary)
         self.round_stats.add_(stats)
         if summary.sketch is not None:
             # Folded when something reads the round (avest.core.pooling).

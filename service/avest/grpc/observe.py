@@ -258,6 +258,16 @@ class ObserveStream:
                     await asyncio.sleep(min(rate.wait_s(), 1.0))
                 elif turns.per_turn <= 0:
                     await asyncio.sleep(0)
+        except Exception:
+            # A fault of the service, not of the step: say so (the stream would
+            # otherwise end as if the service had closed it), and the client
+            # resends every unacknowledged step on its next stream.
+            log.exception("an Observe stream failed")
+            self.error = Refused(
+                grpc.StatusCode.INTERNAL,
+                "avest failed applying a step (see its log); unacknowledged steps are not "
+                "applied: resend them",
+            )
         finally:
             # Let the last applied steps become durable and be acknowledged
             # before the stream ends.

@@ -17,7 +17,10 @@ blocking I/O.
                                             (all-time and recent)
 ``GET /v1/pairs/{id}/history``              coefficient history (newest last, at most 256)
 ``GET /v1/pairs/{id}/reliability``          reliability-diagram data (JSON)
-``GET /v1/pairs/{id}/workers``              workers seen: mode, last summary, version, drafts
+``GET /v1/pairs/{id}/workers``              workers seen: mode, last summary, version, drafts,
+                                            standing (ok or quarantined) and score
+``POST /v1/pairs/{id}/workers/{w}/release`` return a quarantined worker to the fit (admin
+                                            token)
 ``GET /v1/pairs/{id}/reliability.svg``      the reliability diagram and per-position plot
 ``POST /v1/pairs/{id}/reset``               forget what the pair learned (admin token)
 ``DELETE /v1/pairs/{id}``                   delete the pair, its stored rows and metric
@@ -73,6 +76,7 @@ from avest.policy.access import Access, http_role
 from avest.state import listing
 from avest.state.errors import NotFound
 from avest.state.pairs import Pair
+from avest_wire import limits
 from avest_wire.errors import InvalidInput
 
 #: Module level: the handlers' annotations are strings resolved in this module.
@@ -267,14 +271,49 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
 
     @pair_view("/workers", WorkersOut)
     async def workers(pair_id: str, limit: _WorkersLimit = 100) -> WorkersOut:
-        """The workers seen sending to the pair: mode, last summary, version, drafts."""
+        """The workers seen sending to the pair: mode, last summary, version, drafts,
+        standing and score (:mod:`avest.core.quarantine`)."""
         pair = get_pair(pair_id)
         return WorkersOut(
             id=pair.id,
             workers=[WorkerOut(**w.as_dict()) for w in pair.workers.top(limit)],
+            quarantined=pair.workers.quarantined,
+            quarantined_steps=pair.workers.quarantined_steps,
             tracked=len(pair.workers),
             forgotten=pair.workers.forgotten,
         )
+
+    @api.post(
+        "/v1/pairs/{pair_id}/workers/{worker_id:path}/release",
+        response_model=WorkerOut,
+        tags=["pairs"],
+        responses={
+            **_ADMIN_ONLY,
+            404: {"model": ErrorOut, "description": "No such pair, or no such worker in it"},
+            409: {"model": ErrorOut, "description": "The worker is not quarantined"},
+        },
+    )
+    async def release_worker(
+        pair_id: str,
+        worker_id: str,
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)],
+    ) -> WorkerOut:
+        """Return a quarantined worker to the fit: its data is folded again from its
+        next message, and its score starts afresh (a worker that keeps sending data
+        the others contradict is quarantined again). Needs ``Authorization: Bearer
+        <admin token>`` (refused when the service has none)."""
+        pair = get_pair(pair_id)
+        try:
+            row = pair.workers.release(worker_id)
+        except KeyError:
+            raise HTTPException(
+                404, detail=f"pair {pair.id} has no worker {limits.echo(worker_id)}"
+            ) from None
+        except ValueError:
+            raise HTTPException(
+                409, detail=f"worker {limits.echo(worker_id)} of pair {pair.id} is not quarantined"
+            ) from None
+        return WorkerOut(**row.as_dict())
 
     def _reliability(pair: Pair, position: int | None) -> Any:
         if position is not None and not 0 <= position < pair.k:

@@ -232,10 +232,28 @@ class WorkerOut(BaseModel):
     last_summary: float | None = Field(description="Unix time of its last summary")
     last_steps: int
     last_drafts: int
+    state: str = Field(
+        "ok", description="ok (its data is folded) or quarantined (scored, not folded)"
+    )
+    score: float | None = Field(
+        None,
+        description="Its recent acceptance against the other workers', in standard "
+        "deviations (beyond 5 it is quarantined); null until it can be judged",
+    )
+    quarantines: int = Field(0, description="Times quarantined")
+    quarantined_steps: int = Field(0, description="Steps scored but not folded while quarantined")
+    quarantined_drafts: int = Field(0, description="Their labelled drafts")
+    held: int = Field(0, description="Messages held back beyond the margin before a quarantine")
+    held_steps: int = Field(0, description="Their steps")
+    state_since: float | None = Field(None, description="Unix time of its last change of state")
 
 
 class WorkersOut(BaseModel):
     id: str
     workers: list[WorkerOut] = Field(description="Most recently seen first")
+    quarantined: int = Field(0, description="Workers quarantined now")
+    quarantined_steps: int = Field(
+        0, description="Steps scored but not folded while their worker was quarantined"
+    )
     tracked: int = Field(description="Workers remembered for the pair")
     forgotten: int = Field(description="Workers forgotten to keep the table bounded")

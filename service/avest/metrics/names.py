@@ -91,6 +91,8 @@ CALIBRATION_LAYER_SERVED = "avest_calibration_layer_served"
 CALIBRATION_LAYER_GAIN = "avest_calibration_layer_logloss_gain"
 WORKERS = "avest_workers"
 WORKERS_FORGOTTEN = "avest_workers_forgotten_total"
+WORKERS_QUARANTINED = "avest_workers_quarantined"
+QUARANTINED_STEPS = "avest_quarantined_steps_total"
 WORKER_DRAFTS = "avest_worker_drafts"
 WORKER_STEPS = "avest_worker_steps"
 WORKER_SUMMARIES = "avest_worker_summaries"
@@ -379,6 +381,19 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec(WORKERS, "gauge", ("pair",), "Workers remembered for the pair (at most 4096)."),
     MetricSpec(WORKERS_FORGOTTEN, "counter", ("pair",), "Workers forgotten, oldest first."),
+    MetricSpec(
+        WORKERS_QUARANTINED,
+        "gauge",
+        ("pair",),
+        "Workers quarantined now: their recent acceptance is implausible under the model "
+        "the other workers agree on; their data is scored, not folded.",
+    ),
+    MetricSpec(
+        QUARANTINED_STEPS,
+        "counter",
+        ("pair",),
+        "Decode steps scored but not folded because their worker was quarantined.",
+    ),
 )
 _WORKER = f'the {WORKER_SERIES} workers seen last have their own series, the rest worker="other"'
 _PW = ("pair", "worker")

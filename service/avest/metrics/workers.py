@@ -1,10 +1,11 @@
 """Per-pair worker tables as metrics, read on each scrape, with bounded cardinality.
 
-Each pair exposes how many workers it remembers and how many it forgot; the
+Each pair exposes how many workers it remembers, how many it forgot, how many
+are quarantined and the steps not folded because of it; the
 :data:`~avest.metrics.names.WORKER_SERIES` most recently seen workers get series
 of their own (drafts, steps, summaries, coefficient lag, last seen), and
 everything else is folded into one ``worker="other"`` series per family, so
-a pair adds at most ``5 x (WORKER_SERIES + 1) + 2`` series whatever the
+a pair adds at most ``5 x (WORKER_SERIES + 1) + 4`` series whatever the
 fleet.
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from avest.metrics.names import (
+    QUARANTINED_STEPS,
     SPECS,
     WORKER_DRAFTS,
     WORKER_LAG,
@@ -26,6 +28,7 @@ from avest.metrics.names import (
     WORKER_SUMMARIES,
     WORKERS,
     WORKERS_FORGOTTEN,
+    WORKERS_QUARANTINED,
     family_name,
 )
 
@@ -47,6 +50,12 @@ class WorkerCollector:
             WORKERS_FORGOTTEN: CounterMetricFamily(
                 family_name(WORKERS_FORGOTTEN), SPECS[WORKERS_FORGOTTEN].help, labels=["pair"]
             ),
+            WORKERS_QUARANTINED: GaugeMetricFamily(
+                WORKERS_QUARANTINED, SPECS[WORKERS_QUARANTINED].help, labels=["pair"]
+            ),
+            QUARANTINED_STEPS: CounterMetricFamily(
+                family_name(QUARANTINED_STEPS), SPECS[QUARANTINED_STEPS].help, labels=["pair"]
+            ),
         }
         for spec in WORKER_METRICS:
             out[spec.name] = GaugeMetricFamily(spec.name, spec.help, labels=list(spec.labels))
@@ -66,15 +75,26 @@ class WorkerCollector:
 
     def stamp(self, pair: Any) -> tuple[Any, ...]:
         """Moves whenever the pair's table can have changed: a worker's step or
-        summary applied (steps, last update), a worker forgotten."""
+        summary applied (steps, last update), a worker forgotten, quarantined or
+        released, a step not folded."""
         table = pair.workers
-        return (id(table), pair.updated, pair.estimator.steps, len(table), table.forgotten)
+        return (
+            id(table),
+            pair.updated,
+            pair.estimator.steps,
+            len(table),
+            table.forgotten,
+            table.changes,
+            table.quarantined_steps,
+        )
 
     def add_pair(self, f: Any, pair: Any) -> None:
         pid = pair.id
         table = pair.workers
         f[WORKERS].add_metric([pid], float(len(table)))
         f[WORKERS_FORGOTTEN].add_metric([pid], float(table.forgotten))
+        f[WORKERS_QUARANTINED].add_metric([pid], float(table.quarantined))
+        f[QUARANTINED_STEPS].add_metric([pid], float(table.quarantined_steps))
         for row in table.top(WORKER_SERIES):
             labels = [pid, row.worker_id]
             f[WORKER_DRAFTS].add_metric(labels, float(row.drafts))

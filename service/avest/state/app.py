@@ -21,10 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from avest.core.estimator import Batch, OnlineEstimator
+from avest.core.estimator import Batch
 from avest.core.rules import Refit
 from avest.state.config import StateConfig
-from avest.state.folds import Folds
+from avest.state.folds import Folded, Folds
 from avest.state.guard import StateFile
 from avest.state.pairs import Pair, Registry, RuleConfig
 from avest.state.recording import Recording
@@ -212,7 +212,7 @@ class Avest:
         worker: str,
         seq: int,
         batch: Batch | RoundSummary,
-        folded: tuple[OnlineEstimator, Refit | None] | None = None,
+        folded: Folded | None = None,
     ) -> bool:
         """Apply one validated step or round summary; returns whether it was new."""
         t0 = time.perf_counter()

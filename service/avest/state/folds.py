@@ -17,7 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from avest.core.estimator import Batch, OnlineEstimator
 from avest.core.rules import Refit
+from avest.core.stats import RoundStats
 from avest_wire.summary import RoundSummary
+
+#: A heavy step folded: the estimator copy it was folded into, the refit it
+#: closed (if any) and the step's round statistics as folded.
+Folded = tuple[OnlineEstimator, Refit | None, RoundStats]
 
 
 class Folds:
@@ -44,14 +49,16 @@ class Folds:
             lock = self._locks[pair_id] = asyncio.Lock()
         return lock
 
-    async def fold(
-        self, estimator: OnlineEstimator, batch: Batch
-    ) -> tuple[OnlineEstimator, Refit | None]:
+    async def fold(self, estimator: OnlineEstimator, batch: Batch) -> Folded:
         """``batch`` folded into a copy of ``estimator`` on a worker thread (the
         caller holds the pair's :meth:`lock`)."""
         into = copy.deepcopy(estimator)
-        refit = await asyncio.get_running_loop().run_in_executor(self._threads, into.apply, batch)
-        return into, refit
+
+        def apply() -> Folded:
+            stats = into.contribution(batch)
+            return into, into.apply(batch, stats), stats
+
+        return await asyncio.get_running_loop().run_in_executor(self._threads, apply)
 
     def forget(self, pair_id: str) -> None:
         self._locks.pop(pair_id, None)

@@ -17,8 +17,10 @@ from avest.core.estimator import Batch, OnlineEstimator
 from avest.core.model import Coefficients
 from avest.core.rule_factory import DEFAULT_RULE, RULE_NAMES, make_rule, rule_options
 from avest.core.rules import Refit
+from avest.core.summary import summary_stats
 from avest.state.costs import CostCurves, check_costs
 from avest.state.errors import Conflict, Exhausted, NotFound
+from avest.state.folds import Folded
 from avest.state.workers import WorkerTable
 from avest_wire import limits
 from avest_wire.errors import InvalidInput
@@ -121,26 +123,41 @@ class Pair:
         worker: str,
         seq: int,
         batch: Batch | RoundSummary,
-        folded: tuple[OnlineEstimator, Refit | None] | None = None,
+        folded: Folded | None = None,
     ) -> tuple[bool, Refit | None]:
         """Apply a validated batch or round summary unless ``(worker, seq)`` was applied already.
 
         ``folded``: the batch was already folded into a copy of this pair's
-        estimator (on a worker thread), which takes the estimator's place.
-        Returns ``(applied, refit)``.
+        estimator (on a worker thread), which takes the estimator's place, with
+        the batch's round statistics it folded. Returns ``(applied, refit)``.
+
+        The worker's table judges the data first (:meth:`WorkerTable.judge`): a
+        quarantined worker's data is counted and scored, never folded; a worker in
+        good standing has its share of the round bounded.
         """
         if seq <= self.applied.get(worker, -1):
             return False, None
-        if folded is not None and isinstance(batch, Batch):
-            self.estimator, refit = folded
-            self.workers.raw(worker, batch.labelled)
-        elif isinstance(batch, RoundSummary):
-            lag = self.estimator.version - batch.version
-            refit = self.estimator.apply_summary(batch)
+        est = self.estimator
+        stats = folded[2] if folded is not None else est.contribution(batch)
+        if isinstance(batch, RoundSummary):
+            steps, seen = batch.steps, summary_stats(batch)
+        else:
+            steps, seen = 1, stats
+        kept = self.workers.judge(worker, stats, steps, (est.version, est.round), seen)
+        refit: Refit | None = None
+        if isinstance(batch, RoundSummary):
+            lag = est.version - batch.version
+            if kept is not None:
+                refit = est.apply_summary(batch, kept)
             self.workers.summary(worker, batch, lag)
         else:
-            refit = self.estimator.apply(batch)
+            if kept is stats and folded is not None:
+                self.estimator, refit, _ = folded
+            elif kept is not None:
+                refit = est.apply(batch, kept)
             self.workers.raw(worker, batch.labelled)
+        if refit is not None:
+            self.workers.tick()
         self.applied[worker] = seq
         self.updated = self.seen[worker] = time.time()
         self.changed_workers.add(worker)
@@ -168,6 +185,7 @@ class Pair:
 
     def reset(self) -> None:
         self.estimator.reset()
+        self.workers.tick()
         self.history.clear()
         self.history_cleared = time.time()
         self.unsaved_history = 0
