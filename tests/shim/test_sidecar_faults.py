@@ -171,9 +171,10 @@ def test_killed_mid_run_local_refits_then_resume_and_resend(start_sidecar, tmp_p
     run(est, trace[350:450])
     delivered(est)
     s = sink.stats
-    # resending starts with the oldest unacknowledged step; the sidecar, which had
-    # applied them before it died, acknowledges them all at once as duplicates
-    assert s["reconnects"] >= 1 and 1 <= s["resent"] <= unacked
+    # the sidecar had applied and saved them before it died: the answer to the
+    # stream's opening acknowledges them all at once, before or after some were
+    # resent (on a stream that reached it before it stopped)
+    assert s["reconnects"] >= 1 and 0 <= s["resent"] <= unacked
     assert (s["received"], s["acked"], s["dropped"], s["refused"]) == (450, 450, 0, 0)
     with EstimatorClient(srv2.grpc_address) as client:
         pair = client.pair(sink.pair_id)
