@@ -82,13 +82,14 @@ def test_pairs_registered_or_deleted_between_pages_do_not_disturb_the_listing(
 
 def test_a_malformed_page_token_or_page_size_is_refused_and_changes_nothing(live: Live) -> None:
     made = sorted(register_named(live.stub, f"target-{i}", 4) for i in range(3))
-    for token in ("not base64!", "AAAA", page_token("x")[:-4] + "!!!!", "a" * 5000):
+    for token in ("not a token!", "AAAA", page_token("x"), page_token("ab") + "!", "a" * 5000):
         with pytest.raises(grpc.RpcError) as err:
             live.stub.ListPairs(pb.ListPairsRequest(page_token=token))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "page_token" in err.value.details()
         r = live.http.get("/v1/pairs", params={"page_token": token})
-        assert r.status_code == 400 and "page_token" in r.json()["detail"]
+        # The schema states the pattern: FastAPI refuses what it does not match.
+        assert r.status_code == 422 and "page_token" in r.text
     with pytest.raises(grpc.RpcError) as err:
         live.stub.ListPairs(pb.ListPairsRequest(page_size=-1))
     assert (

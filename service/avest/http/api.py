@@ -103,7 +103,11 @@ _PageSize = Annotated[
     int, Query(ge=0, description=f"At most this many (0: {PAGE_SIZE}; at most {MAX_PAGE_SIZE})")
 ]
 _PageToken = Annotated[
-    str, Query(description="next_page_token of the previous page; empty for the first")
+    str,
+    Query(
+        description="next_page_token of the previous page; empty for the first",
+        pattern=f"^({listing.TOKEN_PATTERN})?$",
+    ),
 ]
 #: The position whose reliability to show (all pooled when absent), as data and as a diagram.
 _Position = Annotated[int | None, Query(description="One position; all positions pooled if absent")]
@@ -289,6 +293,7 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
         tags=["pairs"],
         responses={
             **_ADMIN_ONLY,
+            400: {"description": "A malformed request (refused before the route runs)"},
             404: {"model": ErrorOut, "description": "No such pair, or no such worker in it"},
             409: {"model": ErrorOut, "description": "The worker is not quarantined"},
         },
