@@ -248,7 +248,7 @@ class Server:
             "avest serving grpc=%s http=%s data=%s",
             self.grpc_address,
             self.http_address,
-            self.settings.database,
+            self.app.store.location,
         )
 
     async def _abandon_start(self) -> None:

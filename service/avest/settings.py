@@ -19,6 +19,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from avest.core.rule_factory import RULE_NAMES
 from avest.grpc.limits import StreamLimits
 from avest.state.config import StateConfig
+from avest.state.stores import is_postgres
 
 ENV_PREFIX = "AVEST_"
 
@@ -34,6 +35,11 @@ class Settings(BaseSettings):
         description="admin HTTP listen address HOST:PORT (port 0 picks a free port)",
     )
     data_dir: str = Field("./avest-data", description="directory holding the SQLite database")
+    store: str = Field(
+        "",
+        description="where pairs are stored: empty for the SQLite file in --data-dir, or a "
+        "PostgreSQL URL postgresql://USER@HOST:PORT/DB",
+    )
     #: Update rule for pairs that do not ask for one (see README: measured).
     default_rule: str = Field(
         "tracking",
@@ -155,6 +161,16 @@ class Settings(BaseSettings):
             raise ValueError(f"default_rule must be one of {', '.join(RULE_NAMES)}, got {v!r}")
         return v
 
+    @field_validator("store")
+    @classmethod
+    def _store_location(cls, v: str) -> str:
+        if v.strip() and not is_postgres(v):
+            raise ValueError(
+                "store must be empty (the SQLite file in --data-dir) or a PostgreSQL URL "
+                f"postgresql://USER@HOST:PORT/DB, got {v.split('@')[-1]!r}"
+            )
+        return v.strip()
+
     @field_validator("grpc_address", "http_address")
     @classmethod
     def _host_port(cls, v: str) -> str:
@@ -188,6 +204,7 @@ class Settings(BaseSettings):
             refuse_empty_store=self.refuse_empty_store,
             worker_ttl_s=self.worker_ttl_s,
             pair_ttl_s=self.pair_ttl_s,
+            store=self.store,
         )
 
     def stream_limits(self) -> StreamLimits:

@@ -35,6 +35,7 @@ SERVER_DEPENDENCIES = {
     "pydantic",
     "pydantic_core",
     "pydantic_settings",
+    "psycopg",
 }
 
 #: Subcommand modules, in the order ``avest --help`` lists them.
@@ -45,6 +46,7 @@ COMMANDS = (
     "replay",
     "record",
     "pairs",
+    "store",
     "evaluate",
     "fleet",
     "simulate",

@@ -2,8 +2,9 @@
 
 :class:`Avest` is what the gRPC and HTTP adapters share. It owns the
 :class:`~avest.state.pairs.Registry`, writes snapshots to the
-:class:`~avest.state.store.Store` on a thread of its own (group commit: every
-``flush_interval_ms`` and right after each refit), and tells listeners when
+:class:`~avest.state.store.PairStore` on a thread of its own (group commit: every
+``flush_interval_ms`` and right after each refit; the store is the SQLite file
+or a PostgreSQL database, :mod:`avest.state.stores`), and tells listeners when
 batches become durable (so Observe streams can acknowledge them) and when
 coefficients change (so streams and watchers get the update).
 
@@ -25,10 +26,10 @@ from avest.core.estimator import Batch
 from avest.core.rules import Refit
 from avest.state.config import StateConfig
 from avest.state.folds import Folded, Folds
-from avest.state.guard import StateFile
 from avest.state.pairs import Pair, Registry, RuleConfig
 from avest.state.recording import Recording
-from avest.state.store import Store
+from avest.state.store import PairStore
+from avest.state.stores import open_configured
 from avest_wire.pair import PairKey
 from avest_wire.summary import RoundSummary
 
@@ -63,17 +64,17 @@ class Hooks:
 
 
 class Avest:
-    def __init__(self, config: StateConfig, store: Store | None = None) -> None:
+    def __init__(self, config: StateConfig, store: PairStore | None = None) -> None:
         self.config = config
         self.registry = Registry(
             RuleConfig(config.default_rule, config.refit_interval, config.forgetting, config.prior),
             max_pairs=config.max_pairs,
         )
-        self.state_file = StateFile(config.data_dir, config.database)
         if store is None:
-            self.state_file.check_present(config.allow_empty_store, config.refuse_empty_store)
-            store = Store(config.database)
+            store = open_configured(config)
         self.store = store
+        #: What catches a lost store: the state file beside SQLite, ``meta`` in PostgreSQL.
+        self.state_file = store.guard(config.data_dir)
         self.hooks = Hooks()
         #: Pairs whose stored state failed to load: ``id -> reason`` (kept aside).
         self.quarantined: dict[str, str] = {}

@@ -9,10 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+#: The SQLite file's name in the data directory.
+DATABASE_NAME = "avest.sqlite3"
+
 
 @dataclass(frozen=True)
 class StateConfig:
-    #: Directory of the SQLite database and the state file.
+    #: Directory of the SQLite database and the state file (with the default store).
     data_dir: str
     #: Update rule of pairs that do not name one, and its interval and options.
     default_rule: str
@@ -33,7 +36,10 @@ class StateConfig:
     #: Refuse to start on a store with no pairs and no state file (a data directory
     #: emptied whole, or a first start).
     refuse_empty_store: bool = False
+    #: Where pairs are stored: "" for the SQLite file in :attr:`data_dir`, or a
+    #: PostgreSQL URL (``postgresql://USER@HOST:PORT/DB``).
+    store: str = ""
 
     @property
     def database(self) -> Path:
-        return Path(self.data_dir) / "avest.sqlite3"
+        return Path(self.data_dir) / DATABASE_NAME

@@ -12,6 +12,10 @@ aside). Formats and migrations: :mod:`avest.state.store_format`.
 A :class:`Store` is used from one thread at a time (the service gives it a
 thread of its own). Each :meth:`write` is one transaction, committed with
 ``synchronous=FULL`` before the batches it covers are acknowledged.
+
+:class:`PairStore` is what the registry calls of a store, whichever holds it:
+this file, or a PostgreSQL database (:mod:`avest.state.postgres`); which one a
+location names: :mod:`avest.state.stores`.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from avest import __version__
+from avest.state.guard import StateFile
 from avest.state.store_format import (
     BLOB_FORMAT,
     STORE_FORMAT,
@@ -41,7 +46,17 @@ from avest.state.store_format import (
     written_by,
 )
 
-__all__ = ["HISTORY_KEPT", "Loaded", "NotAStore", "Store", "StoreTooNew", "StoreUnreadable"]
+__all__ = [
+    "HISTORY_KEPT",
+    "Guard",
+    "Loaded",
+    "NotAStore",
+    "PairStore",
+    "Store",
+    "StoreTooNew",
+    "StoreUnreadable",
+    "verify_snapshot",
+]
 
 #: How many history rows a restored pair keeps in memory.
 HISTORY_KEPT = 256
@@ -64,9 +79,78 @@ class Loaded:
     quarantined: dict[str, str] = field(default_factory=dict)
 
 
+class Guard(Protocol):
+    """What catches a lost store at start: it knows how many pairs the store held."""
+
+    def check_loaded(self, loaded_pairs: int, allow_empty: bool) -> None: ...
+
+    def check_unrecorded(self, loaded_pairs: int, refuse: bool, allow_empty: bool) -> None: ...
+
+    def record(self, pairs: int) -> None: ...
+
+
+class PairStore(Protocol):
+    """What the registry calls of a store, from one thread at a time.
+
+    Each :meth:`write` and :meth:`delete` is one transaction: all of it is
+    durable when it returns, nothing of it when it raises.
+    """
+
+    #: Where it is, for messages (a path, or a URL without its password).
+    location: str
+    #: The format found on opening (0: a new store); the store is now at the current one.
+    found_format: int
+    #: A copy kept before a migration, if one ran.
+    backup: Path | None
+
+    def load(self) -> Loaded: ...
+
+    def write(self, records: list[dict[str, Any]]) -> None: ...
+
+    def delete(self, pair_id: str) -> None: ...
+
+    def quarantine(self, pair_id: str, reason: str) -> bool: ...
+
+    def rebuild(self, records: list[dict[str, Any]], quarantined: dict[str, str]) -> Path: ...
+
+    def guard(self, data_dir: Path | str) -> Guard: ...
+
+    def history(
+        self, pair_id: str, limit: int = 1000
+    ) -> list[tuple[int, int, float, float, list[float], str]]: ...
+
+    def close(self) -> None: ...
+
+
+def verify_snapshot(
+    where: str,
+    pid: str,
+    key_json: str,
+    rule: str,
+    interval: int,
+    blob: bytes,
+    fmt: int,
+    digest: str,
+    outcome: str,
+) -> None:
+    """Refuse a snapshot row of a newer format, or one that fails its checksum."""
+    if max(fmt, blob_format(blob)) > BLOB_FORMAT:
+        raise StoreTooNew(
+            f"{where}: pair {pid} has snapshot format {max(fmt, blob_format(blob))}; "
+            f"avest {__version__} reads formats up to {BLOB_FORMAT}. Nothing was changed."
+        )
+    if fmt != blob_format(blob):
+        raise CorruptSnapshot(f"blob format {blob_format(blob)} but row says {fmt}")
+    if digest != checksum(pid, key_json, rule, interval, blob, outcome):
+        raise CorruptSnapshot("checksum mismatch")
+
+
 class Store:
+    """The SQLite file: one implementation of :class:`PairStore`."""
+
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
+        self.location = str(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self.db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
@@ -107,6 +191,10 @@ class Store:
 
     def close(self) -> None:
         self.db.close()
+
+    def guard(self, data_dir: Path | str) -> StateFile:
+        """The state file in ``data_dir`` (:mod:`avest.state.guard`)."""
+        return StateFile(data_dir, self.path)
 
     # -- writing -------------------------------------------------------------------
 
@@ -291,15 +379,7 @@ class Store:
             return None  # registered, never snapshotted (0.1.0 wrote both at once)
         key_json, rule, interval, blob, updated, fmt, digest, outcome = row
         blob = bytes(blob)
-        if max(fmt, blob_format(blob)) > BLOB_FORMAT:
-            raise StoreTooNew(
-                f"{self.path}: pair {pid} has snapshot format {max(fmt, blob_format(blob))}; "
-                f"avest {__version__} reads formats up to {BLOB_FORMAT}. Nothing was changed."
-            )
-        if fmt != blob_format(blob):
-            raise CorruptSnapshot(f"blob format {blob_format(blob)} but row says {fmt}")
-        if digest != checksum(pid, key_json, rule, interval, blob, outcome):
-            raise CorruptSnapshot("checksum mismatch")
+        verify_snapshot(str(self.path), pid, key_json, rule, interval, blob, fmt, digest, outcome)
         workers = {
             str(w): (int(s), float(t))
             for w, s, t in self.db.execute(

@@ -1,0 +1,561 @@
+"""Pairs stored in a PostgreSQL database (``--store postgresql://...``).
+
+The same records as the SQLite file (:mod:`avest.state.store`): the same
+tables (``meta``, ``pairs``, ``snapshots``, ``workers``, ``coefficient_history``,
+``cost_curves``, ``quarantine``), the same snapshot blobs with the same
+checksums (:mod:`avest.state.store_format`), read back through the same checks.
+The ``meta`` table holds the store format and the release that last wrote it;
+a database of a newer format is refused before anything is read, and one that
+holds tables of someone else's before anything is written.
+
+Each :meth:`PostgresStore.write` is one transaction: an upsert per pair, its
+``revision`` raised by one on every write (what a later writer can compare
+before it overwrites), and the number of pairs held, kept in ``meta``. A write
+the server refuses leaves nothing of it behind and raises
+:class:`StoreWriteRefused` naming the pairs; a broken connection is opened
+again on the next call.
+
+What catches a lost store (:class:`MetaGuard`): the ``meta`` table's count of
+the pairs held, written with every write and delete. A database whose count
+says it held pairs and whose ``pairs`` table has none is refused at start
+(unless ``--allow-empty-store``); a database with no avest tables at all is a
+first start or the wrong database: a warning, or refused with
+``--refuse-empty-store``. The state file of the data directory is not used:
+the database is the one place that knows what it held.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+from avest import __version__
+from avest.state.guard import StoreEmptied
+from avest.state.store import (
+    HISTORY_KEPT,
+    Loaded,
+    NotAStore,
+    StoreTooNew,
+    StoreUnreadable,
+    verify_snapshot,
+)
+from avest.state.store_format import (
+    BLOB_FORMAT,
+    SIGNATURE,
+    STORE_FORMAT,
+    CorruptSnapshot,
+    checksum,
+    pack_arrays,
+    unpack_arrays,
+)
+
+log = logging.getLogger("avest")
+
+#: Seconds to wait for the server when connecting: a start or a retried write
+#: reports an unreachable server instead of hanging on it.
+CONNECT_TIMEOUT_S = 10
+
+#: The layout in PostgreSQL: format 2's tables and columns (the first format
+#: PostgreSQL holds; format 1 was SQLite's only), ``pairs.revision`` added.
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS pairs (
+    id TEXT PRIMARY KEY,
+    key_json TEXT NOT NULL,
+    k INTEGER NOT NULL,
+    rule TEXT NOT NULL,
+    refit_interval INTEGER NOT NULL,
+    updated DOUBLE PRECISION NOT NULL,
+    revision BIGINT NOT NULL DEFAULT 1
+);
+CREATE TABLE IF NOT EXISTS snapshots (
+    pair_id TEXT PRIMARY KEY REFERENCES pairs(id),
+    arrays BYTEA NOT NULL,
+    version BIGINT NOT NULL,
+    round BIGINT NOT NULL,
+    updated DOUBLE PRECISION NOT NULL,
+    format INTEGER NOT NULL,
+    checksum TEXT NOT NULL,
+    last_outcome TEXT NOT NULL DEFAULT ''
+);
+CREATE TABLE IF NOT EXISTS coefficient_history (
+    pair_id TEXT NOT NULL REFERENCES pairs(id),
+    version BIGINT NOT NULL,
+    round BIGINT NOT NULL,
+    time DOUBLE PRECISION NOT NULL,
+    slope DOUBLE PRECISION NOT NULL,
+    intercepts_json TEXT NOT NULL,
+    outcome TEXT NOT NULL,
+    PRIMARY KEY (pair_id, round, version, outcome, time)
+);
+CREATE TABLE IF NOT EXISTS cost_curves (
+    pair_id TEXT NOT NULL REFERENCES pairs(id),
+    hardware TEXT NOT NULL,
+    draft_json TEXT NOT NULL,
+    verify_json TEXT NOT NULL,
+    cudagraph_limit INTEGER NOT NULL,
+    PRIMARY KEY (pair_id, hardware)
+);
+CREATE TABLE IF NOT EXISTS workers (
+    pair_id TEXT NOT NULL REFERENCES pairs(id),
+    worker_id TEXT NOT NULL,
+    sequence BIGINT NOT NULL,
+    seen DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (pair_id, worker_id)
+);
+CREATE TABLE IF NOT EXISTS quarantine (
+    pair_id TEXT NOT NULL,
+    time DOUBLE PRECISION NOT NULL,
+    reason TEXT NOT NULL,
+    key_json TEXT,
+    arrays BYTEA,
+    PRIMARY KEY (pair_id, time)
+)
+"""
+#: The tables of :data:`SCHEMA`.
+TABLES = frozenset(
+    line.split()[5] for line in SCHEMA.splitlines() if line.startswith("CREATE TABLE")
+)
+#: Tables whose rows belong to one pair, removed with it (``pairs`` last).
+PAIR_TABLES = ("workers", "coefficient_history", "cost_curves", "snapshots")
+
+
+class StoreWriteRefused(RuntimeError):
+    """PostgreSQL refused a write or a delete: nothing of it was written."""
+
+
+def redacted(url: str) -> str:
+    """The URL without its password, for messages and logs."""
+    try:
+        parts = conninfo_to_dict(url)
+    except psycopg.ProgrammingError:
+        return "postgresql://(unparsable URL)"
+    user = f"{parts['user']}@" if parts.get("user") else ""
+    host = str(parts.get("host", ""))
+    port = f":{parts['port']}" if parts.get("port") else ""
+    return f"postgresql://{user}{host}{port}/{parts.get('dbname', '')}"
+
+
+class PostgresStore:
+    """A PostgreSQL database: one implementation of :class:`~avest.state.store.PairStore`."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.location = redacted(url)
+        self.backup: Path | None = None
+        self.conn = self._connect()
+        try:
+            found, recorded = self._open()
+        except BaseException:
+            self.conn.close()
+            raise
+        #: The format found on opening (0: a database with no avest tables).
+        self.found_format = found
+        #: The pairs the database recorded holding before this start.
+        self.recorded_pairs = recorded
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        try:
+            return psycopg.connect(self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S)
+        except psycopg.Error as exc:
+            raise StoreUnreadable(f"{self.location}: cannot connect: {exc}") from exc
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        """The connection, opened again if the last one broke (a server restart)."""
+        if self.conn.closed or self.conn.broken:
+            self.conn.close()
+            self.conn = self._connect()
+        return self.conn
+
+    def _open(self) -> tuple[int, int]:
+        """Check what the database holds, then create the tables (one transaction)."""
+        try:
+            with self.conn.transaction(), self.conn.cursor() as cur:
+                columns = _columns(cur)
+                foreign = sorted(set(columns) - TABLES)
+                if foreign:
+                    raise NotAStore(
+                        f"{self.location} holds tables that are not avest's: "
+                        f"{', '.join(foreign)}; refusing to write into it (nothing was "
+                        "changed). Give avest a database of its own."
+                    )
+                meta = _meta(cur) if "meta" in columns else {}
+                if columns and "format" not in meta:
+                    raise NotAStore(
+                        f"{self.location} holds tables ({', '.join(sorted(columns))}) but no "
+                        "record of an avest store format; refusing to write into it "
+                        "(nothing was changed)."
+                    )
+                for table, wanted in SIGNATURE.items():
+                    missing = wanted - columns.get(table, wanted)
+                    if table in columns and missing:
+                        raise NotAStore(
+                            f"{self.location} has a {table} table without avest's columns "
+                            f"{', '.join(sorted(missing))}; nothing was changed."
+                        )
+                found = int(meta.get("format", 0))
+                if found > STORE_FORMAT:
+                    raise StoreTooNew(
+                        f"{self.location} has store format {found}, written by avest "
+                        f"{meta.get('written_by', '(unknown)')}; avest {__version__} reads "
+                        f"formats up to {STORE_FORMAT}. Nothing was read or changed: run the "
+                        "release that wrote it (or a newer one)."
+                    )
+                cur.execute(SCHEMA)
+                cur.executemany(
+                    "INSERT INTO meta (key, value) VALUES (%s, %s) "
+                    "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                    [("format", str(STORE_FORMAT)), ("written_by", __version__)],
+                )
+                return found, int(meta.get("pairs", 0))
+        except psycopg.Error as exc:
+            raise StoreUnreadable(f"{self.location}: {exc}") from exc
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def guard(self, data_dir: Path | str) -> MetaGuard:
+        """The count in ``meta`` (the data directory plays no part)."""
+        return MetaGuard(self)
+
+    # -- writing -------------------------------------------------------------------
+
+    def write(self, records: list[dict[str, Any]]) -> None:
+        """Persist pair snapshots (from ``Registry.snapshot``) in one transaction."""
+        if not records:
+            return
+        try:
+            conn = self._connection()
+            with conn.transaction(), conn.cursor() as cur:
+                for r in records:
+                    self._write_one(cur, r)
+                held = _count_pairs(cur)
+            self.recorded_pairs = held
+        except psycopg.Error as exc:
+            ids = ", ".join(r["id"] for r in records)
+            raise StoreWriteRefused(
+                f"{self.location} refused the write of {len(records)} pair(s) ({ids}); "
+                f"nothing of it was written: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _write_one(self, cur: psycopg.Cursor[Any], r: dict[str, Any]) -> None:
+        pid = r["id"]
+        key_json = json.dumps(r["key"], sort_keys=True)
+        cur.execute(
+            "INSERT INTO pairs (id, key_json, k, rule, refit_interval, updated) "
+            "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO UPDATE SET "
+            "rule = excluded.rule, refit_interval = excluded.refit_interval, "
+            "updated = excluded.updated, revision = pairs.revision + 1",
+            (pid, key_json, r["key"]["k"], r["rule"], r["refit_interval"], r["updated"]),
+        )
+        counters = r["arrays"]["counters"]
+        blob = pack_arrays(r["arrays"])
+        outcome = r.get("last_outcome", "")
+        cur.execute(
+            "INSERT INTO snapshots (pair_id, arrays, version, round, updated, format, checksum, "
+            "last_outcome) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (pair_id) DO "
+            "UPDATE SET arrays = excluded.arrays, version = excluded.version, "
+            "round = excluded.round, updated = excluded.updated, format = excluded.format, "
+            "checksum = excluded.checksum, last_outcome = excluded.last_outcome",
+            (
+                pid,
+                blob,
+                int(counters[0]),
+                int(counters[1]),
+                r["updated"],
+                BLOB_FORMAT,
+                checksum(pid, key_json, r["rule"], r["refit_interval"], blob, outcome),
+                outcome,
+            ),
+        )
+        workers = [(pid, w, int(seq), float(seen)) for w, (seq, seen) in r["workers"].items()]
+        if workers:
+            cur.executemany(
+                "INSERT INTO workers (pair_id, worker_id, sequence, seen) VALUES (%s, %s, %s, %s) "
+                "ON CONFLICT (pair_id, worker_id) DO UPDATE SET sequence = excluded.sequence, "
+                "seen = excluded.seen",
+                workers,
+            )
+        pruned = list(r.get("pruned", ()))
+        if pruned:
+            cur.execute(
+                "DELETE FROM workers WHERE pair_id = %s AND worker_id = ANY(%s)", (pid, pruned)
+            )
+        history = [
+            (
+                pid,
+                h["version"],
+                h["round"],
+                h["time"],
+                h["slope"],
+                json.dumps(list(h["intercepts"])),
+                h["outcome"],
+            )
+            for h in r["history"]
+        ]
+        if history:
+            cur.executemany(
+                "INSERT INTO coefficient_history VALUES (%s, %s, %s, %s, %s, %s, %s) "
+                "ON CONFLICT DO NOTHING",
+                history,
+            )
+        if r.get("history_cleared"):
+            cur.execute(
+                "DELETE FROM coefficient_history WHERE pair_id = %s AND time < %s",
+                (pid, r["history_cleared"]),
+            )
+        costs = [
+            (
+                pid,
+                c["hardware"],
+                json.dumps(c["draft"]),
+                json.dumps(c["verify"]),
+                c["cudagraph_limit"],
+            )
+            for c in r["costs"]
+        ]
+        if costs:
+            cur.executemany(
+                "INSERT INTO cost_curves VALUES (%s, %s, %s, %s, %s) ON CONFLICT (pair_id, "
+                "hardware) DO UPDATE SET draft_json = excluded.draft_json, "
+                "verify_json = excluded.verify_json, cudagraph_limit = excluded.cudagraph_limit",
+                costs,
+            )
+
+    def delete(self, pair_id: str) -> None:
+        """Remove every row of a pair (one transaction)."""
+        try:
+            conn = self._connection()
+            with conn.transaction(), conn.cursor() as cur:
+                _delete(cur, pair_id)
+                held = _count_pairs(cur)
+            self.recorded_pairs = held
+        except psycopg.Error as exc:
+            raise StoreWriteRefused(
+                f"{self.location} refused to delete pair {pair_id} (nothing was deleted): "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+
+    def quarantine(self, pair_id: str, reason: str) -> bool:
+        """Keep a pair's unreadable state aside and free its id; False if that failed."""
+        try:
+            conn = self._connection()
+            with conn.transaction(), conn.cursor() as cur:
+                cur.execute(
+                    "INSERT INTO quarantine (pair_id, time, reason, key_json, arrays) "
+                    "SELECT %s, %s, %s, p.key_json, s.arrays FROM (SELECT 1) one "
+                    "LEFT JOIN pairs p ON p.id = %s LEFT JOIN snapshots s ON s.pair_id = %s",
+                    (pair_id, time.time(), reason, pair_id, pair_id),
+                )
+                _delete(cur, pair_id)
+                held = _count_pairs(cur)
+            self.recorded_pairs = held
+        except (psycopg.Error, StoreUnreadable):
+            return False
+        return True
+
+    def rebuild(self, records: list[dict[str, Any]], quarantined: dict[str, str]) -> Path:
+        """Not for a database: rows the server cannot even delete are for its operator."""
+        raise StoreUnreadable(
+            f"{self.location}: the rows of pair(s) {', '.join(quarantined)} cannot be read "
+            "or set aside; repair the database (or restore a backup) and start again"
+        )
+
+    # -- reading ---------------------------------------------------------------------
+
+    def load(self) -> Loaded:
+        """Every pair's last snapshot, in the form ``Registry.restore`` takes.
+
+        A pair whose rows fail their checksum or do not decode is reported in
+        :attr:`Loaded.quarantined` instead; the others load.
+        """
+        out = Loaded()
+        try:
+            conn = self._connection()
+            with conn.cursor() as cur:
+                ids = [str(r[0]) for r in cur.execute("SELECT id FROM pairs ORDER BY id")]
+                for pid in ids:
+                    try:
+                        record = self._load_one(cur, pid)
+                    except (CorruptSnapshot, ValueError, KeyError) as exc:
+                        out.quarantined[pid] = f"{type(exc).__name__}: {exc}"
+                        continue
+                    if record is not None:
+                        out.records.append(record)
+        except psycopg.Error as exc:
+            raise StoreUnreadable(f"{self.location}: cannot read the pairs: {exc}") from exc
+        return out
+
+    def _load_one(self, cur: psycopg.Cursor[Any], pid: str) -> dict[str, Any] | None:
+        row = cur.execute(
+            "SELECT p.key_json, p.rule, p.refit_interval, s.arrays, s.updated, s.format, "
+            "s.checksum, s.last_outcome FROM pairs p JOIN snapshots s ON s.pair_id = p.id "
+            "WHERE p.id = %s",
+            (pid,),
+        ).fetchone()
+        if row is None:
+            return None
+        key_json, rule, interval, blob, updated, fmt, digest, outcome = row
+        blob = bytes(blob)
+        verify_snapshot(self.location, pid, key_json, rule, interval, blob, fmt, digest, outcome)
+        workers = {
+            str(w): (int(s), float(t))
+            for w, s, t in cur.execute(
+                "SELECT worker_id, sequence, seen FROM workers WHERE pair_id = %s", (pid,)
+            ).fetchall()
+        }
+        costs = [
+            {
+                "hardware": hw,
+                "draft": json.loads(d),
+                "verify": json.loads(v),
+                "cudagraph_limit": lim,
+            }
+            for hw, d, v, lim in cur.execute(
+                "SELECT hardware, draft_json, verify_json, cudagraph_limit FROM cost_curves "
+                "WHERE pair_id = %s",
+                (pid,),
+            ).fetchall()
+        ]
+        newest = cur.execute(
+            "SELECT version, round, time, slope, intercepts_json, outcome FROM "
+            "coefficient_history WHERE pair_id = %s ORDER BY time DESC, round DESC LIMIT %s",
+            (pid, HISTORY_KEPT),
+        ).fetchall()
+        history = [
+            {
+                "version": v,
+                "round": rd,
+                "time": t,
+                "slope": s,
+                "intercepts": json.loads(i),
+                "outcome": o,
+            }
+            for v, rd, t, s, i, o in reversed(newest)
+        ]
+        return {
+            "id": pid,
+            "key": json.loads(key_json),
+            "rule": rule,
+            "refit_interval": interval,
+            "arrays": unpack_arrays(blob),
+            "last_outcome": outcome,
+            "workers": workers,
+            "costs": costs,
+            "history": history,
+            "updated": updated,
+        }
+
+    def history(
+        self, pair_id: str, limit: int = 1000
+    ) -> list[tuple[int, int, float, float, list[float], str]]:
+        """The pair's coefficient history, oldest first (at most ``limit`` rows)."""
+        with self._connection().cursor() as cur:
+            rows = cur.execute(
+                "SELECT version, round, time, slope, intercepts_json, outcome FROM "
+                "coefficient_history WHERE pair_id = %s ORDER BY time, round LIMIT %s",
+                (pair_id, limit),
+            ).fetchall()
+        return [(v, r, t, s, json.loads(i), o) for v, r, t, s, i, o in rows]
+
+    def record_pairs(self) -> None:
+        """Record in ``meta`` how many pairs the database holds now."""
+        try:
+            conn = self._connection()
+            with conn.transaction(), conn.cursor() as cur:
+                self.recorded_pairs = _count_pairs(cur)
+        except psycopg.Error as exc:
+            raise StoreWriteRefused(
+                f"{self.location}: cannot record the pairs held: {exc}"
+            ) from exc
+
+    def revision(self, pair_id: str) -> int:
+        """How many times the pair's rows were written (0: not stored)."""
+        with self._connection().cursor() as cur:
+            row = cur.execute("SELECT revision FROM pairs WHERE id = %s", (pair_id,)).fetchone()
+        return int(row[0]) if row else 0
+
+    def format(self) -> tuple[int, str]:
+        """The store format and the release recorded in ``meta``."""
+        with self._connection().cursor() as cur:
+            meta = _meta(cur)
+        return int(meta["format"]), meta["written_by"]
+
+
+class MetaGuard:
+    """What catches a lost PostgreSQL store: the count of pairs held, in ``meta``."""
+
+    def __init__(self, store: PostgresStore) -> None:
+        self.store = store
+
+    def check_loaded(self, loaded_pairs: int, allow_empty: bool) -> None:
+        held = self.store.recorded_pairs
+        if held and loaded_pairs == 0 and not allow_empty:
+            raise StoreEmptied(
+                f"{self.store.location} holds no pairs, but its meta table records {held} "
+                "pair(s) stored: its rows may have been removed. Refusing to start with every "
+                "pair gone. Restore the database, or start with --allow-empty-store "
+                "(AVEST_ALLOW_EMPTY_STORE=true) to begin afresh."
+            )
+
+    def check_unrecorded(self, loaded_pairs: int, refuse: bool, allow_empty: bool) -> None:
+        if loaded_pairs or self.store.found_format:
+            return
+        what = (
+            f"{self.store.location} held no avest tables: either this is the first start on "
+            "this database, or the URL names another database than the one that holds the "
+            "pairs."
+        )
+        if refuse and not allow_empty:
+            raise StoreEmptied(
+                f"{what} Refusing to start with no pairs (--refuse-empty-store, "
+                "AVEST_REFUSE_EMPTY_STORE). Check --store; to begin afresh on purpose, start "
+                "once with --allow-empty-store."
+            )
+        log.warning("%s Starting with no pairs.", what)
+
+    def record(self, pairs: int) -> None:
+        """Every write and delete records the count in its own transaction; what is
+        left is a start that begins afresh on purpose (``--allow-empty-store``): it
+        records that the database holds none."""
+        if pairs == 0 and self.store.recorded_pairs:
+            self.store.record_pairs()
+
+
+def _columns(cur: psycopg.Cursor[Any]) -> dict[str, set[str]]:
+    """The tables of the connection's schema and their columns."""
+    out: dict[str, set[str]] = {}
+    for table, column in cur.execute(
+        "SELECT table_name, column_name FROM information_schema.columns "
+        "WHERE table_schema = current_schema()"
+    ).fetchall():
+        out.setdefault(str(table), set()).add(str(column))
+    return out
+
+
+def _meta(cur: psycopg.Cursor[Any]) -> dict[str, str]:
+    return {str(k): str(v) for k, v in cur.execute("SELECT key, value FROM meta").fetchall()}
+
+
+def _delete(cur: psycopg.Cursor[Any], pair_id: str) -> None:
+    for table in PAIR_TABLES:
+        cur.execute(f"DELETE FROM {table} WHERE pair_id = %s", (pair_id,))
+    cur.execute("DELETE FROM pairs WHERE id = %s", (pair_id,))
+
+
+def _count_pairs(cur: psycopg.Cursor[Any]) -> int:
+    """Record in ``meta`` how many pairs the database holds (for :class:`MetaGuard`)."""
+    row = cur.execute(
+        "INSERT INTO meta (key, value) SELECT 'pairs', count(*)::text FROM pairs "
+        "ON CONFLICT (key) DO UPDATE SET value = excluded.value RETURNING value"
+    ).fetchone()
+    return int(row[0]) if row else 0

@@ -1,0 +1,295 @@
+"""The service on a PostgreSQL store (``--store postgresql://...``), against a real server.
+
+Steps are acknowledged once PostgreSQL has them; a restart on the same database
+restores every pair; a write PostgreSQL refuses keeps the steps unacknowledged
+(``avest_store_writable`` 0) until it takes them again. The ``meta`` table, not
+a state file, catches a database emptied of its pairs. ``avest store copy`` moves
+a SQLite store the service wrote into PostgreSQL, checksums compared, and
+refuses a target that holds pairs unless ``--force``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+
+from avest.settings import from_sources
+from avest.state.guard import STATE_FILE, StoreEmptied
+from avest.state.postgres import PostgresStore, StoreWriteRefused
+from avest.state.store import NotAStore, StoreTooNew
+from avest_wire.v1 import estimator_pb2 as pb
+from tests.support.helpers import wait_until
+from tests.support.postgres import PostgresCluster
+from tests.support.rpc import observe_all, register_k, stub_for, synthetic_steps
+from tests.support.server import ServerHandle, launch
+
+K = 8
+STEPS = 30
+#: Seconds allowed for a condition on a loaded machine (never a measured duration).
+WAIT_S = 60.0
+
+
+def _populate(srv: ServerHandle, pairs: int) -> dict[str, pb.Pair]:
+    """``pairs`` trained pairs, every step acknowledged; their state by id."""
+    channel, stub = stub_for(srv.grpc_address)
+    out = {}
+    try:
+        for n in range(pairs):
+            reg = register_k(stub, K, n)
+            acked, _ = observe_all(stub, synthetic_steps(reg.pair_id, f"w{n}", K, STEPS, seed=n))
+            assert acked == STEPS
+            out[reg.pair_id] = stub.GetPair(pb.GetPairRequest(pair_id=reg.pair_id)).pair
+    finally:
+        channel.close()
+    return out
+
+
+def _pairs(srv: ServerHandle) -> dict[str, pb.Pair]:
+    channel, stub = stub_for(srv.grpc_address)
+    try:
+        return {p.pair_id: p for p in stub.ListPairs(pb.ListPairsRequest()).pairs}
+    finally:
+        channel.close()
+
+
+def _same(a: dict[str, pb.Pair], b: dict[str, pb.Pair]) -> None:
+    assert set(a) == set(b)
+    for pid in a:
+        assert a[pid].coefficients == b[pid].coefficients, pid
+        assert a[pid].steps_observed == b[pid].steps_observed, pid
+        assert a[pid].drafts_observed == b[pid].drafts_observed, pid
+
+
+def _metric(srv: ServerHandle, name: str, labels: str = "") -> float | None:
+    for line in httpx.get(f"{srv.http_url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(f"{name}{labels} "):
+            return float(line.split()[-1])
+    return None
+
+
+def _store_copy(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "avest.commands.cli", "store", "copy", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+
+
+def test_the_service_on_postgresql_acknowledges_and_restores_after_a_restart(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    data = tmp_path / "data"
+    srv = launch(data, store=postgres_url)
+    try:
+        before = _populate(srv, pairs=2)
+    finally:
+        srv.stop()
+    # Nothing of the store went to the data directory.
+    assert not (data / "avest.sqlite3").exists() and not (data / STATE_FILE).exists()
+
+    srv = launch(tmp_path / "another-data-dir", store=postgres_url)
+    try:
+        _same(_pairs(srv), before)
+    finally:
+        srv.stop()
+
+
+def test_a_write_postgresql_refuses_holds_the_acks_until_it_takes_them(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    srv = launch(tmp_path / "data", store=postgres_url)
+    try:
+        before = _populate(srv, pairs=1)
+        (pid,) = before
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            conn.execute(
+                "CREATE FUNCTION refuse() RETURNS trigger AS $$ BEGIN "
+                "RAISE EXCEPTION 'snapshots refused'; END $$ LANGUAGE plpgsql"
+            )
+            conn.execute(
+                "CREATE TRIGGER refuse BEFORE UPDATE ON snapshots "
+                "FOR EACH ROW EXECUTE FUNCTION refuse()"
+            )
+        channel, stub = stub_for(srv.grpc_address)
+        steps = synthetic_steps(pid, "w0", K, STEPS + 5, seed=0)[STEPS:]
+        acked: list[int] = []
+        done = threading.Event()
+
+        def requests() -> Iterator[pb.ObserveRequest]:
+            yield from steps
+            done.wait(WAIT_S)  # the stream stays open for its acks
+
+        def consume() -> None:
+            for resp in stub.Observe(requests(), timeout=3 * WAIT_S):
+                if resp.HasField("ack"):
+                    acked.append(resp.ack.acked_sequence)
+                    if resp.ack.acked_sequence == STEPS + 5:
+                        done.set()
+
+        reader = threading.Thread(target=consume)
+        reader.start()
+        try:
+            assert wait_until(lambda: _metric(srv, "avest_store_writable") == 0.0, WAIT_S)
+            errors = '{operation="write"}'
+            assert (_metric(srv, "avest_store_errors_total", errors) or 0) >= 1
+            assert acked == []  # nothing durable, nothing acknowledged
+            with psycopg.connect(postgres_url) as conn:
+                stored = conn.execute(
+                    "SELECT sequence FROM workers WHERE pair_id = %s AND worker_id = 'w0'",
+                    (pid,),
+                ).fetchone()
+            assert stored == (STEPS,)  # the refused writes left nothing behind
+            with psycopg.connect(postgres_url, autocommit=True) as conn:
+                conn.execute("DROP TRIGGER refuse ON snapshots")
+            assert done.wait(WAIT_S), acked
+        finally:
+            done.set()
+            reader.join(WAIT_S)
+        channel.close()
+        assert wait_until(lambda: _metric(srv, "avest_store_writable") == 1.0, WAIT_S)
+    finally:
+        srv.stop()
+
+
+def test_the_write_error_names_the_pairs_and_postgresql(postgres_url: str) -> None:
+    store = PostgresStore(postgres_url)
+    try:
+        record = {
+            "id": "p1",
+            "key": {"target": "t", "draft": "d", "method": "m", "k": 1, "labels": {}},
+            "rule": "vllm",
+            "refit_interval": 10,
+            "arrays": {"counters": [1, 1]},
+            "workers": {"w\x00": (1, 0.0)},  # PostgreSQL text holds no NUL
+            "costs": [],
+            "history": [],
+            "updated": 0.0,
+        }
+        with pytest.raises(StoreWriteRefused, match=r"refused the write of 1 pair\(s\) \(p1\)"):
+            store.write([record])
+        assert "password" not in store.location and store.location.startswith("postgresql://")
+        assert store.load().records == []
+    finally:
+        store.close()
+
+
+def test_a_database_emptied_of_its_pairs_refuses_to_start(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    srv = launch(tmp_path / "data", store=postgres_url)
+    try:
+        _populate(srv, pairs=2)
+    finally:
+        srv.stop()
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        for table in ("snapshots", "workers", "coefficient_history", "cost_curves", "pairs"):
+            conn.execute(f"DELETE FROM {table}")
+    with pytest.raises(StoreEmptied, match=r"records 2 pair\(s\)"):
+        launch(tmp_path / "data", store=postgres_url)
+    launch(tmp_path / "data", store=postgres_url, allow_empty_store=True).stop()
+    launch(tmp_path / "data", store=postgres_url).stop()  # the empty state is recorded
+
+
+def test_a_new_database_is_refused_with_refuse_empty_store(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    with pytest.raises(StoreEmptied, match="held no avest tables"):
+        launch(tmp_path / "data", store=postgres_url, refuse_empty_store=True)
+    launch(tmp_path / "data", store=postgres_url, allow_empty_store=True).stop()
+    launch(tmp_path / "data", store=postgres_url, refuse_empty_store=True).stop()
+
+
+def test_a_database_of_someone_else_or_of_a_newer_format_is_refused_untouched(
+    postgres_cluster: PostgresCluster,
+) -> None:
+    foreign = postgres_cluster.create_database()
+    with psycopg.connect(foreign, autocommit=True) as conn:
+        conn.execute("CREATE TABLE invoices (id INTEGER PRIMARY KEY)")
+    with pytest.raises(NotAStore, match="invoices"):
+        PostgresStore(foreign)
+    with psycopg.connect(foreign) as conn:
+        tables = conn.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_schema = 'public'"
+        ).fetchall()
+    assert tables == [("invoices",)]
+
+    newer = postgres_cluster.create_database()
+    PostgresStore(newer).close()
+    with psycopg.connect(newer, autocommit=True) as conn:
+        conn.execute("UPDATE meta SET value = '99' WHERE key = 'format'")
+    with pytest.raises(StoreTooNew, match="format 99"):
+        PostgresStore(newer)
+
+
+def test_store_selection_from_the_flag_and_the_environment() -> None:
+    url = "postgresql://avest@db.internal:5432/avest"
+    assert from_sources(env={"AVEST_STORE": url}).state_config().store == url
+    assert from_sources(env={}).state_config().store == ""
+    with pytest.raises(ValueError, match="AVEST_STORE: .*PostgreSQL URL"):
+        from_sources(env={"AVEST_STORE": "mysql://root:secret@db/avest"})
+    try:
+        from_sources(env={"AVEST_STORE": "mysql://root:secret@db/avest"})
+    except ValueError as exc:
+        assert "secret" not in str(exc)
+
+
+def test_store_copy_moves_a_sqlite_store_into_postgresql(tmp_path: Path, postgres_url: str) -> None:
+    data = tmp_path / "data"
+    srv = launch(data)
+    try:
+        before = _populate(srv, pairs=3)
+    finally:
+        srv.stop()
+
+    copied = _store_copy("--from", str(data), "--to", postgres_url)
+    assert copied.returncode == 0, copied.stderr
+    assert "copied 3 pair(s)" in copied.stdout and "checksums match" in copied.stdout
+
+    srv = launch(tmp_path / "elsewhere", store=postgres_url)
+    try:
+        _same(_pairs(srv), before)
+        history = srv.server.app.store.history(sorted(before)[0])
+    finally:
+        srv.stop()
+    assert len(history) >= 2  # registration and refits, the whole history
+
+    # The target holds pairs now: refused, untouched, unless --force.
+    again = _store_copy("--from", str(data / "avest.sqlite3"), "--to", postgres_url)
+    assert again.returncode == 1
+    assert "already holds 3 pair(s)" in again.stderr
+    forced = _store_copy("--from", str(data), "--to", postgres_url, "--force")
+    assert forced.returncode == 0, forced.stderr
+
+
+def test_store_copy_back_from_postgresql_and_a_missing_source(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    srv = launch(tmp_path / "data", store=postgres_url)
+    try:
+        before = _populate(srv, pairs=2)
+    finally:
+        srv.stop()
+    back = tmp_path / "back"
+    back.mkdir()
+    copied = _store_copy("--from", postgres_url, "--to", str(back))
+    assert copied.returncode == 0, copied.stderr
+    srv = launch(back, allow_empty_store=True)
+    try:
+        _same(_pairs(srv), before)
+    finally:
+        srv.stop()
+
+    missing = _store_copy("--from", str(tmp_path / "nothing-here"), "--to", postgres_url)
+    assert missing.returncode == 2
+    assert "no avest store there" in missing.stderr
