@@ -10,7 +10,10 @@ format and the release that wrote it are recorded.
 
 from __future__ import annotations
 
+import os
 import sqlite3
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -227,3 +230,33 @@ def test_restored_arrays_are_the_written_ones(backend: Backend) -> None:
         assert set(got) == set(r["arrays"])
         for name, value in r["arrays"].items():
             np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def test_the_default_store_needs_no_postgresql_driver(tmp_path: Path) -> None:
+    """``avest serve`` on embedded defaults (SQLite in --data-dir) starts and stores
+    pairs with psycopg unimportable: nothing of PostgreSQL is loaded for it."""
+    code = (
+        "import asyncio, sys\n"
+        "sys.modules['psycopg'] = None\n"
+        "from avest.settings import Settings\n"
+        "from avest.state.app import Avest\n"
+        "from avest_wire.pair import PairKey\n"
+        "async def main():\n"
+        f"    app = Avest(Settings(data_dir={str(tmp_path)!r}).state_config())\n"
+        "    await app.start()\n"
+        "    app.register(PairKey.of('t', 'd', 'eagle', 4))\n"
+        "    await app.close()\n"
+        "    print(type(app.store).__name__, len(app.registry.pairs))\n"
+        "asyncio.run(main())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["Store", "1"]
+    assert (tmp_path / "avest.sqlite3").is_file()

@@ -10,18 +10,21 @@ refuses a target that holds pairs unless ``--force``.
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
+import numpy as np
 import psycopg
 import pytest
 
-from avest.settings import from_sources
+from avest.settings import add_arguments, from_sources
 from avest.state.guard import STATE_FILE, StoreEmptied
 from avest.state.postgres import PostgresStore, StoreWriteRefused
 from avest.state.store import NotAStore, StoreTooNew
@@ -162,24 +165,48 @@ def test_a_write_postgresql_refuses_holds_the_acks_until_it_takes_them(
         srv.stop()
 
 
+def _record(pid: str, updated: float = 0.0, worker: str = "w") -> dict[str, Any]:
+    """A minimal snapshot record as ``Registry.snapshot`` gives it."""
+    return {
+        "id": pid,
+        "key": {"target": "t", "draft": "d", "method": "m", "k": 1, "labels": {}},
+        "rule": "vllm",
+        "refit_interval": 10,
+        "arrays": {"counters": np.array([1, 1])},
+        "workers": {worker: (1, updated)},
+        "costs": [],
+        "history": [],
+        "updated": updated,
+    }
+
+
 def test_the_write_error_names_the_pairs_and_postgresql(postgres_url: str) -> None:
     store = PostgresStore(postgres_url)
     try:
-        record = {
-            "id": "p1",
-            "key": {"target": "t", "draft": "d", "method": "m", "k": 1, "labels": {}},
-            "rule": "vllm",
-            "refit_interval": 10,
-            "arrays": {"counters": [1, 1]},
-            "workers": {"w\x00": (1, 0.0)},  # PostgreSQL text holds no NUL
-            "costs": [],
-            "history": [],
-            "updated": 0.0,
-        }
+        record = _record("p1", worker="w\x00")  # PostgreSQL text holds no NUL
         with pytest.raises(StoreWriteRefused, match=r"refused the write of 1 pair\(s\) \(p1\)"):
             store.write([record])
         assert "password" not in store.location and store.location.startswith("postgresql://")
         assert store.load().records == []
+    finally:
+        store.close()
+
+
+def test_a_connection_cut_by_a_server_restart_is_opened_again(
+    postgres_cluster: PostgresCluster,
+) -> None:
+    """The write that meets the cut connection is refused whole (the service keeps
+    its pairs dirty and retries); the next one opens a new connection."""
+    store = PostgresStore(postgres_cluster.create_database())
+    try:
+        store.write([_record("p1", updated=1.0)])
+        postgres_cluster.restart()
+        with pytest.raises(StoreWriteRefused, match="nothing of it was written"):
+            store.write([_record("p1", updated=2.0)])  # on the connection the restart cut
+        store.write([_record("p1", updated=3.0)])
+        (loaded,) = store.load().records
+        assert loaded["updated"] == 3.0
+        assert store.revision("p1") >= 2
     finally:
         store.close()
 
@@ -234,6 +261,10 @@ def test_a_database_of_someone_else_or_of_a_newer_format_is_refused_untouched(
 
 def test_store_selection_from_the_flag_and_the_environment() -> None:
     url = "postgresql://avest@db.internal:5432/avest"
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--store", url])
+    assert from_sources(args, env={}).state_config().store == url
     assert from_sources(env={"AVEST_STORE": url}).state_config().store == url
     assert from_sources(env={}).state_config().store == ""
     with pytest.raises(ValueError, match="AVEST_STORE: .*PostgreSQL URL"):
@@ -284,7 +315,7 @@ def test_store_copy_back_from_postgresql_and_a_missing_source(
     back.mkdir()
     copied = _store_copy("--from", postgres_url, "--to", str(back))
     assert copied.returncode == 0, copied.stderr
-    srv = launch(back, allow_empty_store=True)
+    srv = launch(back)
     try:
         _same(_pairs(srv), before)
     finally:

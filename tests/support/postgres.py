@@ -124,6 +124,24 @@ class PostgresCluster:
         log = self.log.read_text() if self.log.exists() else ""
         pytest.fail(f"pg_ctl start failed:\n{started.stdout}\n{started.stderr}\n{log[-3000:]}")
 
+    def restart(self) -> None:
+        """Stop and start the server (fast shutdown: open connections are cut)."""
+        done = self._run(
+            str(self.bindir / "pg_ctl"),
+            "-D",
+            str(self.data),
+            "-l",
+            str(self.log),  # the server's output there, not in this call's pipes
+            "-m",
+            "fast",
+            "-w",
+            "-t",
+            str(PG_CTL_WAIT_S),
+            "restart",
+        )
+        if done.returncode != 0:
+            pytest.fail(f"pg_ctl restart failed:\n{done.stdout}\n{done.stderr}")
+
     def stop(self) -> None:
         self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "stop")
 

@@ -381,7 +381,9 @@ class PostgresStore:
         out = Loaded()
         try:
             conn = self._connection()
-            with conn.cursor() as cur:
+            # One transaction: every pair as of one moment, even with another writer.
+            with conn.transaction(), conn.cursor() as cur:
+                cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
                 ids = [str(r[0]) for r in cur.execute("SELECT id FROM pairs ORDER BY id")]
                 for pid in ids:
                     try:
