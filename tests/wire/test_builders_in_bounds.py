@@ -23,8 +23,8 @@ from hypothesis.extra.numpy import arrays
 from avest_client.summary import RoundAccumulator
 from avest_client.vllm.rounds import SummaryRound
 from avest_wire.limits import MAX_LOG_ODDS
-from avest_wire.messages import summary_to_pb
-from avest_wire.summary import RoundSummary, intake
+from avest_wire.messages import intake_pb, summary_to_pb
+from avest_wire.summary import RoundSummary
 from tests.support.standin import StandinAcceptanceEstimator
 
 CPU = torch.device("cpu")
@@ -107,28 +107,7 @@ ONE_DRAFT = _uniform(4, 1, 1, 13.25, 0.9, 0.4, 4)
 def _fast_accepts(summary: RoundSummary) -> bool:
     """Whether the service's one-pass check takes the summary off the wire as it is."""
     msg = summary_to_pb(summary)
-    sk = msg.sketch
-    parts = (
-        sk.cell_deltas,
-        sk.cell_counts,
-        sk.ece_rejected,
-        sk.ece_accepted,
-        sk.ece_sum_predicted,
-        sk.logloss_sum,
-    )
-    got = intake(
-        summary.k,
-        version=msg.coefficients_version,
-        slope=msg.slope,
-        intercepts=msg.intercepts,
-        info=msg.info,
-        grad=msg.grad,
-        counts=msg.counts,
-        steps=msg.steps,
-        drafts=msg.drafts,
-        sketch=parts if msg.HasField("sketch") else None,
-    )
-    return got is not None
+    return intake_pb(msg, summary.k, with_sketch=msg.HasField("sketch")) is not None
 
 
 @PROPERTY

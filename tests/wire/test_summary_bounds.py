@@ -18,8 +18,8 @@ from avest_client.summary import RoundAccumulator
 from avest_wire.bins import ECE_BINS
 from avest_wire.errors import InvalidInput
 from avest_wire.limits import MAX_LOG_ODDS
-from avest_wire.messages import summary_from_pb, summary_to_pb
-from avest_wire.summary import BOUND_REL_SLACK, RoundSummary, intake, make_summary
+from avest_wire.messages import intake_pb, summary_from_pb, summary_to_pb
+from avest_wire.summary import BOUND_REL_SLACK, RoundSummary, make_summary
 from avest_wire.v1 import estimator_pb2 as pb
 
 K = 4
@@ -44,27 +44,7 @@ def _base() -> RoundSummary:
 
 def _fast(msg: pb.RoundSummary) -> RoundSummary | None:
     """The one-pass check on a message, as ``summary_from_pb`` runs it first."""
-    sk = msg.sketch
-    parts = (
-        sk.cell_deltas,
-        sk.cell_counts,
-        sk.ece_rejected,
-        sk.ece_accepted,
-        sk.ece_sum_predicted,
-        sk.logloss_sum,
-    )
-    return intake(
-        K,
-        version=msg.coefficients_version,
-        slope=msg.slope,
-        intercepts=msg.intercepts,
-        info=msg.info,
-        grad=msg.grad,
-        counts=msg.counts,
-        steps=msg.steps,
-        drafts=msg.drafts,
-        sketch=parts,
-    )
+    return intake_pb(msg, K, with_sketch=True)
 
 
 def _softplus(e: float) -> float:

@@ -47,8 +47,26 @@ def summary_from_pb(s: pb.RoundSummary, k: int) -> RoundSummary:
     """
     if s.k != k:
         raise InvalidInput("summary.k", f"is {s.k}, the pair has K={k}")
+    with_sketch = _with_sketch(s)
+    fast = intake_pb(s, k, with_sketch)
+    if fast is not None:
+        return fast
+    return _checked(s, k, with_sketch)
+
+
+def _with_sketch(s: pb.RoundSummary) -> bool:
     sk = s.sketch
-    with_sketch = s.HasField("sketch") and bool(len(sk.cell_deltas) or len(sk.logloss_sum))
+    return s.HasField("sketch") and bool(len(sk.cell_deltas) or len(sk.logloss_sum))
+
+
+def intake_pb(s: pb.RoundSummary, k: int, with_sketch: bool | None = None) -> RoundSummary | None:
+    """The fast path (:func:`~avest_wire.summary.intake`) on a message for a pair of
+    ``k`` positions: the summary, or None when any check fails (the thorough path
+    then says which). ``with_sketch``: whether the message carries one (read from
+    it when not given)."""
+    if with_sketch is None:
+        with_sketch = _with_sketch(s)
+    sk = s.sketch
     parts = (
         (
             sk.cell_deltas,
@@ -61,7 +79,7 @@ def summary_from_pb(s: pb.RoundSummary, k: int) -> RoundSummary:
         if with_sketch
         else None
     )
-    fast = intake(
+    return intake(
         k,
         version=s.coefficients_version,
         slope=s.slope,
@@ -73,9 +91,6 @@ def summary_from_pb(s: pb.RoundSummary, k: int) -> RoundSummary:
         drafts=s.drafts,
         sketch=parts,
     )
-    if fast is not None:
-        return fast
-    return _checked(s, k, with_sketch)
 
 
 def _checked(s: pb.RoundSummary, k: int, with_sketch: bool) -> RoundSummary:
