@@ -21,18 +21,19 @@ from typing import Any
 
 import httpx
 import numpy as np
-import psycopg
 import pytest
 
 from avest.settings import add_arguments, from_sources
 from avest.state.guard import STATE_FILE, StoreEmptied
-from avest.state.postgres import PostgresStore, StoreWriteRefused
 from avest.state.store import NotAStore, StoreTooNew
 from avest_wire.v1 import estimator_pb2 as pb
 from tests.support.helpers import wait_until
-from tests.support.postgres import PostgresCluster
+from tests.support.postgres import PostgresCluster, import_psycopg
 from tests.support.rpc import observe_all, register_k, stub_for, synthetic_steps
 from tests.support.server import ServerHandle, launch
+
+psycopg = import_psycopg()
+from avest.state.postgres import PostgresStore, StoreWriteRefused  # noqa: E402
 
 K = 8
 STEPS = 30

@@ -21,6 +21,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import NoReturn
 
 import pytest
@@ -43,6 +44,20 @@ def missing_postgres(reason: str) -> NoReturn:
     if os.environ.get("CI"):
         pytest.fail(reason)
     pytest.skip(reason)
+
+
+def import_psycopg() -> ModuleType:
+    """psycopg, for a test module that uses it throughout: without it (an environment
+    installed before the server extra had it) the module fails under CI, is skipped
+    elsewhere."""
+    try:
+        import psycopg
+    except ModuleNotFoundError:
+        reason = "psycopg is not installed (the server extra has it: pip install -e '.[test]')"
+        if os.environ.get("CI"):
+            pytest.fail(reason, pytrace=False)
+        pytest.skip(reason, allow_module_level=True)
+    return psycopg
 
 
 def find_bindir() -> Path | None:
