@@ -177,7 +177,8 @@ class PostgresStore:
         return self.conn
 
     def _open(self) -> tuple[int, int]:
-        """Check what the database holds, then create the tables (one transaction)."""
+        """Check what the database holds, then create the tables of a new one (one
+        transaction); a database already at :data:`STORE_FORMAT` is not written to."""
         try:
             with self.conn.transaction(), self.conn.cursor() as cur:
                 columns = _columns(cur)
@@ -210,12 +211,20 @@ class PostgresStore:
                         f"formats up to {STORE_FORMAT}. Nothing was read or changed: run the "
                         "release that wrote it (or a newer one)."
                     )
-                cur.execute(SCHEMA)
-                cur.executemany(
-                    "INSERT INTO meta (key, value) VALUES (%s, %s) "
-                    "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-                    [("format", str(STORE_FORMAT)), ("written_by", __version__)],
-                )
+                if 0 < found < STORE_FORMAT:
+                    # No release wrote an older format here; a later format adds its
+                    # migration step from this one (as store_format's for SQLite).
+                    raise StoreUnreadable(
+                        f"{self.location} has store format {found}, which no avest release "
+                        "wrote in PostgreSQL; nothing was changed."
+                    )
+                if found != STORE_FORMAT:  # a new database
+                    cur.execute(SCHEMA)
+                    cur.executemany(
+                        "INSERT INTO meta (key, value) VALUES (%s, %s) "
+                        "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                        [("format", str(STORE_FORMAT)), ("written_by", __version__)],
+                    )
                 return found, int(meta.get("pairs", 0))
         except psycopg.Error as exc:
             raise StoreUnreadable(f"{self.location}: {exc}") from exc
