@@ -184,6 +184,16 @@ def _paced_proc(
     asyncio.run(main())
 
 
+def _busy_and_light(address: str) -> tuple[str, str]:
+    """The pairs of the busy streams and of the light worker, registered."""
+    with grpc.insecure_channel(address) as ch:
+        stub = pb_grpc.EstimatorServiceStub(ch)
+        return tuple(  # type: ignore[return-value]
+            stub.RegisterPair(pb.RegisterPairRequest(key=key(name)), metadata=WORKER).pair_id
+            for name in ("busy", "light")
+        )
+
+
 def _scrape(http_url: str, name: str) -> float:
     text = httpx.get(http_url + "/metrics", timeout=30).text
     for line in text.splitlines():
@@ -230,15 +240,8 @@ def overload(streams: int, factor: float = 2.0, steps: int = 50, procs: int = 4)
     for name, extra in (("no_shedding", ["--shed-after-ms", "0"]), ("shedding", [])):
         served = serve(Path(tempfile.mkdtemp(prefix="avest-overload-")), extra)
         try:
-            with grpc.insecure_channel(served.grpc_address) as ch:
-                stub = pb_grpc.EstimatorServiceStub(ch)
-                busy_pid = stub.RegisterPair(
-                    pb.RegisterPairRequest(key=key("busy")), metadata=WORKER
-                ).pair_id
-                light_pid = stub.RegisterPair(
-                    pb.RegisterPairRequest(key=key("light")), metadata=WORKER
-                ).pair_id
-            seconds = 25.0 + steps * 0.3
+            busy_pid, light_pid = _busy_and_light(served.grpc_address)
+            seconds = 60.0 + steps * 0.3
             ctx = mp.get_context("spawn")
             per = streams // procs
             workers = [
@@ -250,13 +253,23 @@ def overload(streams: int, factor: float = 2.0, steps: int = 50, procs: int = 4)
             ]
             for p in workers:
                 p.start()
-            time.sleep(10.0)  # every stream open, the line built
+            # Every stream open (a thousand streams opening at once is its own
+            # storm; the light worker is measured next to them running), then
+            # a few seconds for the line to build.
+            t_open = time.monotonic()
+            while _scrape(served.http_url, "avest_open_streams") < streams:
+                if time.monotonic() - t_open > 180:
+                    break
+                time.sleep(1.0)
+            opened_s = time.monotonic() - t_open
+            time.sleep(5.0)
             s0 = _scrape(served.http_url, "avest_steps_observed_total")
             t0 = time.monotonic()
             result = asyncio.run(_light(served.grpc_address, light_pid, steps, served.http_url))
             s1 = _scrape(served.http_url, "avest_steps_observed_total")
             result["folded_steps_per_s"] = round((s1 - s0) / (time.monotonic() - t0), 1)
             result["shed_turns"] = _scrape(served.http_url, "avest_shed_turns_total")
+            result["streams_open_s"] = round(opened_s, 1)
             out[name] = result
             for p in workers:
                 p.join(seconds + 60)
@@ -270,6 +283,9 @@ def overload(streams: int, factor: float = 2.0, steps: int = 50, procs: int = 4)
 
 async def _light(address: str, pid: str, steps: int, http_url: str) -> dict[str, Any]:
     channel = grpc.aio.insecure_channel(address)
+    t_connect = time.perf_counter()
+    await channel.channel_ready()
+    connect_s = time.perf_counter() - t_connect
     stub = pb_grpc.EstimatorServiceStub(channel)
     queue: asyncio.Queue[pb.ObserveRequest | None] = asyncio.Queue()
     acked: dict[int, float] = {}
@@ -309,6 +325,10 @@ async def _light(address: str, pid: str, steps: int, http_url: str) -> dict[str,
     arr = np.array(lat) * 1000
     h = np.array(health) * 1000
     return {
+        "connect_ms": round(connect_s * 1000, 1),
+        "first_ack_ms": round(float(arr[0]), 1),
+        # The first step also opens the stream: the steady state is the rest.
+        "ack_ms_p99_after_first": round(float(np.percentile(arr[1:], 99)), 1),
         "ack_ms_p50": round(float(np.percentile(arr, 50)), 1),
         "ack_ms_p99": round(float(np.percentile(arr, 99)), 1),
         "ack_ms_max": round(float(arr.max()), 1),
@@ -326,14 +346,7 @@ def busy(
 ) -> dict[str, Any]:
     served = serve(Path(tempfile.mkdtemp(prefix="avest-busy-")), extra or [], tokens=tokens)
     try:
-        with grpc.insecure_channel(served.grpc_address) as ch:
-            stub = pb_grpc.EstimatorServiceStub(ch)
-            busy_pid = stub.RegisterPair(
-                pb.RegisterPairRequest(key=key("busy")), metadata=WORKER
-            ).pair_id
-            light_pid = stub.RegisterPair(
-                pb.RegisterPairRequest(key=key("light")), metadata=WORKER
-            ).pair_id
+        busy_pid, light_pid = _busy_and_light(served.grpc_address)
         seconds = 20.0 + steps * 0.2
         ctx = mp.get_context("spawn")
         per = streams // procs
