@@ -132,32 +132,13 @@ def poison_once(tokens: bool) -> dict[str, Any]:
 # -- busy streams --------------------------------------------------------------------------
 
 
-def _busy_proc(address: str, pid: str, first: int, count: int, seconds: float) -> None:
-    async def one(w: int) -> None:
-        channel = grpc.aio.insecure_channel(address)
-        stub = pb_grpc.EstimatorServiceStub(channel)
-        await flood(stub, step(pid, f"busy-{w}", 1), seconds, metadata=WORKER)
-        await channel.close()
-
-    async def main() -> None:
-        await asyncio.gather(*(one(w) for w in range(first, first + count)))
-
-    resource.setrlimit(
-        resource.RLIMIT_NOFILE, (8192, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
-    )
-    asyncio.run(main())
-
-
-def _paced_proc(
-    address: str, pid: str, first: int, count: int, seconds: float, rate: float
+def _busy_proc(
+    address: str, pid: str, first: int, count: int, seconds: float, rate: float = 0.0
 ) -> None:
-    """``count`` streams each sending ``rate`` steps per second (no faster, and no
-    more than flow control lets through) for ``seconds``."""
+    """``count`` streams sending for ``seconds``: flat out (as fast as flow control
+    lets them) with ``rate`` 0, else ``rate`` steps per second each, no faster."""
 
-    async def one(w: int) -> None:
-        channel = grpc.aio.insecure_channel(address)
-        stub = pb_grpc.EstimatorServiceStub(channel)
-        msg = step(pid, f"paced-{w}", 1)
+    async def paced(stub: pb_grpc.EstimatorServiceStub, msg: pb.ObserveRequest) -> None:
         deadline = time.monotonic() + seconds
         await asyncio.sleep(random.uniform(0, 1.0 / rate))
 
@@ -173,6 +154,15 @@ def _paced_proc(
         with contextlib.suppress(grpc.aio.AioRpcError):
             async for _ in stub.Observe(gen(), metadata=WORKER, timeout=seconds + 60):
                 pass
+
+    async def one(w: int) -> None:
+        channel = grpc.aio.insecure_channel(address)
+        stub = pb_grpc.EstimatorServiceStub(channel)
+        msg = step(pid, f"busy-{w}", 1)
+        if rate > 0:
+            await paced(stub, msg)
+        else:
+            await flood(stub, msg, seconds, metadata=WORKER)
         await channel.close()
 
     async def main() -> None:
@@ -246,7 +236,7 @@ def overload(streams: int, factor: float = 2.0, steps: int = 50, procs: int = 4)
             per = streams // procs
             workers = [
                 ctx.Process(
-                    target=_paced_proc,
+                    target=_busy_proc,
                     args=(served.grpc_address, busy_pid, i * per, per, seconds, rate),
                 )
                 for i in range(procs)

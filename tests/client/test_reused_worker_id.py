@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import numpy as np
@@ -27,6 +28,7 @@ from avest_client import (
     WorkerIdReusedError,
 )
 from avest_client.credentials import sync_channel
+from avest_client.ledger import Stats
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 from tests.support.rpc import random_step
@@ -57,14 +59,20 @@ def register(client: EstimatorClient) -> str:
     return client.register("t/reuse", "d/reuse", "draft_model", K).pair_id
 
 
-def first_incarnation(client: EstimatorClient, pair_id: str) -> None:
-    """The worker's first life: 100 steps sent and acknowledged."""
-    fwd = client.forwarder(pair_id, worker_id=WORKER, backoff=FAST)
-    for step in steps(1):
+def incarnation(client: EstimatorClient, pair_id: str, seed: int, **options: Any) -> Stats:
+    """One life of the worker: a new forwarder as ``WORKER`` sends STEPS steps, every
+    one acknowledged; its stats."""
+    fwd = client.forwarder(pair_id, worker_id=WORKER, backoff=FAST, **options)
+    for step in steps(seed):
         fwd.submit(*step)
     assert fwd.flush(timeout=60)
     fwd.close()
-    s = fwd.stats
+    return fwd.stats
+
+
+def first_incarnation(client: EstimatorClient, pair_id: str) -> None:
+    """The worker's first life: 100 steps sent and acknowledged."""
+    s = incarnation(client, pair_id, 1)
     assert (s.acked, s.acked_sequence, s.renumbered) == (STEPS, STEPS, 0)
     assert client.pair(pair_id).steps_observed == STEPS
 
@@ -75,12 +83,7 @@ def test_a_restarted_worker_reusing_its_id_has_every_new_step_applied(server, ca
         first_incarnation(client, pair_id)
         # The restart: a new forwarder, the same explicit worker id, sequence from 1.
         with caplog.at_level(logging.WARNING, logger="avest_client.forwarder"):
-            fwd = client.forwarder(pair_id, worker_id=WORKER, backoff=FAST)
-            for step in steps(2):
-                fwd.submit(*step)
-            assert fwd.flush(timeout=60)
-            fwd.close()
-        s = fwd.stats
+            s = incarnation(client, pair_id, 2)
         assert (s.submitted, s.acked, s.dropped, s.refused) == (STEPS, STEPS, 0, 0)
         # Renumbered above the 100 the pair held: 101..200.
         assert (s.acked_sequence, s.last_sequence) == (2 * STEPS, 2 * STEPS)
@@ -135,12 +138,8 @@ def test_a_rerun_resumes_and_counts_nothing_twice(server):
         pair_id = register(client)
         first_incarnation(client, pair_id)
         # The same steps again under the same id (a replay run twice).
-        fwd = client.forwarder(pair_id, worker_id=WORKER, backoff=FAST, reused_worker_id="resume")
-        for step in steps(1):
-            fwd.submit(*step)
-        assert fwd.flush(timeout=60)
-        fwd.close()
-        assert (fwd.stats.acked, fwd.stats.renumbered) == (STEPS, 0)
+        s = incarnation(client, pair_id, 1, reused_worker_id="resume")
+        assert (s.acked, s.renumbered) == (STEPS, 0)
         assert client.pair(pair_id).steps_observed == STEPS
     with pytest.raises(ValueError, match="reused_worker_id"):
         Forwarder(server.grpc_address, pair_id, reused_worker_id="ignore")

@@ -18,6 +18,7 @@ from avest_wire.v1 import estimator_pb2 as pb
 from tests.support.rpc import (
     messages_for,
     observe_all,
+    pairs_by_id,
     register,
     register_k,
     stub_for,
@@ -42,14 +43,6 @@ def _populate(data: Path, pairs: int = 3, steps: int = 35, k: int = 64) -> dict[
     finally:
         srv.stop()
     return out
-
-
-def _pairs(srv: ServerHandle) -> dict[str, pb.Pair]:
-    channel, stub = stub_for(srv.grpc_address)
-    try:
-        return {p.pair_id: p for p in stub.ListPairs(pb.ListPairsRequest()).pairs}
-    finally:
-        channel.close()
 
 
 def _metric(srv: ServerHandle, name: str, labels: str = "") -> float | None:
@@ -80,7 +73,7 @@ def test_a_store_that_held_pairs_and_is_now_empty_refuses_to_start(tmp_path, tra
     # Said on purpose: it starts afresh, and records the new (empty) state.
     srv = launch(data, allow_empty_store=True)
     try:
-        assert _pairs(srv) == {}
+        assert pairs_by_id(srv.grpc_address) == {}
     finally:
         srv.stop()
     srv = launch(data)
@@ -143,7 +136,7 @@ def test_a_corrupt_snapshot_quarantines_its_pair_and_the_others_serve(tmp_path, 
 
     srv = launch(data)
     try:
-        pairs = _pairs(srv)
+        pairs = pairs_by_id(srv.grpc_address)
         assert set(pairs) == set(before) - {bad}
         for pid, pair in pairs.items():
             assert pair == before[pid]
@@ -251,7 +244,9 @@ def test_write_errors_show_on_readyz_and_metrics_and_acks_resume(tmp_path, trace
         srv.stop()
     srv = launch(tmp_path / "data")
     try:
-        assert _pairs(srv)[reg.pair_id].steps_observed == 60  # 20 + 40, all durable
+        assert (
+            pairs_by_id(srv.grpc_address)[reg.pair_id].steps_observed == 60
+        )  # 20 + 40, all durable
     finally:
         srv.stop()
 

@@ -29,7 +29,7 @@ from avest.state.store import NotAStore, StoreTooNew
 from avest_wire.v1 import estimator_pb2 as pb
 from tests.support.helpers import wait_until
 from tests.support.postgres import PostgresCluster, import_psycopg
-from tests.support.rpc import observe_all, register_k, stub_for, synthetic_steps
+from tests.support.rpc import observe_all, pairs_by_id, register_k, stub_for, synthetic_steps
 from tests.support.server import ServerHandle, launch
 
 psycopg = import_psycopg()
@@ -54,14 +54,6 @@ def _populate(srv: ServerHandle, pairs: int) -> dict[str, pb.Pair]:
     finally:
         channel.close()
     return out
-
-
-def _pairs(srv: ServerHandle) -> dict[str, pb.Pair]:
-    channel, stub = stub_for(srv.grpc_address)
-    try:
-        return {p.pair_id: p for p in stub.ListPairs(pb.ListPairsRequest()).pairs}
-    finally:
-        channel.close()
 
 
 def _same(a: dict[str, pb.Pair], b: dict[str, pb.Pair]) -> None:
@@ -104,7 +96,7 @@ def test_the_service_on_postgresql_acknowledges_and_restores_after_a_restart(
 
     srv = launch(tmp_path / "another-data-dir", store=postgres_url)
     try:
-        _same(_pairs(srv), before)
+        _same(pairs_by_id(srv.grpc_address), before)
     finally:
         srv.stop()
 
@@ -290,7 +282,7 @@ def test_store_copy_moves_a_sqlite_store_into_postgresql(tmp_path: Path, postgre
 
     srv = launch(tmp_path / "elsewhere", store=postgres_url)
     try:
-        _same(_pairs(srv), before)
+        _same(pairs_by_id(srv.grpc_address), before)
         history = srv.server.app.store.history(sorted(before)[0])
     finally:
         srv.stop()
@@ -318,7 +310,7 @@ def test_store_copy_back_from_postgresql_and_a_missing_source(
     assert copied.returncode == 0, copied.stderr
     srv = launch(back)
     try:
-        _same(_pairs(srv), before)
+        _same(pairs_by_id(srv.grpc_address), before)
     finally:
         srv.stop()
 

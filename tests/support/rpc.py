@@ -25,6 +25,15 @@ def stub_for(address: str) -> tuple[grpc.Channel, pb_grpc.EstimatorServiceStub]:
     return channel, pb_grpc.EstimatorServiceStub(channel)
 
 
+def pairs_by_id(address: str) -> dict[str, pb.Pair]:
+    """Every pair the service at ``address`` lists (one page: up to hundreds), by id."""
+    channel, stub = stub_for(address)
+    try:
+        return {p.pair_id: p for p in stub.ListPairs(pb.ListPairsRequest()).pairs}
+    finally:
+        channel.close()
+
+
 def register(stub, trace, rule="recursive", refit_interval=10, labels=None):
     key = pair_key(trace)
     if labels:

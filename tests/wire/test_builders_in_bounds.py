@@ -12,6 +12,7 @@ clamp and wrong, one draft a position) are drawn explicitly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,17 +105,20 @@ WRONG_AT_THE_CLAMP = _uniform(2, 3, 8, -MAX_LOG_ODDS, 1.0, -1.0, 2)
 ONE_DRAFT = _uniform(4, 1, 1, 13.25, 0.9, 0.4, 4)
 
 
+def with_edges(test: Callable[[Round], None]) -> Callable[[], None]:
+    """``test`` over random rounds, the three degenerate ones always among them."""
+    for edge in (ONE_DRAFT, WRONG_AT_THE_CLAMP, HALF):
+        test = example(r=edge)(test)
+    return PROPERTY(given(r=rounds())(test))  # type: ignore[no-any-return]
+
+
 def _fast_accepts(summary: RoundSummary) -> bool:
     """Whether the service's one-pass check takes the summary off the wire as it is."""
     msg = summary_to_pb(summary)
     return intake_pb(msg, summary.k, with_sketch=msg.HasField("sketch")) is not None
 
 
-@PROPERTY
-@given(r=rounds())
-@example(r=HALF)
-@example(r=WRONG_AT_THE_CLAMP)
-@example(r=ONE_DRAFT)
+@with_edges
 def test_the_host_builder_stays_within_the_bounds(r: Round) -> None:
     acc = RoundAccumulator(r.k)
     for x, d, a in zip(r.features, r.verified, r.accepted, strict=True):
@@ -163,11 +167,7 @@ def _device_round(r: Round) -> RoundSummary:
     return summary
 
 
-@PROPERTY
-@given(r=rounds())
-@example(r=HALF)
-@example(r=WRONG_AT_THE_CLAMP)
-@example(r=ONE_DRAFT)
+@with_edges
 def test_the_device_builder_stays_within_the_bounds(r: Round) -> None:
     assert _fast_accepts(_device_round(r))
 

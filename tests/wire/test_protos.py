@@ -137,21 +137,14 @@ def test_service_shape():
 
 
 def test_enums():
-    assert pb.UpdateRule.Name(0) == "UPDATE_RULE_UNSPECIFIED"
-    assert list(pb.UpdateRule.keys()) == [
-        "UPDATE_RULE_UNSPECIFIED",
-        "UPDATE_RULE_VLLM",
-        "UPDATE_RULE_RECURSIVE",
-        "UPDATE_RULE_TRACKING",
-    ]
-    assert pb.BudgetRule.Name(0) == "BUDGET_RULE_UNSPECIFIED"
-    assert list(pb.BudgetRule.keys()) == [
-        "BUDGET_RULE_UNSPECIFIED",
-        "BUDGET_RULE_STALE",
-        "BUDGET_RULE_LOSSLESS_WALK",
-        "BUDGET_RULE_ARGMAX",
-        "BUDGET_RULE_FULL",
-    ]
+    # Each enum's values in order, UNSPECIFIED (0) first.
+    enums = (
+        (pb.UpdateRule, "UPDATE_RULE_", "UNSPECIFIED VLLM RECURSIVE TRACKING"),
+        (pb.BudgetRule, "BUDGET_RULE_", "UNSPECIFIED STALE LOSSLESS_WALK ARGMAX FULL"),
+    )
+    for enum, prefix, values in enums:
+        assert list(enum.keys()) == [prefix + v for v in values.split()]
+        assert enum.Name(0) == prefix + "UNSPECIFIED"
 
 
 def test_observe_response_oneof():
