@@ -38,12 +38,16 @@ from psycopg.conninfo import conninfo_to_dict
 from avest import __version__
 from avest.state.guard import StoreEmptied
 from avest.state.store import (
+    COST_ROWS,
     HISTORY_KEPT,
+    NEWEST_HISTORY,
+    PAIR_ROW,
+    WORKER_ROWS,
     Loaded,
     NotAStore,
     StoreTooNew,
     StoreUnreadable,
-    verify_snapshot,
+    pair_record,
 )
 from avest.state.store_format import (
     BLOB_FORMAT,
@@ -52,7 +56,6 @@ from avest.state.store_format import (
     CorruptSnapshot,
     checksum,
     pack_arrays,
-    unpack_arrays,
 )
 
 log = logging.getLogger("avest")
@@ -407,64 +410,17 @@ class PostgresStore:
         return out
 
     def _load_one(self, cur: psycopg.Cursor[Any], pid: str) -> dict[str, Any] | None:
-        row = cur.execute(
-            "SELECT p.key_json, p.rule, p.refit_interval, s.arrays, s.updated, s.format, "
-            "s.checksum, s.last_outcome FROM pairs p JOIN snapshots s ON s.pair_id = p.id "
-            "WHERE p.id = %s",
-            (pid,),
-        ).fetchone()
+        row = cur.execute(PAIR_ROW.format("%s"), (pid,)).fetchone()
         if row is None:
             return None
-        key_json, rule, interval, blob, updated, fmt, digest, outcome = row
-        blob = bytes(blob)
-        verify_snapshot(self.location, pid, key_json, rule, interval, blob, fmt, digest, outcome)
-        workers = {
-            str(w): (int(s), float(t))
-            for w, s, t in cur.execute(
-                "SELECT worker_id, sequence, seen FROM workers WHERE pair_id = %s", (pid,)
-            ).fetchall()
-        }
-        costs = [
-            {
-                "hardware": hw,
-                "draft": json.loads(d),
-                "verify": json.loads(v),
-                "cudagraph_limit": lim,
-            }
-            for hw, d, v, lim in cur.execute(
-                "SELECT hardware, draft_json, verify_json, cudagraph_limit FROM cost_curves "
-                "WHERE pair_id = %s",
-                (pid,),
-            ).fetchall()
-        ]
-        newest = cur.execute(
-            "SELECT version, round, time, slope, intercepts_json, outcome FROM "
-            "coefficient_history WHERE pair_id = %s ORDER BY time DESC, round DESC LIMIT %s",
-            (pid, HISTORY_KEPT),
-        ).fetchall()
-        history = [
-            {
-                "version": v,
-                "round": rd,
-                "time": t,
-                "slope": s,
-                "intercepts": json.loads(i),
-                "outcome": o,
-            }
-            for v, rd, t, s, i, o in reversed(newest)
-        ]
-        return {
-            "id": pid,
-            "key": json.loads(key_json),
-            "rule": rule,
-            "refit_interval": interval,
-            "arrays": unpack_arrays(blob),
-            "last_outcome": outcome,
-            "workers": workers,
-            "costs": costs,
-            "history": history,
-            "updated": updated,
-        }
+        return pair_record(
+            self.location,
+            pid,
+            row,
+            cur.execute(WORKER_ROWS.format("%s"), (pid,)).fetchall(),
+            cur.execute(COST_ROWS.format("%s"), (pid,)).fetchall(),
+            cur.execute(NEWEST_HISTORY.format("%s"), (pid, HISTORY_KEPT)).fetchall(),
+        )
 
     def history(
         self, pair_id: str, limit: int = 1000

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -143,6 +144,69 @@ def verify_snapshot(
         raise CorruptSnapshot(f"blob format {blob_format(blob)} but row says {fmt}")
     if digest != checksum(pid, key_json, rule, interval, blob, outcome):
         raise CorruptSnapshot("checksum mismatch")
+
+
+#: The columns a pair's record is read from, in the order :func:`pair_record` takes
+#: them: its row (``pairs`` joined with ``snapshots``), its workers, its cost
+#: curves and its newest coefficient history.
+PAIR_ROW = (
+    "SELECT p.key_json, p.rule, p.refit_interval, s.arrays, s.updated, s.format, "
+    "s.checksum, s.last_outcome FROM pairs p JOIN snapshots s ON s.pair_id = p.id "
+    "WHERE p.id = {}"
+)
+WORKER_ROWS = "SELECT worker_id, sequence, seen FROM workers WHERE pair_id = {}"
+COST_ROWS = (
+    "SELECT hardware, draft_json, verify_json, cudagraph_limit FROM cost_curves WHERE pair_id = {}"
+)
+NEWEST_HISTORY = (
+    "SELECT version, round, time, slope, intercepts_json, outcome FROM coefficient_history "
+    "WHERE pair_id = {0} ORDER BY time DESC, round DESC LIMIT {0}"
+)
+
+
+def pair_record(
+    where: str,
+    pid: str,
+    row: Sequence[Any],
+    workers: Iterable[Sequence[Any]],
+    costs: Iterable[Sequence[Any]],
+    newest_history: Sequence[Sequence[Any]],
+) -> dict[str, Any]:
+    """A stored pair's record from the rows the queries above read (any backend),
+    its snapshot checked first (:func:`verify_snapshot`)."""
+    key_json, rule, interval, blob, updated, fmt, digest, outcome = row
+    blob = bytes(blob)
+    verify_snapshot(where, pid, key_json, rule, interval, blob, fmt, digest, outcome)
+    return {
+        "id": pid,
+        "key": json.loads(key_json),
+        "rule": rule,
+        "refit_interval": interval,
+        "arrays": unpack_arrays(blob),
+        "last_outcome": outcome,
+        "workers": {str(w): (int(s), float(t)) for w, s, t in workers},
+        "costs": [
+            {
+                "hardware": hw,
+                "draft": json.loads(d),
+                "verify": json.loads(v),
+                "cudagraph_limit": lim,
+            }
+            for hw, d, v, lim in costs
+        ],
+        "history": [
+            {
+                "version": v,
+                "round": rd,
+                "time": t,
+                "slope": s,
+                "intercepts": json.loads(i),
+                "outcome": o,
+            }
+            for v, rd, t, s, i, o in reversed(newest_history)
+        ],
+        "updated": updated,
+    }
 
 
 class Store:
@@ -369,66 +433,17 @@ class Store:
         return out
 
     def _load_one(self, pid: str) -> dict[str, Any] | None:
-        row = self.db.execute(
-            "SELECT p.key_json, p.rule, p.refit_interval, s.arrays, s.updated, s.format, "
-            "s.checksum, s.last_outcome FROM pairs p JOIN snapshots s ON s.pair_id = p.id "
-            "WHERE p.id = ?",
-            (pid,),
-        ).fetchone()
+        row = self.db.execute(PAIR_ROW.format("?"), (pid,)).fetchone()
         if row is None:
             return None  # registered, never snapshotted (0.1.0 wrote both at once)
-        key_json, rule, interval, blob, updated, fmt, digest, outcome = row
-        blob = bytes(blob)
-        verify_snapshot(str(self.path), pid, key_json, rule, interval, blob, fmt, digest, outcome)
-        workers = {
-            str(w): (int(s), float(t))
-            for w, s, t in self.db.execute(
-                "SELECT worker_id, sequence, seen FROM workers WHERE pair_id = ?", (pid,)
-            )
-        }
-        costs = [
-            {
-                "hardware": hw,
-                "draft": json.loads(d),
-                "verify": json.loads(v),
-                "cudagraph_limit": lim,
-            }
-            for hw, d, v, lim in self.db.execute(
-                "SELECT hardware, draft_json, verify_json, cudagraph_limit FROM cost_curves "
-                "WHERE pair_id = ?",
-                (pid,),
-            )
-        ]
-        history = [
-            {
-                "version": v,
-                "round": rd,
-                "time": t,
-                "slope": s,
-                "intercepts": json.loads(i),
-                "outcome": o,
-            }
-            for v, rd, t, s, i, o in reversed(
-                self.db.execute(
-                    "SELECT version, round, time, slope, intercepts_json, outcome "
-                    "FROM coefficient_history WHERE pair_id = ? "
-                    "ORDER BY time DESC, round DESC LIMIT ?",
-                    (pid, HISTORY_KEPT),
-                ).fetchall()
-            )
-        ]
-        return {
-            "id": pid,
-            "key": json.loads(key_json),
-            "rule": rule,
-            "refit_interval": interval,
-            "arrays": unpack_arrays(blob),
-            "last_outcome": outcome,
-            "workers": workers,
-            "costs": costs,
-            "history": history,
-            "updated": updated,
-        }
+        return pair_record(
+            str(self.path),
+            pid,
+            row,
+            self.db.execute(WORKER_ROWS.format("?"), (pid,)).fetchall(),
+            self.db.execute(COST_ROWS.format("?"), (pid,)).fetchall(),
+            self.db.execute(NEWEST_HISTORY.format("?"), (pid, HISTORY_KEPT)).fetchall(),
+        )
 
     def history(
         self, pair_id: str, limit: int = 1000
