@@ -47,6 +47,8 @@ from avest.state.store import (
     NotAStore,
     StoreTooNew,
     StoreUnreadable,
+    cost_rows,
+    history_rows,
     pair_record,
 )
 from avest.state.store_format import (
@@ -302,18 +304,7 @@ class PostgresStore:
             cur.execute(
                 "DELETE FROM workers WHERE pair_id = %s AND worker_id = ANY(%s)", (pid, pruned)
             )
-        history = [
-            (
-                pid,
-                h["version"],
-                h["round"],
-                h["time"],
-                h["slope"],
-                json.dumps(list(h["intercepts"])),
-                h["outcome"],
-            )
-            for h in r["history"]
-        ]
+        history = history_rows(r)
         if history:
             cur.executemany(
                 "INSERT INTO coefficient_history VALUES (%s, %s, %s, %s, %s, %s, %s) "
@@ -325,16 +316,7 @@ class PostgresStore:
                 "DELETE FROM coefficient_history WHERE pair_id = %s AND time < %s",
                 (pid, r["history_cleared"]),
             )
-        costs = [
-            (
-                pid,
-                c["hardware"],
-                json.dumps(c["draft"]),
-                json.dumps(c["verify"]),
-                c["cudagraph_limit"],
-            )
-            for c in r["costs"]
-        ]
+        costs = cost_rows(r)
         if costs:
             cur.executemany(
                 "INSERT INTO cost_curves VALUES (%s, %s, %s, %s, %s) ON CONFLICT (pair_id, "

@@ -209,6 +209,36 @@ def pair_record(
     }
 
 
+def history_rows(record: dict[str, Any]) -> list[tuple[Any, ...]]:
+    """The ``coefficient_history`` rows of a record's new history entries."""
+    return [
+        (
+            record["id"],
+            h["version"],
+            h["round"],
+            h["time"],
+            h["slope"],
+            json.dumps(list(h["intercepts"])),
+            h["outcome"],
+        )
+        for h in record["history"]
+    ]
+
+
+def cost_rows(record: dict[str, Any]) -> list[tuple[Any, ...]]:
+    """The ``cost_curves`` rows of a record's cost curves."""
+    return [
+        (
+            record["id"],
+            c["hardware"],
+            json.dumps(c["draft"]),
+            json.dumps(c["verify"]),
+            c["cudagraph_limit"],
+        )
+        for c in record["costs"]
+    ]
+
+
 class Store:
     """The SQLite file: one implementation of :class:`PairStore`."""
 
@@ -312,35 +342,14 @@ class Store:
         )
         cur.executemany(
             "INSERT OR IGNORE INTO coefficient_history VALUES (?,?,?,?,?,?,?)",
-            [
-                (
-                    r["id"],
-                    h["version"],
-                    h["round"],
-                    h["time"],
-                    h["slope"],
-                    json.dumps(list(h["intercepts"])),
-                    h["outcome"],
-                )
-                for h in r["history"]
-            ],
+            history_rows(r),
         )
         if r.get("history_cleared"):
             cur.execute(
                 "DELETE FROM coefficient_history WHERE pair_id = ? AND time < ?",
                 (r["id"], r["history_cleared"]),
             )
-        for c in r["costs"]:
-            cur.execute(
-                "INSERT OR REPLACE INTO cost_curves VALUES (?,?,?,?,?)",
-                (
-                    r["id"],
-                    c["hardware"],
-                    json.dumps(c["draft"]),
-                    json.dumps(c["verify"]),
-                    c["cudagraph_limit"],
-                ),
-            )
+        cur.executemany("INSERT OR REPLACE INTO cost_curves VALUES (?,?,?,?,?)", cost_rows(r))
 
     def delete(self, pair_id: str) -> None:
         """Remove every row of a pair (one transaction)."""
