@@ -174,6 +174,21 @@ def _busy_proc(
     asyncio.run(main())
 
 
+def _start_busy(
+    address: str, pid: str, streams: int, procs: int, seconds: float, rate: float = 0.0
+) -> list[Any]:
+    """``streams`` busy streams (:func:`_busy_proc`) in ``procs`` processes, started."""
+    ctx = mp.get_context("spawn")
+    per = streams // procs
+    workers = [
+        ctx.Process(target=_busy_proc, args=(address, pid, i * per, per, seconds, rate))
+        for i in range(procs)
+    ]
+    for p in workers:
+        p.start()
+    return workers
+
+
 def _busy_and_light(address: str) -> tuple[str, str]:
     """The pairs of the busy streams and of the light worker, registered."""
     with grpc.insecure_channel(address) as ch:
@@ -199,14 +214,7 @@ def _capacity(streams: int = 200, seconds: float = 15.0, procs: int = 4) -> floa
         with grpc.insecure_channel(served.grpc_address) as ch:
             stub = pb_grpc.EstimatorServiceStub(ch)
             pid = stub.RegisterPair(pb.RegisterPairRequest(key=key("cap")), metadata=WORKER).pair_id
-        ctx = mp.get_context("spawn")
-        per = streams // procs
-        workers = [
-            ctx.Process(target=_busy_proc, args=(served.grpc_address, pid, i * per, per, seconds))
-            for i in range(procs)
-        ]
-        for p in workers:
-            p.start()
+        workers = _start_busy(served.grpc_address, pid, streams, procs, seconds)
         time.sleep(5.0)  # every stream open and running
         s0, t0 = _scrape(served.http_url, "avest_steps_observed_total"), time.monotonic()
         time.sleep(seconds - 7.0)
@@ -232,17 +240,7 @@ def overload(streams: int, factor: float = 2.0, steps: int = 50, procs: int = 4)
         try:
             busy_pid, light_pid = _busy_and_light(served.grpc_address)
             seconds = 60.0 + steps * 0.3
-            ctx = mp.get_context("spawn")
-            per = streams // procs
-            workers = [
-                ctx.Process(
-                    target=_busy_proc,
-                    args=(served.grpc_address, busy_pid, i * per, per, seconds, rate),
-                )
-                for i in range(procs)
-            ]
-            for p in workers:
-                p.start()
+            workers = _start_busy(served.grpc_address, busy_pid, streams, procs, seconds, rate)
             # Every stream open (a thousand streams opening at once is its own
             # storm; the light worker is measured next to them running), then
             # a few seconds for the line to build.
@@ -338,16 +336,7 @@ def busy(
     try:
         busy_pid, light_pid = _busy_and_light(served.grpc_address)
         seconds = 20.0 + steps * 0.2
-        ctx = mp.get_context("spawn")
-        per = streams // procs
-        workers = [
-            ctx.Process(
-                target=_busy_proc, args=(served.grpc_address, busy_pid, i * per, per, seconds)
-            )
-            for i in range(procs)
-        ]
-        for p in workers:
-            p.start()
+        workers = _start_busy(served.grpc_address, busy_pid, streams, procs, seconds)
         time.sleep(8.0)  # let every stream open and run
         rss0 = served.rss_mib()
         result = asyncio.run(_light(served.grpc_address, light_pid, steps, served.http_url))

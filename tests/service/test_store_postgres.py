@@ -86,26 +86,19 @@ def test_the_service_on_postgresql_acknowledges_and_restores_after_a_restart(
     tmp_path: Path, postgres_url: str
 ) -> None:
     data = tmp_path / "data"
-    srv = launch(data, store=postgres_url)
-    try:
+    with launch(data, store=postgres_url) as srv:
         before = _populate(srv, pairs=2)
-    finally:
-        srv.stop()
     # Nothing of the store went to the data directory.
     assert not (data / "avest.sqlite3").exists() and not (data / STATE_FILE).exists()
 
-    srv = launch(tmp_path / "another-data-dir", store=postgres_url)
-    try:
+    with launch(tmp_path / "another-data-dir", store=postgres_url) as srv:
         _same(pairs_by_id(srv.grpc_address), before)
-    finally:
-        srv.stop()
 
 
 def test_a_write_postgresql_refuses_holds_the_acks_until_it_takes_them(
     tmp_path: Path, postgres_url: str
 ) -> None:
-    srv = launch(tmp_path / "data", store=postgres_url)
-    try:
+    with launch(tmp_path / "data", store=postgres_url) as srv:
         before = _populate(srv, pairs=1)
         (pid,) = before
         with psycopg.connect(postgres_url, autocommit=True) as conn:
@@ -154,8 +147,6 @@ def test_a_write_postgresql_refuses_holds_the_acks_until_it_takes_them(
             reader.join(WAIT_S)
         channel.close()
         assert wait_until(lambda: _metric(srv, "avest_store_writable") == 1.0, WAIT_S)
-    finally:
-        srv.stop()
 
 
 def _record(pid: str, updated: float = 0.0, worker: str = "w") -> dict[str, Any]:
@@ -207,11 +198,8 @@ def test_a_connection_cut_by_a_server_restart_is_opened_again(
 def test_a_database_emptied_of_its_pairs_refuses_to_start(
     tmp_path: Path, postgres_url: str
 ) -> None:
-    srv = launch(tmp_path / "data", store=postgres_url)
-    try:
+    with launch(tmp_path / "data", store=postgres_url) as srv:
         _populate(srv, pairs=2)
-    finally:
-        srv.stop()
     with psycopg.connect(postgres_url, autocommit=True) as conn:
         for table in ("snapshots", "workers", "coefficient_history", "cost_curves", "pairs"):
             conn.execute(f"DELETE FROM {table}")
@@ -270,22 +258,16 @@ def test_store_selection_from_the_flag_and_the_environment() -> None:
 
 def test_store_copy_moves_a_sqlite_store_into_postgresql(tmp_path: Path, postgres_url: str) -> None:
     data = tmp_path / "data"
-    srv = launch(data)
-    try:
+    with launch(data) as srv:
         before = _populate(srv, pairs=3)
-    finally:
-        srv.stop()
 
     copied = _store_copy("--from", str(data), "--to", postgres_url)
     assert copied.returncode == 0, copied.stderr
     assert "copied 3 pair(s)" in copied.stdout and "checksums match" in copied.stdout
 
-    srv = launch(tmp_path / "elsewhere", store=postgres_url)
-    try:
+    with launch(tmp_path / "elsewhere", store=postgres_url) as srv:
         _same(pairs_by_id(srv.grpc_address), before)
         history = srv.server.app.store.history(sorted(before)[0])
-    finally:
-        srv.stop()
     assert len(history) >= 2  # registration and refits, the whole history
 
     # The target holds pairs now: refused, untouched, unless --force.
@@ -299,20 +281,14 @@ def test_store_copy_moves_a_sqlite_store_into_postgresql(tmp_path: Path, postgre
 def test_store_copy_back_from_postgresql_and_a_missing_source(
     tmp_path: Path, postgres_url: str
 ) -> None:
-    srv = launch(tmp_path / "data", store=postgres_url)
-    try:
+    with launch(tmp_path / "data", store=postgres_url) as srv:
         before = _populate(srv, pairs=2)
-    finally:
-        srv.stop()
     back = tmp_path / "back"
     back.mkdir()
     copied = _store_copy("--from", postgres_url, "--to", str(back))
     assert copied.returncode == 0, copied.stderr
-    srv = launch(back)
-    try:
+    with launch(back) as srv:
         _same(pairs_by_id(srv.grpc_address), before)
-    finally:
-        srv.stop()
 
     missing = _store_copy("--from", str(tmp_path / "nothing-here"), "--to", postgres_url)
     assert missing.returncode == 2
