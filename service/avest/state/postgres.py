@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,7 @@ from avest.state.store_format import (
     checksum,
     pack_arrays,
 )
+from avest.state.store_format import SCHEMA as SQLITE_SCHEMA
 
 log = logging.getLogger("avest")
 
@@ -66,66 +68,30 @@ log = logging.getLogger("avest")
 #: reports an unreachable server instead of hanging on it.
 CONNECT_TIMEOUT_S = 10
 
-#: The layout in PostgreSQL: format 2's tables and columns (the first format
-#: PostgreSQL holds; format 1 was SQLite's only), ``pairs.revision`` added.
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (
-    key TEXT PRIMARY KEY,
-    value TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS pairs (
-    id TEXT PRIMARY KEY,
-    key_json TEXT NOT NULL,
-    k INTEGER NOT NULL,
-    rule TEXT NOT NULL,
-    refit_interval INTEGER NOT NULL,
-    updated DOUBLE PRECISION NOT NULL,
-    revision BIGINT NOT NULL DEFAULT 1
-);
-CREATE TABLE IF NOT EXISTS snapshots (
-    pair_id TEXT PRIMARY KEY REFERENCES pairs(id),
-    arrays BYTEA NOT NULL,
-    version BIGINT NOT NULL,
-    round BIGINT NOT NULL,
-    updated DOUBLE PRECISION NOT NULL,
-    format INTEGER NOT NULL,
-    checksum TEXT NOT NULL,
-    last_outcome TEXT NOT NULL DEFAULT ''
-);
-CREATE TABLE IF NOT EXISTS coefficient_history (
-    pair_id TEXT NOT NULL REFERENCES pairs(id),
-    version BIGINT NOT NULL,
-    round BIGINT NOT NULL,
-    time DOUBLE PRECISION NOT NULL,
-    slope DOUBLE PRECISION NOT NULL,
-    intercepts_json TEXT NOT NULL,
-    outcome TEXT NOT NULL,
-    PRIMARY KEY (pair_id, round, version, outcome, time)
-);
-CREATE TABLE IF NOT EXISTS cost_curves (
-    pair_id TEXT NOT NULL REFERENCES pairs(id),
-    hardware TEXT NOT NULL,
-    draft_json TEXT NOT NULL,
-    verify_json TEXT NOT NULL,
-    cudagraph_limit INTEGER NOT NULL,
-    PRIMARY KEY (pair_id, hardware)
-);
-CREATE TABLE IF NOT EXISTS workers (
-    pair_id TEXT NOT NULL REFERENCES pairs(id),
-    worker_id TEXT NOT NULL,
-    sequence BIGINT NOT NULL,
-    seen DOUBLE PRECISION NOT NULL,
-    PRIMARY KEY (pair_id, worker_id)
-);
-CREATE TABLE IF NOT EXISTS quarantine (
-    pair_id TEXT NOT NULL,
-    time DOUBLE PRECISION NOT NULL,
-    reason TEXT NOT NULL,
-    key_json TEXT,
-    arrays BYTEA,
-    PRIMARY KEY (pair_id, time)
-)
-"""
+
+def _postgres_layout(sqlite_schema: str) -> str:
+    """The layout in PostgreSQL: SQLite's (``store_format.SCHEMA``, format 2,
+    the first PostgreSQL holds) in PostgreSQL's types (SQLite's INTEGER is 64-bit,
+    so BIGINT), with ``pairs.revision`` added (raised by every write of the pair)
+    and ``snapshots.applied_json`` (format 1's, read by migrations only) left out."""
+    ddl = sqlite_schema.replace("    applied_json TEXT NOT NULL,\n", "")
+    ddl = ddl.replace(
+        "    updated REAL NOT NULL\n);\nCREATE TABLE IF NOT EXISTS snapshots",
+        "    updated REAL NOT NULL,\n    revision INTEGER NOT NULL DEFAULT 1\n);\n"
+        "CREATE TABLE IF NOT EXISTS snapshots",
+    )
+    for sqlite_type, postgres_type in (
+        ("INTEGER", "BIGINT"),
+        ("REAL", "DOUBLE PRECISION"),
+        ("BLOB", "BYTEA"),
+    ):
+        ddl = re.sub(rf"\b{sqlite_type}\b", postgres_type, ddl)
+    if "applied_json" in ddl or "revision" not in ddl:  # SQLite's layout moved: say so
+        raise RuntimeError("the PostgreSQL layout no longer follows SQLite's; update it")
+    return ddl
+
+
+SCHEMA = _postgres_layout(SQLITE_SCHEMA)
 #: The tables of :data:`SCHEMA`.
 TABLES = frozenset(
     line.split()[5] for line in SCHEMA.splitlines() if line.startswith("CREATE TABLE")
