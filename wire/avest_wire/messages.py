@@ -59,6 +59,10 @@ def _with_sketch(s: pb.RoundSummary) -> bool:
     return s.HasField("sketch") and bool(len(sk.cell_deltas) or len(sk.logloss_sum))
 
 
+#: The fields of a RoundSummary message that :func:`intake` takes under the same names.
+_INTAKE_FIELDS = ("slope", "intercepts", "info", "grad", "counts", "steps", "drafts")
+
+
 def intake_pb(s: pb.RoundSummary, k: int, with_sketch: bool | None = None) -> RoundSummary | None:
     """The fast path (:func:`~avest_wire.summary.intake`) on a message for a pair of
     ``k`` positions: the summary, or None when any check fails (the thorough path
@@ -79,18 +83,8 @@ def intake_pb(s: pb.RoundSummary, k: int, with_sketch: bool | None = None) -> Ro
         if with_sketch
         else None
     )
-    return intake(
-        k,
-        version=s.coefficients_version,
-        slope=s.slope,
-        intercepts=s.intercepts,
-        info=s.info,
-        grad=s.grad,
-        counts=s.counts,
-        steps=s.steps,
-        drafts=s.drafts,
-        sketch=parts,
-    )
+    same_names = {name: getattr(s, name) for name in _INTAKE_FIELDS}
+    return intake(k, version=s.coefficients_version, sketch=parts, **same_names)
 
 
 def _checked(s: pb.RoundSummary, k: int, with_sketch: bool) -> RoundSummary:
