@@ -274,8 +274,7 @@ class Session:
         self._attempt = 0  # the stream works: reset the backoff
         if self.ledger.never_sent() and self.reused_worker_id != "resume":
             if self.reused_worker_id == "fail":
-                first = self.ledger.sequences()[1][:1] or [self.ledger.stats().last_sequence + 1]
-                if applied >= first[0]:
+                if applied >= self.ledger.first_held():
                     self.fail(applied)
                     return
             else:

@@ -42,14 +42,7 @@ from typing import Any
 import numpy.typing as npt
 
 from avest_client._drivers import AsyncDriver, ThreadDriver
-from avest_client._stream import (
-    REUSED_WORKER_ID,
-    Backoff,
-    ChannelOptions,
-    Session,
-    StepData,
-    encode_step,
-)
+from avest_client._stream import Backoff, ChannelOptions, Session, StepData, encode_step
 from avest_client.credentials import Credentials
 from avest_client.errors import WorkerIdReusedError
 from avest_client.ledger import Ledger, Stats
@@ -91,11 +84,6 @@ class _Base:
     ) -> None:
         if not pair_id:
             raise ValueError("pair_id must not be empty")
-        if reused_worker_id not in REUSED_WORKER_ID:
-            raise ValueError(
-                f"reused_worker_id must be one of {', '.join(REUSED_WORKER_ID)}, "
-                f"got {reused_worker_id!r}"
-            )
         if worker_id is not None and not 1 <= len(worker_id.encode()) <= 128:
             raise ValueError("worker_id must be 1 to 128 bytes")
         self.address = address
@@ -116,7 +104,7 @@ class _Base:
         self._closed = False
         self._invalid_logged = 0
         self.last_invalid = ""
-        self._fresh_state()
+        self._fresh_state()  # the session checks reused_worker_id
 
     def _fresh_state(self) -> None:
         self._pid = os.getpid()

@@ -191,6 +191,14 @@ class Ledger:
                 self._count["dropped"] += 1
             return moved
 
+    def _first_held(self) -> int:
+        return self._queue[0].sequence if self._queue else self._next
+
+    def first_held(self) -> int:
+        """The sequence of the oldest queued step, or of the next one to be assigned."""
+        with self._lock:
+            return self._first_held()
+
     def never_sent(self) -> bool:
         """Whether no step was ever written to a stream."""
         with self._lock:
@@ -207,7 +215,7 @@ class Ledger:
         with self._lock:
             if self._count["sent"]:
                 raise RuntimeError("steps were sent: their sequence numbers are taken")
-            first = self._queue[0].sequence if self._queue else self._next
+            first = self._first_held()
             if applied < first:
                 return 0
             shift = applied + 1 - first

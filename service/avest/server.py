@@ -72,8 +72,7 @@ class Server:
         )
         self.metrics.set_open_streams(lambda: self.service.open_streams)
         turns = self.service.turns
-        self.metrics.set_load(lambda: (turns.overloaded, turns.last_wait_s))
-        self.service.on_shed = self.metrics.shed_turns.inc
+        self.metrics.set_load(lambda: (turns.overloaded, turns.last_wait_s, turns.shed_total))
         self.health = health.aio.HealthServicer()
         self.grpc_port = 0
         self.http_port = 0

@@ -64,8 +64,6 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         #: Who may replace cost curves (``None``: anyone, as in-process tests build it).
         self.access = access
         self.on_refused = on_refused or (lambda method, reason: None)
-        #: Called for each turn shed (a stream held back while overloaded).
-        self.on_shed: Callable[[], None] = lambda: None
         #: Open Observe streams: each a callback taking pushed responses.
         self.streams: set[ObserveStream] = set()
         self.watchers: dict[str, set[asyncio.Queue[pb.Coefficients | None]]] = {}
@@ -91,7 +89,6 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         return TokenBucket(rate, rate) if rate > 0 else None
 
     def shed(self) -> None:
-        self.on_shed()
         self._logs.warning(
             "shed",
             "overloaded: Observe steps stand in line past %.0f ms; streams that press are "

@@ -23,7 +23,7 @@ class PairSource(Protocol):
 
     app: Any
     open_streams: Callable[[], int]
-    load: Callable[[], tuple[bool, float]]
+    load: Callable[[], tuple[bool, float, int]]
 
     def summary(self, pair: Any) -> CalibrationSummary: ...
 
@@ -61,6 +61,7 @@ COLLECTED = (
     names.OPEN_STREAMS,
     names.OVERLOADED,
     names.TURN_WAIT,
+    names.SHED_TURNS,
     names.QUEUE_DEPTH,
     names.STORE_ERRORS,
     names.STORE_WRITABLE,
@@ -130,9 +131,10 @@ class PairCollector:
         m = self._metrics
         f[names.INFO].add_metric([__version__], 1.0)
         f[names.OPEN_STREAMS].add_metric([], float(m.open_streams()))
-        overloaded, wait = m.load()
+        overloaded, wait, shed = m.load()
         f[names.OVERLOADED].add_metric([], 1.0 if overloaded else 0.0)
         f[names.TURN_WAIT].add_metric([], wait)
+        f[names.SHED_TURNS].add_metric([], float(shed))
         app = m.app
         for operation, count in getattr(app, "store_errors", {}).items():
             f[names.STORE_ERRORS].add_metric([operation], float(count))

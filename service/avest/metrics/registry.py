@@ -35,7 +35,6 @@ from avest.metrics.names import (
     REFUSAL_REASONS,
     REFUSED_BATCHES,
     RPC_DURATION,
-    SHED_TURNS,
     SPECS,
     family_name,
 )
@@ -59,8 +58,9 @@ class Metrics:
         self.app = app
         self.registry = registry if registry is not None else CollectorRegistry()
         self.open_streams: Callable[[], int] = lambda: 0
-        #: (overloaded, the last granted step's wait in line, seconds) of the Observe turns.
-        self.load: Callable[[], tuple[bool, float]] = lambda: (False, 0.0)
+        #: (overloaded, the last granted step's wait in line in seconds, turns shed so
+        #: far) of the Observe turns, read at scrape time.
+        self.load: Callable[[], tuple[bool, float, int]] = lambda: (False, 0.0, 0)
         self._refits: dict[str, dict[str, int]] = {}
         #: (pair id, "all" | "recent") -> (stamp, summary)
         self._summaries: dict[tuple[str, str], tuple[_Stamp, CalibrationSummary]] = {}
@@ -68,7 +68,6 @@ class Metrics:
         self.refit_duration = self._metric(Histogram, REFIT_DURATION, buckets=REFIT_BUCKETS)
         self.rpc_duration = self._metric(Histogram, RPC_DURATION, buckets=RPC_BUCKETS)
         self.refused_batches = self._metric(Counter, REFUSED_BATCHES)
-        self.shed_turns = self._metric(Counter, SHED_TURNS)
         self._refused_children: dict[tuple[str, str], Any] = {}
         for method in _estimator_methods():
             self.rpc_duration.labels(method, "OK")
@@ -100,7 +99,7 @@ class Metrics:
     def set_open_streams(self, fn: Callable[[], int]) -> None:
         self.open_streams = fn
 
-    def set_load(self, fn: Callable[[], tuple[bool, float]]) -> None:
+    def set_load(self, fn: Callable[[], tuple[bool, float, int]]) -> None:
         self.load = fn
 
     def refused(self, method: str, reason: str) -> None:

@@ -35,13 +35,11 @@ def open_configured(config: StateConfig) -> PairStore:
     SQLite file in the data directory (refused first if the state file says it held
     pairs and it is gone: :mod:`avest.state.guard`)."""
     if is_postgres(config.store):
-        from avest.state.postgres import PostgresStore
-
-        return PostgresStore(config.store)
+        return open_location(config.store, create=True)
     StateFile(config.data_dir, config.database).check_present(
         config.allow_empty_store, config.refuse_empty_store
     )
-    return Store(config.database)
+    return open_location(str(config.database), create=True)
 
 
 def sqlite_path(location: str) -> Path:
