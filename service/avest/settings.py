@@ -38,7 +38,13 @@ class Settings(BaseSettings):
     store: str = Field(
         "",
         description="where pairs are stored: empty for the SQLite file in --data-dir, or a "
-        "PostgreSQL URL postgresql://USER@HOST:PORT/DB",
+        "PostgreSQL URL postgresql://USER@HOST:PORT/DB. Every process on one PostgreSQL "
+        "database is a replica serving the same pairs",
+    )
+    replica_name: str = Field(
+        "",
+        description="this replica's name in logs and metrics (with a PostgreSQL store); "
+        "empty for the host name",
     )
     #: Update rule for pairs that do not ask for one (see README: measured).
     default_rule: str = Field(
@@ -205,6 +211,7 @@ class Settings(BaseSettings):
             worker_ttl_s=self.worker_ttl_s,
             pair_ttl_s=self.pair_ttl_s,
             store=self.store,
+            replica_name=self.replica_name,
         )
 
     def stream_limits(self) -> StreamLimits:

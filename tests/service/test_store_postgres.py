@@ -50,10 +50,18 @@ def _populate(srv: ServerHandle, pairs: int) -> dict[str, pb.Pair]:
             reg = register_k(stub, K, n)
             acked, _ = observe_all(stub, synthetic_steps(reg.pair_id, f"w{n}", K, STEPS, seed=n))
             assert acked == STEPS
-            out[reg.pair_id] = stub.GetPair(pb.GetPairRequest(pair_id=reg.pair_id)).pair
+            # Acknowledged once in PostgreSQL; folded by the pair's refitter soon after.
+            assert wait_until(
+                lambda pid=reg.pair_id: _pair(stub, pid).steps_observed == STEPS, WAIT_S
+            )
+            out[reg.pair_id] = _pair(stub, reg.pair_id)
     finally:
         channel.close()
     return out
+
+
+def _pair(stub: Any, pair_id: str) -> pb.Pair:
+    return stub.GetPair(pb.GetPairRequest(pair_id=pair_id)).pair
 
 
 def _same(a: dict[str, pb.Pair], b: dict[str, pb.Pair]) -> None:
@@ -95,21 +103,26 @@ def test_the_service_on_postgresql_acknowledges_and_restores_after_a_restart(
         _same(pairs_by_id(srv.grpc_address), before)
 
 
+def _refuse(url: str, table: str, operation: str) -> None:
+    """Make PostgreSQL refuse every ``operation`` on ``table`` (a trigger named refuse)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(
+            "CREATE OR REPLACE FUNCTION refuse() RETURNS trigger AS $$ BEGIN "
+            "RAISE EXCEPTION 'refused'; END $$ LANGUAGE plpgsql"
+        )
+        conn.execute(
+            f"CREATE TRIGGER refuse BEFORE {operation} ON {table} "
+            "FOR EACH ROW EXECUTE FUNCTION refuse()"
+        )
+
+
 def test_a_write_postgresql_refuses_holds_the_acks_until_it_takes_them(
     tmp_path: Path, postgres_url: str
 ) -> None:
     with launch(tmp_path / "data", store=postgres_url) as srv:
         before = _populate(srv, pairs=1)
         (pid,) = before
-        with psycopg.connect(postgres_url, autocommit=True) as conn:
-            conn.execute(
-                "CREATE FUNCTION refuse() RETURNS trigger AS $$ BEGIN "
-                "RAISE EXCEPTION 'snapshots refused'; END $$ LANGUAGE plpgsql"
-            )
-            conn.execute(
-                "CREATE TRIGGER refuse BEFORE UPDATE ON snapshots "
-                "FOR EACH ROW EXECUTE FUNCTION refuse()"
-            )
+        _refuse(postgres_url, "pending", "INSERT")
         channel, stub = stub_for(srv.grpc_address)
         steps = synthetic_steps(pid, "w0", K, STEPS + 5, seed=0)[STEPS:]
         acked: list[int] = []
@@ -139,14 +152,49 @@ def test_a_write_postgresql_refuses_holds_the_acks_until_it_takes_them(
                     (pid,),
                 ).fetchone()
             assert stored == (STEPS,)  # the refused writes left nothing behind
+            with psycopg.connect(postgres_url) as conn:
+                assert conn.execute("SELECT count(*) FROM pending").fetchone() == (0,)
             with psycopg.connect(postgres_url, autocommit=True) as conn:
-                conn.execute("DROP TRIGGER refuse ON snapshots")
+                conn.execute("DROP TRIGGER refuse ON pending")
             assert done.wait(WAIT_S), acked
         finally:
             done.set()
             reader.join(WAIT_S)
+        assert wait_until(lambda: _pair(stub, pid).steps_observed == STEPS + 5, WAIT_S)
         channel.close()
         assert wait_until(lambda: _metric(srv, "avest_store_writable") == 1.0, WAIT_S)
+
+
+def test_a_refit_postgresql_refuses_loses_nothing_acknowledged(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    """The steps are acknowledged once in the pending log; the refit that folds them
+    is refused (counted, /readyz 503) and folds them once PostgreSQL takes it."""
+    with launch(tmp_path / "data", store=postgres_url) as srv:
+        (pid,) = _populate(srv, pairs=1)
+        _refuse(postgres_url, "snapshots", "UPDATE")
+        channel, stub = stub_for(srv.grpc_address)
+        steps = synthetic_steps(pid, "w0", K, STEPS + 5, seed=0)[STEPS:]
+        acked, _ = observe_all(stub, steps)
+        assert acked == STEPS + 5  # in PostgreSQL's pending log
+        errors = '{operation="refit"}'
+        assert wait_until(lambda: (_metric(srv, "avest_store_errors_total", errors) or 0) >= 1)
+        assert httpx.get(f"{srv.http_url}/readyz", timeout=10).status_code == 503
+        with psycopg.connect(postgres_url) as conn:  # nothing of the refit was written
+            assert conn.execute("SELECT count(*) FROM pending").fetchone() == (5,)
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            conn.execute("DROP TRIGGER refuse ON snapshots")
+        assert wait_until(lambda: _pair(stub, pid).steps_observed == STEPS + 5, WAIT_S)
+        with psycopg.connect(postgres_url) as conn:
+            assert conn.execute("SELECT count(*) FROM pending").fetchone() == (0,)
+            stored = conn.execute(
+                "SELECT sequence FROM workers WHERE pair_id = %s AND worker_id = 'w0'", (pid,)
+            ).fetchone()
+        assert stored == (STEPS + 5,)
+        assert wait_until(
+            lambda: httpx.get(f"{srv.http_url}/readyz", timeout=10).status_code == 200, WAIT_S
+        )
+        channel.close()
 
 
 def _record(pid: str, updated: float = 0.0, worker: str = "w") -> dict[str, Any]:

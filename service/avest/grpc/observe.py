@@ -129,7 +129,7 @@ class ObserveStream:
         self.service.owners[key] = self
         self.claimed.add(key)
 
-    def _open(self, req: pb.ObserveRequest) -> None:
+    async def _open(self, req: pb.ObserveRequest) -> None:
         """Open a worker (``ObserveRequest.open``): claim it for this stream and answer
         with what the pair holds of it, before any of its steps is applied here."""
         with refusals():
@@ -145,8 +145,7 @@ class ObserveStream:
         key = (pair.id, req.worker_id)
         self.pairs.add(pair.id)
         self.opened.add(key)
-        durable = pair.durable.get(req.worker_id, 0)
-        applied = max(pair.applied.get(req.worker_id, 0), durable)
+        applied, durable = await self.service.app.watermark(pair, req.worker_id)
         self.acked[key] = max(self.acked.get(key, 0), durable)
         self.out.put_nowait(
             pb.ObserveResponse(
@@ -224,7 +223,7 @@ class ObserveStream:
                     break
                 if req.open:
                     try:
-                        self._open(req)
+                        await self._open(req)
                     except Refused as r:
                         service.on_refused("Observe", r.reason)
                         self.error = Refused(

@@ -296,7 +296,7 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
                         f"pair {pair.id[:40]} already has different cost curves for hardware "
                         f"{curves.hardware[:40]!r}; replacing them needs the admin token",
                     )
-            pair.set_costs(curves)
+            self.app.set_costs(pair, curves)
             return pb.SetCostCurvesResponse()
 
         return await self._unary("SetCostCurves", context, run)

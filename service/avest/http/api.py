@@ -309,7 +309,7 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
         <admin token>`` (refused when the service has none)."""
         pair = get_pair(pair_id)
         try:
-            row = pair.workers.release(worker_id)
+            row = app.release(pair, worker_id)
         except KeyError:
             raise HTTPException(
                 404, detail=f"pair {pair.id} has no worker {limits.echo(worker_id)}"

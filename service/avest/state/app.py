@@ -16,11 +16,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from avest.core.estimator import Batch
 from avest.core.rules import Refit
@@ -33,7 +34,12 @@ from avest.state.stores import open_configured
 from avest_wire.pair import PairKey
 from avest_wire.summary import RoundSummary
 
+if TYPE_CHECKING:
+    from avest.state.costs import CostCurves
+    from avest.state.replicas import Replication
+
 log = logging.getLogger("avest")
+T = TypeVar("T")
 
 #: Draft positions (sum of K) per write transaction: two K = 64 pairs (each takes
 #: tens of milliseconds to snapshot and compress) or about twenty-five K = 5 pairs.
@@ -99,6 +105,8 @@ class Avest:
         self.draining = False
         #: Pair id -> the recording of its raw steps in progress or finished (admin API).
         self.recordings: dict[str, Recording] = {}
+        #: This replica's part when the store is shared (PostgreSQL), else None.
+        self.replication: Replication | None = None
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -147,6 +155,14 @@ class Avest:
             held, self.config.refuse_empty_store, self.config.allow_empty_store
         )
         self.state_file.record(len(self.registry.pairs))
+        if getattr(self.store, "replicated", False):
+            from avest.state.replicas import Replication
+
+            name = self.config.replica_name or socket.gethostname()
+            self.replication = Replication(self, self.store, name)  # type: ignore[arg-type]
+            await self.replication.start()
+            log.info("replica %s: %d pair(s), refits %d of them",
+                     name, len(self.registry.pairs), len(self.replication.led))  # fmt: skip
         self._flusher = asyncio.create_task(self._flush_loop(), name="avest-flush")
         self.ready = True
 
@@ -169,6 +185,8 @@ class Avest:
             await self.flush(deadline=deadline)
         except Exception:
             log.exception("final snapshot failed; unacknowledged steps will be resent")
+        if self.replication is not None:
+            await self.replication.close()
         await asyncio.get_running_loop().run_in_executor(self._writer, self.store.close)
         self._writer.shutdown(wait=True)
         self.folds.close()
@@ -179,6 +197,8 @@ class Avest:
         pair, created = self.registry.register(key, rule, refit_interval)
         if created:
             self._attach(pair)
+            if self.replication is not None:
+                self.replication.new.add(pair.id)
             self._flush_now.set()
         return pair, created
 
@@ -188,7 +208,11 @@ class Avest:
         """:meth:`observe`, with a heavy step folded off the event loop
         (:mod:`avest.state.folds`). A step folded while its pair was reset is
         folded again; one folded while the pair was deleted or the service began
-        draining is dropped (never acknowledged: its worker resends it)."""
+        draining is dropped (never acknowledged: its worker resends it).
+
+        Replicas: the step goes to the pending log, folded by the pair's refitter."""
+        if self.replication is not None:
+            return self.replication.offer(pair, worker, seq, batch)
         if not self.folds.heavy(batch):
             busy = self.folds.busy(pair.id)
             if busy is None:
@@ -235,8 +259,55 @@ class Avest:
         return True
 
     def reset(self, pair: Pair) -> None:
+        if self.replication is not None:
+            self.replication.command(pair, "reset")
+            return
         pair.reset()
         self._flush_now.set()
+
+    def set_costs(self, pair: Pair, curves: CostCurves) -> None:
+        if self.replication is not None:
+            self.replication.set_costs(pair, curves)
+        else:
+            pair.set_costs(curves)
+
+    def release(self, pair: Pair, worker: str) -> Any:
+        """Return a quarantined worker to the fit (its row in the worker table)."""
+        row = pair.workers.release(worker)
+        if self.replication is not None:
+            self.replication.command(pair, "release", {"worker": worker})
+        return row
+
+    async def watermark(self, pair: Pair, worker: str) -> tuple[int, int]:
+        """What the pair holds of a worker: ``(applied, acknowledged)`` sequences."""
+        if self.replication is not None:
+            return await self.replication.watermark(pair, worker)
+        durable = pair.durable.get(worker, 0)
+        return max(pair.applied.get(worker, 0), durable), durable
+
+    def adopt(self, record: dict[str, Any]) -> Pair:
+        """Register a pair another replica stored."""
+        pair = self.registry.restore(record)
+        self._attach(pair)
+        return pair
+
+    def forget(self, pair: Pair, why: str) -> None:
+        """Drop a pair from memory (deleted, retired; or deleted by another replica)."""
+        if self.registry.pairs.get(pair.id) is not pair:
+            return
+        self.registry.remove(pair)
+        self.folds.forget(pair.id)
+        pair.watchers.clear()
+        for hook in self.hooks.removed:
+            hook(pair, why)
+        log.info("pair %s %s", pair.id, why)
+
+    def flush_soon(self) -> None:
+        self._flush_now.set()
+
+    async def in_store(self, call: Callable[..., T], *args: Any) -> T:
+        """Run a store call on the store's thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._writer, call, *args)
 
     async def remove(self, pair: Pair, why: str = "deleted") -> None:
         """Delete a pair: its stored rows, then the registry entry, its streams and
@@ -248,15 +319,10 @@ class Avest:
                     self._writer, self.store.delete, pair.id
                 )
             except Exception as exc:
-                self._store_failed("delete", exc)
+                self.store_failed("delete", exc)
                 raise
-            self.registry.remove(pair)
-            self.folds.forget(pair.id)
-            pair.watchers.clear()
-            for hook in self.hooks.removed:
-                hook(pair, why)
+            self.forget(pair, why)
             self.state_file.record(len(self.registry.pairs))
-        log.info("pair %s %s", pair.id, why)
 
     def _attach(self, pair: Pair) -> None:
         pair.watchers.append(self._coefficients_changed)
@@ -295,6 +361,18 @@ class Avest:
         no chunk starts after) goes on.
         """
         async with self._flush_lock:
+            if self.replication is not None:
+                # Replicas write the log; each pair's refitter writes the pair.
+                try:
+                    raised = await self.replication.flush()
+                except Exception as exc:
+                    self.store_failed("write", exc)
+                    raise
+                if self.store_error.startswith("store write"):
+                    log.warning("store writes resumed after: %s", self.store_error)
+                    self.store_error = ""
+                self._durable(raised)
+                return
             pairs = [p for p in self.registry.pairs.values() if p.dirty or force]
             for n, chunk in enumerate(_chunks(pairs)):
                 if deadline is None and self.draining:
@@ -323,7 +401,7 @@ class Avest:
         except Exception as exc:
             for pair, record in zip(pairs, records, strict=True):
                 self.registry.unsnapshot(pair, record)
-            self._store_failed("write", exc)
+            self.store_failed("write", exc)
             raise
         if self.store_error:
             log.warning("store writes resumed after: %s", self.store_error)
@@ -332,11 +410,18 @@ class Avest:
         for pair, record in zip(pairs, records, strict=True):
             raised += pair.saved(record)
         self.state_file.record(len(self.registry.pairs))
+        self._durable(raised)
+
+    def saved(self, pair: Pair, record: dict[str, Any]) -> None:
+        """A snapshot of the pair another path wrote (a replica's refit) is durable."""
+        self._durable(pair.saved(record))
+
+    def _durable(self, raised: list[tuple[str, str, int]]) -> None:
         if raised:
             for hook in self.hooks.durable:
                 hook(raised)
 
-    def _store_failed(self, operation: str, exc: BaseException) -> None:
+    def store_failed(self, operation: str, exc: BaseException) -> None:
         self.store_errors[operation] = self.store_errors.get(operation, 0) + 1
         self.store_error = f"store {operation} failed: {type(exc).__name__}: {exc}"
 
@@ -373,6 +458,8 @@ class Avest:
         pair_ttl = self.config.pair_ttl_s
         if pair_ttl > 0:
             for pair in list(self.registry.pairs.values()):
+                if self.replication is not None and not self.replication.leads(pair):
+                    continue  # its refitter retires it
                 if pair.updated < now - pair_ttl and not self.in_use(pair):
                     await self.remove(pair, "retired")
 

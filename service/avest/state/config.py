@@ -39,6 +39,9 @@ class StateConfig:
     #: Where pairs are stored: "" for the SQLite file in :attr:`data_dir`, or a
     #: PostgreSQL URL (``postgresql://USER@HOST:PORT/DB``).
     store: str = ""
+    #: This process's name among the replicas on one PostgreSQL database (logs,
+    #: metrics, the ``replicas`` table); "" for the host name.
+    replica_name: str = ""
 
     @property
     def database(self) -> Path:

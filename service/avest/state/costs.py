@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from avest.core.costs import CostTable
 from avest_wire import limits
@@ -19,6 +20,24 @@ class CostCurves:
     def table(self) -> CostTable:
         return CostTable.from_curves(
             list(self.draft), list(self.verify), cudagraph_limit=self.cudagraph_limit
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """As stored (JSON): what :meth:`from_dict` reads back."""
+        return {
+            "hardware": self.hardware,
+            "draft": list(self.draft),
+            "verify": list(self.verify),
+            "cudagraph_limit": self.cudagraph_limit,
+        }
+
+    @classmethod
+    def from_dict(cls, c: dict[str, Any]) -> CostCurves:
+        return cls(
+            c["hardware"],
+            tuple(map(tuple, c["draft"])),
+            tuple(map(tuple, c["verify"])),
+            int(c["cudagraph_limit"]),
         )
 
 

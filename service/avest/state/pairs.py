@@ -81,6 +81,8 @@ class Pair:
     watchers: list[Callable[[Pair], None]] = field(default_factory=list)
     #: The workers seen sending to this pair (bounded; not persisted).
     workers: WorkerTable = field(default_factory=WorkerTable)
+    #: The stored revision this copy was read at (replicas on PostgreSQL).
+    revision: int = 0
 
     @property
     def id(self) -> str:
@@ -320,15 +322,7 @@ class Registry:
             "workers": workers,
             "pruned": pruned,
             "history_cleared": pair.history_cleared,
-            "costs": [
-                {
-                    "hardware": c.hardware,
-                    "draft": list(c.draft),
-                    "verify": list(c.verify),
-                    "cudagraph_limit": c.cudagraph_limit,
-                }
-                for c in unsaved
-            ],
+            "costs": [c.as_dict() for c in unsaved],
             "cost_objects": {c.hardware: c for c in unsaved},
             "history": [vars(h).copy() for h in history],
             "updated": pair.updated,
@@ -351,6 +345,12 @@ class Registry:
         key = PairKey.of(
             key_d["target"], key_d["draft"], key_d["method"], key_d["k"], key_d["labels"]
         )
+        pair = self._stored(key, record)
+        self.pairs[pair.id] = pair
+        return pair
+
+    def _stored(self, key: PairKey, record: dict[str, Any]) -> Pair:
+        """A pair built from a stored record (not registered)."""
         pair = self.build(key, record["rule"], int(record["refit_interval"]))
         pair.estimator.restore(record["arrays"])
         pair.estimator.last_outcome = str(record.get("last_outcome", ""))
@@ -358,19 +358,32 @@ class Registry:
         pair.seen = {w: float(seen) for w, (_, seen) in record["workers"].items()}
         pair.durable = dict(pair.applied)
         for c in record["costs"]:
-            pair.set_costs(
-                CostCurves(
-                    c["hardware"],
-                    tuple(map(tuple, c["draft"])),
-                    tuple(map(tuple, c["verify"])),
-                    int(c["cudagraph_limit"]),
-                )
-            )
+            pair.set_costs(CostCurves.from_dict(c))
         pair.history = [
             HistoryEntry(**{**h, "intercepts": tuple(h["intercepts"])}) for h in record["history"]
         ]
         pair.updated = float(record["updated"])
         pair.dirty = False
         pair.unsaved_history, pair.unsaved_costs = 0, set()
-        self.pairs[pair.id] = pair
         return pair
+
+    def refresh(self, pair: Pair, record: dict[str, Any]) -> None:
+        """Take the stored state of a registered pair in place (another replica wrote
+        it, or this one's memory went ahead of a write that failed); its streams and
+        watchers hear of new coefficients. What this process acknowledged stays
+        acknowledged."""
+        stored = self._stored(pair.key, record)
+        before = pair.estimator.version
+        pair.rule_name = stored.rule_name
+        pair.estimator = stored.estimator
+        pair.applied, pair.seen, pair.history = stored.applied, stored.seen, stored.history
+        for worker, seq in stored.durable.items():
+            pair.durable[worker] = max(seq, pair.durable.get(worker, 0))
+        pair.costs, pair._tables = stored.costs, stored._tables
+        pair.updated = stored.updated
+        pair.changed_workers, pair.pruned_workers = set(), set()
+        pair.dirty = False
+        pair.unsaved_history, pair.unsaved_costs = 0, set()
+        if pair.estimator.version != before:
+            for notify in list(pair.watchers):
+                notify(pair)

@@ -26,10 +26,13 @@ the database is the one place that knows what it held.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -91,13 +94,35 @@ def _postgres_layout(sqlite_schema: str) -> str:
     return ddl
 
 
-SCHEMA = _postgres_layout(SQLITE_SCHEMA)
+#: What replicas share beside the pairs (:mod:`avest.state.replicas`): the log of
+#: what workers sent and the refitter has not folded yet (``pending``: one row per
+#: round summary, raw step or command, unique per worker and sequence, so a resend
+#: is stored once), and the replicas alive (``replicas``: each one's last heartbeat).
+REPLICA_SCHEMA = """
+CREATE TABLE IF NOT EXISTS pending (
+    id BIGSERIAL PRIMARY KEY,
+    pair_id TEXT NOT NULL,
+    worker_id TEXT NOT NULL,
+    sequence BIGINT NOT NULL,
+    kind TEXT NOT NULL,
+    payload BYTEA NOT NULL,
+    replica TEXT NOT NULL,
+    received DOUBLE PRECISION NOT NULL,
+    UNIQUE (pair_id, worker_id, sequence)
+);
+CREATE TABLE IF NOT EXISTS replicas (
+    name TEXT PRIMARY KEY,
+    started DOUBLE PRECISION NOT NULL,
+    seen DOUBLE PRECISION NOT NULL
+);
+"""
+SCHEMA = _postgres_layout(SQLITE_SCHEMA) + REPLICA_SCHEMA
 #: The tables of :data:`SCHEMA`.
 TABLES = frozenset(
     line.split()[5] for line in SCHEMA.splitlines() if line.startswith("CREATE TABLE")
 )
 #: Tables whose rows belong to one pair, removed with it (``pairs`` last).
-PAIR_TABLES = ("workers", "coefficient_history", "cost_curves", "snapshots")
+PAIR_TABLES = ("workers", "coefficient_history", "cost_curves", "snapshots", "pending")
 
 
 class StoreWriteRefused(RuntimeError):
@@ -118,6 +143,9 @@ def redacted(url: str) -> str:
 
 class PostgresStore:
     """A PostgreSQL database: one implementation of :class:`~avest.state.store.PairStore`."""
+
+    #: Several processes may share it: each is a replica (:mod:`avest.state.replicas`).
+    replicated = True
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -189,6 +217,8 @@ class PostgresStore:
                         f"{self.location} has store format {found}, which no avest release "
                         "wrote in PostgreSQL; nothing was changed."
                     )
+                if found == STORE_FORMAT and not {"pending", "replicas"} <= set(columns):
+                    cur.execute(REPLICA_SCHEMA)  # a store written before replicas
                 if found != STORE_FORMAT:  # a new database
                     cur.execute(SCHEMA)
                     cur.executemany(
@@ -405,6 +435,233 @@ class PostgresStore:
             meta = _meta(cur)
         return int(meta["format"]), meta["written_by"]
 
+    # -- replicas (:mod:`avest.state.replicas`) ------------------------------------
+
+    def append_pending(self, rows: list[tuple[str, str, int, str, bytes]], replica: str) -> None:
+        """Append ``(pair, worker, sequence, kind, payload)`` rows to the pending log in
+        one transaction (a row already there, a resend, is kept once), then tell the
+        replicas which pairs have something to fold."""
+        if not rows:
+            return
+        now = time.time()
+        try:
+            conn = self._connection()
+            with conn.transaction(), conn.cursor() as cur:
+                cur.executemany(
+                    "INSERT INTO pending (pair_id, worker_id, sequence, kind, payload, replica, "
+                    "received) VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
+                    [(*row, replica, now) for row in rows],
+                )
+                for pid in sorted({row[0] for row in rows}):
+                    cur.execute("SELECT pg_notify(%s, %s)", (PENDING_CHANNEL, pid))
+        except psycopg.Error as exc:
+            raise StoreWriteRefused(
+                f"{self.location} refused {len(rows)} pending row(s); nothing of them was "
+                f"written: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def create(self, records: list[dict[str, Any]]) -> list[str]:
+        """Store new pairs that no replica stored yet (one transaction); returns the ids
+        this call created (a pair another replica created first is left as it is)."""
+        created = []
+        try:
+            conn = self._connection()
+            with conn.transaction(), conn.cursor() as cur:
+                for r in records:
+                    row = cur.execute(
+                        "INSERT INTO pairs (id, key_json, k, rule, refit_interval, updated) "
+                        "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO NOTHING RETURNING id",
+                        (
+                            r["id"],
+                            json.dumps(r["key"], sort_keys=True),
+                            r["key"]["k"],
+                            r["rule"],
+                            r["refit_interval"],
+                            r["updated"],
+                        ),
+                    ).fetchone()
+                    if row is not None:
+                        self._write_one(cur, r)
+                        cur.execute("SELECT pg_notify(%s, %s)", (PAIRS_CHANNEL, r["id"]))
+                        created.append(r["id"])
+                self.recorded_pairs = _count_pairs(cur)
+        except psycopg.Error as exc:
+            raise StoreWriteRefused(
+                f"{self.location} refused to store {len(records)} new pair(s): {exc}"
+            ) from exc
+        return created
+
+    def revisions(self) -> dict[str, int]:
+        """Every stored pair's revision (raised by each write of it)."""
+        with self._connection().cursor() as cur:
+            return {str(i): int(r) for i, r in cur.execute("SELECT id, revision FROM pairs")}
+
+    def load_pair(self, pair_id: str) -> tuple[dict[str, Any] | None, int]:
+        """One pair's record as :meth:`load` gives it (None: not stored), and its revision."""
+        try:
+            conn = self._connection()
+            with conn.transaction(), conn.cursor() as cur:
+                cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                row = cur.execute("SELECT revision FROM pairs WHERE id = %s", (pair_id,))
+                found = row.fetchone()
+                if found is None:
+                    return None, 0
+                return self._load_one(cur, pair_id), int(found[0])
+        except psycopg.Error as exc:
+            raise StoreUnreadable(f"{self.location}: cannot read pair {pair_id}: {exc}") from exc
+
+    def watermark(self, pair_id: str, worker: str) -> int:
+        """The highest sequence stored of a worker: folded (``workers``) or pending."""
+        with self._connection().cursor() as cur:
+            row = cur.execute(
+                "SELECT GREATEST((SELECT sequence FROM workers WHERE pair_id = %s AND "
+                "worker_id = %s), (SELECT max(sequence) FROM pending WHERE pair_id = %s AND "
+                "worker_id = %s))",
+                (pair_id, worker, pair_id, worker),
+            ).fetchone()
+        return int(row[0]) if row and row[0] is not None else 0
+
+
+#: NOTIFY channels: a pair stored anew (payload: its id; "-id" once deleted), and
+#: pending rows appended for a pair (payload: its id).
+PAIRS_CHANNEL = "avest_pairs"
+PENDING_CHANNEL = "avest_pending"
+#: The first key of every advisory lock avest takes (the second is the pair's), so
+#: that another application's advisory locks on the same database never collide.
+LOCK_SPACE = 0x61766573  # "aves"
+
+
+def lock_key(pair_id: str) -> int:
+    """The pair's advisory lock key (32 bits of its id's hash; a collision only
+    makes one replica refit both pairs)."""
+    return int.from_bytes(hashlib.sha256(pair_id.encode()).digest()[:4], "big", signed=True)
+
+
+class Leadership:
+    """One replica's session for refitting: the advisory locks it holds (one per pair
+    it refits; PostgreSQL releases them when the session ends, so a replica that
+    dies hands its pairs over) and the transactions that fold the pending log.
+
+    Used from one thread. A broken connection means every lock is gone:
+    :meth:`alive` says so, and :meth:`connect` starts a new session holding none.
+    """
+
+    def __init__(self, store: PostgresStore, replica: str) -> None:
+        self.store = store
+        self.replica = replica
+        self.conn: psycopg.Connection[Any] | None = None
+
+    def alive(self) -> bool:
+        return self.conn is not None and not (self.conn.closed or self.conn.broken)
+
+    def connect(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+        self.conn = None
+        self.conn = self.store._connect()
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+
+    def _cur(self) -> psycopg.Cursor[Any]:
+        if not self.alive():
+            raise StoreUnreadable(f"{self.store.location}: the refitting session is gone")
+        assert self.conn is not None
+        return self.conn.cursor()
+
+    def heartbeat(self, started: float, live_s: float) -> int:
+        """Record this replica as alive; returns how many replicas are."""
+        now = time.time()
+        with self._cur() as cur:
+            cur.execute(
+                "INSERT INTO replicas (name, started, seen) VALUES (%s, %s, %s) "
+                "ON CONFLICT (name) DO UPDATE SET seen = excluded.seen, started = excluded.started",
+                (self.replica, started, now),
+            )
+            cur.execute("DELETE FROM replicas WHERE seen < %s", (now - 10 * live_s,))
+            row = cur.execute(
+                "SELECT count(*) FROM replicas WHERE seen >= %s", (now - live_s,)
+            ).fetchone()
+        return max(1, int(row[0]) if row else 1)
+
+    def leave(self) -> None:
+        with self._cur() as cur:
+            cur.execute("DELETE FROM replicas WHERE name = %s", (self.replica,))
+
+    def try_lock(self, pair_id: str) -> bool:
+        with self._cur() as cur:
+            row = cur.execute(
+                "SELECT pg_try_advisory_lock(%s, %s)", (LOCK_SPACE, lock_key(pair_id))
+            ).fetchone()
+        return bool(row and row[0])
+
+    def unlock(self, pair_id: str) -> None:
+        with self._cur() as cur:
+            cur.execute("SELECT pg_advisory_unlock(%s, %s)", (LOCK_SPACE, lock_key(pair_id)))
+
+    def pending(self, pair_id: str, limit: int) -> list[tuple[int, str, int, str, bytes]]:
+        """The pair's oldest pending rows: ``(id, worker, sequence, kind, payload)``."""
+        with self._cur() as cur:
+            rows = cur.execute(
+                "SELECT id, worker_id, sequence, kind, payload FROM pending WHERE pair_id = %s "
+                "ORDER BY id LIMIT %s",
+                (pair_id, limit),
+            ).fetchall()
+        return [(int(i), str(w), int(q), str(k), bytes(p)) for i, w, q, k, p in rows]
+
+    def commit(self, record: dict[str, Any], folded: list[int]) -> bool:
+        """Write the pair's snapshot and delete the pending rows it folded, in one
+        transaction, then tell the replicas; False (nothing written) when the pair is
+        no longer stored (deleted meanwhile)."""
+        pid = record["id"]
+        try:
+            with self._cur() as cur, cur.connection.transaction():
+                held = cur.execute(
+                    "SELECT 1 FROM pairs WHERE id = %s FOR UPDATE", (pid,)
+                ).fetchone()
+                if held is None:
+                    return False
+                self.store._write_one(cur, record)
+                if folded:
+                    cur.execute("DELETE FROM pending WHERE id = ANY(%s)", (folded,))
+                cur.execute("SELECT pg_notify(%s, %s)", (PAIRS_CHANNEL, pid))
+        except psycopg.Error as exc:
+            raise StoreWriteRefused(
+                f"{self.store.location} refused the refit of pair {pid}; nothing of it was "
+                f"written: {type(exc).__name__}: {exc}"
+            ) from exc
+        return True
+
+
+def listen(
+    store: PostgresStore, deliver: Callable[[str, str], None], stop: threading.Event
+) -> None:
+    """Deliver ``(channel, payload)`` of every notification on avest's channels until
+    ``stop`` is set (run on a thread of its own); a lost connection is opened again,
+    and ``deliver("", "")`` says notifications may have been missed meanwhile."""
+    while not stop.is_set():
+        try:
+            conn = store._connect()
+        except StoreUnreadable:
+            stop.wait(LISTEN_RETRY_S)
+            continue
+        try:
+            with conn:
+                conn.execute(f"LISTEN {PAIRS_CHANNEL}")
+                conn.execute(f"LISTEN {PENDING_CHANNEL}")
+                deliver("", "")
+                while not stop.is_set():
+                    for note in conn.notifies(timeout=LISTEN_POLL_S):
+                        deliver(note.channel, note.payload)
+        except psycopg.Error:
+            stop.wait(LISTEN_RETRY_S)
+
+
+#: How often the listener looks at its stop flag, and waits before connecting again.
+LISTEN_POLL_S = 0.5
+LISTEN_RETRY_S = 1.0
+
 
 class MetaGuard:
     """What catches a lost PostgreSQL store: the count of pairs held, in ``meta``."""
@@ -465,6 +722,7 @@ def _delete(cur: psycopg.Cursor[Any], pair_id: str) -> None:
     for table in PAIR_TABLES:
         cur.execute(f"DELETE FROM {table} WHERE pair_id = %s", (pair_id,))
     cur.execute("DELETE FROM pairs WHERE id = %s", (pair_id,))
+    cur.execute("SELECT pg_notify(%s, %s)", (PAIRS_CHANNEL, "-" + pair_id))
 
 
 def _count_pairs(cur: psycopg.Cursor[Any]) -> int:

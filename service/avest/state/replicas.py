@@ -1,0 +1,385 @@
+"""Replicas: several ``avest serve`` processes on one PostgreSQL database.
+
+Every process whose store is PostgreSQL is a replica; one alone is a set of one.
+
+- **Any replica takes any stream.** A round summary, raw step or command it
+  receives is appended to the ``pending`` log (one row each, unique per worker
+  and sequence) by its group commit, and acknowledged once that transaction has
+  committed: nothing acknowledged lives in one process's memory only.
+- **One replica at a time refits a pair**: the one holding the pair's advisory
+  lock (:class:`~avest.state.postgres.Leadership`; PostgreSQL releases it when
+  that replica's session ends, so a replica that dies hands its pairs over). It
+  folds the pair's pending rows in the order they were stored, through the same
+  code one process runs (:meth:`Avest.observe`: judging each worker, refits), and
+  writes the snapshot and deletes the rows it folded in one transaction: a row is
+  folded exactly once, by whichever refitter commits it. A refitter that took a
+  pair over reads it from the store first.
+- **Raw steps are forwarded, not folded where they arrive.** Folding them at the
+  receiving replica would need each replica's round sums rebased and merged at
+  every refit and would split each worker's evidence, which robust pooling judges
+  whole; as rows of one log they are folded as one process folds them, so N
+  replicas give one replica's coefficients. The cost is the refitter's CPU: pairs
+  are spread over the replicas (each takes at most its share), not one pair's
+  steps.
+- **Every replica learns of a new version** by ``LISTEN``/``NOTIFY`` (and, should
+  a notification be lost, by polling each pair's revision every
+  :data:`LEASE_EVERY_S`), reads the pair and pushes it to its streams.
+- **Admin changes** (cost curves, reset, releasing a worker) are rows of the same
+  log, applied by the refitter in order with the steps.
+
+Everything here runs on the event loop except the PostgreSQL calls: the refitting
+session's on a thread of its own, the store's on the store's thread, the
+listener's on a third.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+
+from avest.core.estimator import Batch
+from avest.state.costs import CostCurves
+from avest.state.pairs import Pair
+from avest.state.postgres import (
+    PAIRS_CHANNEL,
+    PENDING_CHANNEL,
+    Leadership,
+    PostgresStore,
+    listen,
+)
+from avest.state.store_format import npz_bytes
+from avest_wire.messages import summary_from_pb, summary_to_pb
+from avest_wire.summary import RoundSummary
+from avest_wire.v1 import estimator_pb2 as pb
+
+if TYPE_CHECKING:
+    from avest.state.app import Avest
+
+log = logging.getLogger("avest")
+T = TypeVar("T")
+
+#: How often a refitter folds its pairs' pending rows when no notification woke
+#: it: the longest a summary waits in the log when a NOTIFY was lost.
+FOLD_EVERY_S = 0.25
+#: How often a replica records its heartbeat, takes pairs nobody refits (a
+#: replica that died: its sessions' locks are gone at once) and reads the
+#: revisions it missed. Fail-over takes at most about this long.
+LEASE_EVERY_S = 1.0
+#: A replica whose heartbeat is older than this is not counted in the shares.
+LIVE_S = 5.0
+#: Pending rows folded per transaction: a refit transaction stays short (the
+#: snapshot is written once per this many rows), and a backlog is folded in turns.
+FOLD_ROWS = 512
+#: The kinds of pending rows.
+SUMMARY, STEP, COSTS, RESET, RELEASE = "summary", "step", "costs", "reset", "release"
+
+
+def encode(batch: Batch | RoundSummary) -> tuple[str, bytes]:
+    """A step or round summary as a pending row's kind and payload."""
+    if isinstance(batch, RoundSummary):
+        return SUMMARY, summary_to_pb(batch).SerializeToString()
+    arrays = {"features": batch.features, "observed": batch.observed, "accepted": batch.accepted}
+    return STEP, npz_bytes(arrays)
+
+
+def decode(kind: str, payload: bytes, k: int) -> Batch | RoundSummary:
+    if kind == SUMMARY:
+        return summary_from_pb(pb.RoundSummary.FromString(payload), k)
+    with np.load(io.BytesIO(payload), allow_pickle=False) as npz:
+        return Batch(npz["features"], npz["observed"], npz["accepted"])
+
+
+class Replication:
+    """This replica's part: its pending log writes, the pairs it refits, and what it
+    learns of the others'. Made and started by :class:`~avest.state.app.Avest`."""
+
+    def __init__(self, app: Avest, store: PostgresStore, name: str) -> None:
+        self.app = app
+        self.store = store
+        self.name = name
+        self.started = time.time()
+        self.leadership = Leadership(store, name)
+        self._session = ThreadPoolExecutor(max_workers=1, thread_name_prefix="avest-lead")
+        #: Pairs this replica refits (holds the lock of).
+        self.led: set[str] = set()
+        #: Pairs to read from the store before anything else (taken over, or a
+        #: refit whose write failed: memory may be ahead of the store).
+        self.stale: set[str] = set()
+        #: Pairs another replica wrote since this one last read them.
+        self.outdated: set[str] = set()
+        #: Rows received and not yet stored: ``(pair, worker, sequence, kind, payload)``.
+        self.queue: list[tuple[str, str, int, str, bytes]] = []
+        #: ``(pair, worker) -> `` the highest sequence received here.
+        self.received: dict[tuple[str, str], int] = {}
+        #: Pairs registered here and not yet stored.
+        self.new: set[str] = set()
+        #: Replicas alive at the last heartbeat.
+        self.live = 1
+        #: Pending rows this replica folded, and rows it could not decode (dropped).
+        self.folded_rows = 0
+        self.undecodable_rows = 0
+        self._commands = time.time_ns() // 1000
+        self._wake = asyncio.Event()
+        self._lease_due = 0.0
+        self._stop = threading.Event()
+        self._listener: threading.Thread | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+
+    # -- lifecycle -------------------------------------------------------------
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        def deliver(channel: str, payload: str) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(self._notified, channel, payload)
+
+        self._listener = threading.Thread(
+            target=listen, args=(self.store, deliver, self._stop), name="avest-listen", daemon=True
+        )
+        self._listener.start()
+        self.app.store_errors.setdefault("refit", 0)
+        await self._lease()
+        self._loop_task = asyncio.create_task(self._run(), name="avest-replica")
+
+    async def close(self) -> None:
+        """Fold what is pending of the pairs led here, hand them over, and leave."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        for pid in sorted(self.led):
+            try:
+                await self._fold(pid)
+            except Exception as exc:
+                log.warning("pair %s: last fold before leaving failed: %s", pid, exc)
+        with contextlib.suppress(Exception):
+            await self._in_session(self.leadership.leave)
+        self.led.clear()
+        await self._in_session(self.leadership.close)
+        self._session.shutdown(wait=True)
+        self._stop.set()
+
+    def leads(self, pair: Pair) -> bool:
+        return pair.id in self.led
+
+    # -- what the service receives ---------------------------------------------
+
+    def offer(self, pair: Pair, worker: str, seq: int, batch: Batch | RoundSummary) -> bool:
+        """Queue a step or summary for the pending log; False for one already received
+        (folded, stored or queued)."""
+        key = (pair.id, worker)
+        known = max(
+            self.received.get(key, 0), pair.durable.get(worker, 0), pair.applied.get(worker, 0)
+        )
+        if seq <= known:
+            return False
+        self.received[key] = seq
+        self.queue.append((pair.id, worker, seq, *encode(batch)))
+        return True
+
+    def command(self, pair: Pair, kind: str, payload: dict[str, Any] | None = None) -> None:
+        """Queue an admin change for the pair's refitter, which applies it in order."""
+        self._commands += 1
+        body = json.dumps(payload or {}).encode()
+        self.queue.append((pair.id, f"@{self.name}", self._commands, kind, body))
+        self.app.flush_soon()
+
+    def set_costs(self, pair: Pair, curves: CostCurves) -> None:
+        pair.set_costs(curves)  # served here at once; stored by the refitter
+        self.command(pair, COSTS, curves.as_dict())
+
+    async def watermark(self, pair: Pair, worker: str) -> tuple[int, int]:
+        """What the replicas hold of a worker: ``(applied, acknowledged)``, both the
+        highest sequence stored (folded or pending) or received here."""
+        stored = await self.app.in_store(self.store.watermark, pair.id, worker)
+        durable = max(stored, pair.durable.get(worker, 0))
+        pair.durable[worker] = durable
+        return max(durable, self.received.get((pair.id, worker), 0)), durable
+
+    async def flush(self) -> list[tuple[str, str, int]]:
+        """Store the pairs registered here and the rows received; returns the
+        ``(pair, worker, sequence)`` watermarks the rows raised (now acknowledged)."""
+        new = [p for p in (self.app.registry.pairs.get(i) for i in sorted(self.new)) if p]
+        if new:
+            records = [self.app.registry.snapshot(p) for p in new]
+            created = await self.app.in_store(self.store.create, records)
+            self.new.clear()
+            for pid in set(r["id"] for r in records) - set(created):
+                self.stale.add(pid)  # another replica stored it first: take its state
+            self._lease_due = 0.0
+            self._wake.set()
+        rows, self.queue = self.queue, []
+        if not rows:
+            return []
+        try:
+            await self.app.in_store(self.store.append_pending, rows, self.name)
+        except BaseException:
+            self.queue[:0] = rows
+            raise
+        raised: dict[tuple[str, str], int] = {}
+        for pid, worker, seq, _, _ in rows:
+            pair = self.app.registry.pairs.get(pid)
+            if pair is None or worker.startswith("@"):
+                continue
+            if seq > pair.durable.get(worker, 0):
+                pair.durable[worker] = seq
+                raised[(pid, worker)] = seq
+        return [(pid, worker, seq) for (pid, worker), seq in raised.items()]
+
+    # -- what the replicas share ---------------------------------------------------
+
+    def _notified(self, channel: str, payload: str) -> None:
+        if channel == PENDING_CHANNEL:
+            if payload in self.led:
+                self._wake.set()
+            return
+        if channel == PAIRS_CHANNEL and payload.startswith("-"):
+            pair = self.app.registry.pairs.get(payload[1:])
+            if pair is not None:
+                self.led.discard(pair.id)
+                self.app.forget(pair, "deleted")
+            return
+        if channel == PAIRS_CHANNEL:
+            if payload not in self.led:
+                self.outdated.add(payload)
+        else:  # (re)connected: notifications may have been missed
+            self._lease_due = 0.0
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=FOLD_EVERY_S)
+            self._wake.clear()
+            try:
+                if time.monotonic() >= self._lease_due:
+                    await self._lease()
+                for pid in sorted(self.outdated - self.led):
+                    self.outdated.discard(pid)
+                    await self._read(pid)
+                for pid in sorted(self.led):
+                    await self._fold(pid)
+                if self.app.store_error.startswith("store refit"):
+                    log.warning("replica %s: refits resumed", self.name)
+                    self.app.store_error = ""
+            except Exception as exc:
+                self.app.store_failed("refit", exc)
+                log.warning("replica %s: %s; retrying", self.name, self.app.store_error)
+                self._lease_due = 0.0
+                await asyncio.sleep(FOLD_EVERY_S)
+
+    async def _lease(self) -> None:
+        """Heartbeat; read pairs stored or changed elsewhere; take the pairs nobody
+        refits up to this replica's share, and hand over those beyond it."""
+        self._lease_due = time.monotonic() + LEASE_EVERY_S
+        if not self.leadership.alive():
+            if self.led:
+                log.warning("replica %s lost its session: refits %d pair(s) no more",
+                            self.name, len(self.led))  # fmt: skip
+            self.led.clear()
+            await self._in_session(self.leadership.connect)
+        self.live = await self._in_session(self.leadership.heartbeat, self.started, LIVE_S)
+        revisions = await self.app.in_store(self.store.revisions)
+        registry = self.app.registry.pairs
+        for pid in sorted(set(registry) - set(revisions) - self.new):
+            self.led.discard(pid)
+            self.app.forget(registry[pid], "deleted")
+        for pid, revision in sorted(revisions.items()):
+            pair = registry.get(pid)
+            if pair is None or (pid not in self.led and revision != pair.revision):
+                await self._read(pid)
+        share = math.ceil(len(revisions) / self.live)
+        start = hash(self.name) % max(1, len(revisions))
+        order = sorted(revisions)
+        for pid in order[start:] + order[:start]:
+            if len(self.led) >= share:
+                break
+            if pid not in self.led and await self._in_session(self.leadership.try_lock, pid):
+                self.led.add(pid)
+                self.stale.add(pid)
+                log.info("replica %s refits pair %s", self.name, pid)
+        for pid in sorted(self.led)[share:]:
+            await self._fold(pid)
+            self.led.discard(pid)
+            await self._in_session(self.leadership.unlock, pid)
+            log.info("replica %s hands pair %s over", self.name, pid)
+
+    async def _read(self, pid: str) -> Pair | None:
+        """Take the stored state of a pair: a new one, or a newer one."""
+        record, revision = await self.app.in_store(self.store.load_pair, pid)
+        pair = self.app.registry.pairs.get(pid)
+        if record is None:
+            if pair is not None and pid not in self.new:
+                self.led.discard(pid)
+                self.app.forget(pair, "deleted")
+            return None
+        if pair is None:
+            pair = self.app.adopt(record)
+        else:
+            self.app.registry.refresh(pair, record)
+        pair.revision = revision
+        return pair
+
+    async def _fold(self, pid: str) -> None:
+        """Fold the pair's pending rows and write the result (one transaction)."""
+        if pid in self.stale:
+            self.stale.discard(pid)
+            if await self._read(pid) is None:
+                return
+        pair = self.app.registry.pairs.get(pid)
+        if pair is None:
+            return
+        rows = await self._in_session(self.leadership.pending, pid, FOLD_ROWS)
+        if not rows and not pair.dirty:
+            return
+        for _, worker, seq, kind, payload in rows:
+            try:
+                self._apply(pair, worker, seq, kind, payload)
+            except Exception as exc:  # stored by an older or newer release: say so, go on
+                self.undecodable_rows += 1
+                log.error("pair %s: pending %s of %s dropped: %s", pid, kind, worker, exc)
+        record = self.app.registry.snapshot(pair)
+        pair.dirty = False
+        try:
+            kept = await self._in_session(self.leadership.commit, record, [r[0] for r in rows])
+        except BaseException:
+            self.app.registry.unsnapshot(pair, record)
+            self.stale.add(pid)  # memory is ahead of the store: read it again first
+            raise
+        if not kept:
+            self.led.discard(pid)
+            self.app.forget(pair, "deleted")
+            return
+        self.folded_rows += len(rows)
+        pair.revision += 1
+        self.app.saved(pair, record)
+        if len(rows) == FOLD_ROWS:
+            self._wake.set()  # more to fold
+
+    def _apply(self, pair: Pair, worker: str, seq: int, kind: str, payload: bytes) -> None:
+        if kind in (SUMMARY, STEP):
+            self.app.observe(pair, worker, seq, decode(kind, payload, pair.k))
+        elif kind == COSTS:
+            pair.set_costs(CostCurves.from_dict(json.loads(payload)))
+        elif kind == RESET:
+            pair.reset()
+        elif kind == RELEASE:
+            with contextlib.suppress(KeyError, ValueError):  # gone, or released already
+                pair.workers.release(json.loads(payload)["worker"])
+        else:
+            raise ValueError(f"unknown kind {kind!r}")
+
+    async def _in_session(self, call: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._session, call, *args)
