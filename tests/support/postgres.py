@@ -117,27 +117,36 @@ class PostgresCluster:
             pytest.fail(f"initdb failed:\n{made.stdout}\n{made.stderr}")
         for _ in range(START_TRIES):
             self.port = free_port()
-            options = (
-                f"-c listen_addresses=127.0.0.1 -p {self.port} "
-                f"-c unix_socket_directories={self.socket_dir}"
-            )
-            started = self._run(
-                str(self.bindir / "pg_ctl"),
-                "-D",
-                str(self.data),
-                "-l",
-                str(self.log),
-                "-w",
-                "-t",
-                str(PG_CTL_WAIT_S),
-                "-o",
-                options,
-                "start",
-            )
+            started = self._start()
             if started.returncode == 0:
                 return
         log = self.log.read_text() if self.log.exists() else ""
         pytest.fail(f"pg_ctl start failed:\n{started.stdout}\n{started.stderr}\n{log[-3000:]}")
+
+    def _start(self) -> subprocess.CompletedProcess[str]:
+        options = (
+            f"-c listen_addresses=127.0.0.1 -p {self.port} "
+            f"-c unix_socket_directories={self.socket_dir}"
+        )
+        return self._run(
+            str(self.bindir / "pg_ctl"),
+            "-D",
+            str(self.data),
+            "-l",
+            str(self.log),
+            "-w",
+            "-t",
+            str(PG_CTL_WAIT_S),
+            "-o",
+            options,
+            "start",
+        )
+
+    def resume(self) -> None:
+        """Start the server again after :meth:`stop`, on the same port."""
+        started = self._start()
+        if started.returncode != 0:
+            pytest.fail(f"pg_ctl start failed:\n{started.stdout}\n{started.stderr}")
 
     def restart(self) -> None:
         """Stop and start the server (fast shutdown: open connections are cut)."""

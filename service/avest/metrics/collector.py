@@ -58,6 +58,11 @@ COLLECTED = (
     names.DRAFTS_OBSERVED,
     names.STEPS_OBSERVED,
     names.REFITS,
+    names.REPLICA_INFO,
+    names.REPLICA_PAIRS_REFITTED,
+    names.REPLICAS_LIVE,
+    names.PENDING_FOLDED,
+    names.PENDING_DROPPED,
     names.OPEN_STREAMS,
     names.OVERLOADED,
     names.TURN_WAIT,
@@ -140,6 +145,13 @@ class PairCollector:
             f[names.STORE_ERRORS].add_metric([operation], float(count))
         f[names.STORE_WRITABLE].add_metric([], 0.0 if getattr(app, "store_error", "") else 1.0)
         f[names.QUARANTINED_PAIRS].add_metric([], float(len(getattr(app, "quarantined", {}))))
+        replication = getattr(app, "replication", None)
+        if replication is not None:
+            f[names.REPLICA_INFO].add_metric([replication.name], 1.0)
+            f[names.REPLICA_PAIRS_REFITTED].add_metric([], float(len(replication.led)))
+            f[names.REPLICAS_LIVE].add_metric([], float(replication.live))
+            f[names.PENDING_FOLDED].add_metric([], float(replication.folded_rows))
+            f[names.PENDING_DROPPED].add_metric([], float(replication.undecodable_rows))
         f[names.PAIRS].add_metric([], float(len(pairs)))
         f[names.QUEUE_DEPTH].add_metric([], tallied)
 

@@ -86,6 +86,12 @@ REFUSED_BATCHES = "avest_refused_batches_total"
 STORE_ERRORS = "avest_store_errors_total"
 STORE_WRITABLE = "avest_store_writable"
 QUARANTINED_PAIRS = "avest_quarantined_pairs"
+# Replicas on PostgreSQL (avest.state.replicas): each replica's own part.
+REPLICA_INFO = "avest_replica_info"
+REPLICA_PAIRS_REFITTED = "avest_replica_pairs_refitted"
+REPLICAS_LIVE = "avest_replicas_live"
+PENDING_FOLDED = "avest_pending_rows_folded_total"
+PENDING_DROPPED = "avest_pending_rows_dropped_total"
 # The calibration layer (avest.core.calibration), per pair.
 CALIBRATION_LAYER_SERVED = "avest_calibration_layer_served"
 CALIBRATION_LAYER_GAIN = "avest_calibration_layer_logloss_gain"
@@ -355,6 +361,40 @@ METRICS: tuple[MetricSpec, ...] = (
         (),
         "1 while the last store write succeeded, 0 while writes fail (disk full, read-only); "
         "/readyz then answers 503 with the reason.",
+    ),
+    MetricSpec(
+        REPLICA_INFO,
+        "gauge",
+        ("replica",),
+        "1, labelled with this replica's name (--replica-name), on a PostgreSQL store: every "
+        "process on one database is a replica.",
+    ),
+    MetricSpec(
+        REPLICA_PAIRS_REFITTED,
+        "gauge",
+        (),
+        "Pairs this replica refits (holds the advisory lock of); summed over the replicas, "
+        "the pairs held. Each pair's series are exported by its refitter alone.",
+    ),
+    MetricSpec(
+        REPLICAS_LIVE,
+        "gauge",
+        (),
+        "Replicas whose heartbeat this replica saw in the last few seconds.",
+    ),
+    MetricSpec(
+        PENDING_FOLDED,
+        "counter",
+        (),
+        "Pending log rows (round summaries, raw steps, admin changes from any replica) this "
+        "replica folded into the pairs it refits.",
+    ),
+    MetricSpec(
+        PENDING_DROPPED,
+        "counter",
+        (),
+        "Pending log rows this replica could not decode (written by another release) and "
+        "dropped, logged with the pair and worker.",
     ),
     MetricSpec(
         QUARANTINED_PAIRS,

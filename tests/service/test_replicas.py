@@ -1,0 +1,240 @@
+"""Replicas on one PostgreSQL database (:mod:`avest.state.replicas`), each a real
+``avest serve`` process on a real PostgreSQL server.
+
+- Three replicas with the workers spread across them give one replica's
+  coefficients, raw steps and round summaries alike, and every replica serves them.
+- The refitting replica killed (SIGKILL) with acknowledged rows not yet folded: the
+  other takes the pair over, nothing acknowledged is lost and nothing is counted
+  twice (the same coefficients as one replica given the same messages in the same
+  order, resends included).
+- PostgreSQL stopped for ten seconds: no step sent meanwhile is acknowledged
+  (``/readyz`` 503), and everything is once it is back.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from avest_wire.v1 import estimator_pb2 as pb
+from tests.support.helpers import wait_until
+from tests.support.postgres import PostgresCluster, import_psycopg
+
+import_psycopg()
+from avest.core.estimator import make_batch  # noqa: E402
+from avest.core.model import Coefficients  # noqa: E402
+from avest.core.summary import summarise  # noqa: E402
+from avest_wire.messages import summary_to_pb  # noqa: E402
+from tests.support.replicas import (  # noqa: E402
+    WAIT_S,
+    pending_rows,
+    refitted,
+    refitter,
+    replicas,
+    settled,
+)
+from tests.support.rpc import observe_all, stub_for, synthetic_steps  # noqa: E402
+from tests.support.serve import Served  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+K = 4
+STEPS = 30
+WORKERS = 3
+#: Refit every 10 steps: each worker's messages span several refits.
+REFIT_INTERVAL = 10
+KEY = pb.PairKey(
+    target_model="target", draft_model="draft", method="draft_model", num_speculative_tokens=K
+)
+
+
+def _register(replica: Served) -> str:
+    """Register the pair on a replica (as each worker does on the one it reaches)."""
+    channel, stub = stub_for(replica.grpc_address)
+    try:
+        request = pb.RegisterPairRequest(key=KEY, refit_interval=REFIT_INTERVAL)
+        return str(stub.RegisterPair(request, timeout=30).pair_id)
+    finally:
+        channel.close()
+
+
+def _send(replica: Served, msgs: list[pb.ObserveRequest]) -> int:
+    """Stream ``msgs`` to a replica; the highest sequence acknowledged."""
+    channel, stub = stub_for(replica.grpc_address)
+    try:
+        return int(observe_all(stub, msgs)[0])
+    finally:
+        channel.close()
+
+
+def _summaries(pair_id: str, worker: str, seed: int) -> list[pb.ObserveRequest]:
+    """A worker's round summaries, each of 5 steps scored at the cold start (the
+    refitter moves each to the coefficients in force)."""
+    rng = np.random.default_rng(seed)
+    at = Coefficients.cold_start(K)
+    out = []
+    for seq in range(1, STEPS // 5 + 1):
+        batches = []
+        for _ in range(5):
+            d = rng.integers(0, K + 1, size=8)
+            b = make_batch(
+                rng.normal(0.0, 2.0, size=(8, K)),
+                d,
+                np.minimum(d, rng.integers(0, K + 1, size=8)),
+                K,
+            )
+            batches.append((b.features, b.observed, b.accepted))
+        summary = summarise(batches, at, version=0)
+        out.append(
+            pb.ObserveRequest(
+                pair_id=pair_id, worker_id=worker, sequence=seq, summary=summary_to_pb(summary)
+            )
+        )
+    return out
+
+
+def _messages(pair_id: str, mode: str, worker: int) -> list[pb.ObserveRequest]:
+    if mode == "raw":
+        return synthetic_steps(pair_id, f"w{worker}", K, STEPS, seed=worker)
+    return _summaries(pair_id, f"w{worker}", seed=worker)
+
+
+def _close(a: pb.Pair, b: pb.Pair) -> None:
+    assert a.coefficients.version == b.coefficients.version
+    assert a.steps_observed == b.steps_observed
+    assert a.drafts_observed == b.drafts_observed
+    assert math.isclose(a.coefficients.slope, b.coefficients.slope, rel_tol=1e-9, abs_tol=1e-12)
+    np.testing.assert_allclose(
+        list(a.coefficients.intercepts), list(b.coefficients.intercepts), rtol=1e-9, atol=1e-12
+    )
+
+
+def _fleet(url: str, root: Path, n: int, mode: str) -> list[pb.Pair]:
+    """Workers one after the other, worker w on replica w mod n, every message
+    acknowledged before the next worker sends (so the log's order is the same
+    whatever ``n``); the pair as every replica serves it once all is folded."""
+    with replicas(url, n, root) as group:
+        pair_id = ""
+        steps = 0
+        for w in range(WORKERS):
+            replica = group[w % n]
+            pair_id = _register(replica)
+            msgs = _messages(pair_id, mode, w)
+            assert _send(replica, msgs) == len(msgs)
+            steps += STEPS
+        return settled(url, group, pair_id, steps)
+
+
+@pytest.mark.parametrize("mode", ["raw", "summary"])
+def test_three_replicas_give_one_replicas_coefficients(
+    tmp_path: Path, postgres_cluster: PostgresCluster, mode: str
+) -> None:
+    one = _fleet(postgres_cluster.create_database(), tmp_path / "one", 1, mode)
+    three = _fleet(postgres_cluster.create_database(), tmp_path / "three", 3, mode)
+    assert one[0].coefficients.version >= STEPS * WORKERS // REFIT_INTERVAL
+    for served in three:  # every replica serves the refitter's coefficients
+        _close(served, one[0])
+
+
+def _reference(url: str, root: Path, order: list[list[pb.ObserveRequest]], steps: int) -> pb.Pair:
+    with replicas(url, 1, root) as (replica,):
+        _register(replica)
+        for msgs in order:
+            assert _send(replica, msgs) == msgs[-1].sequence
+        return settled(url, [replica], msgs[0].pair_id, steps)[0]
+
+
+def test_a_killed_refitter_hands_its_pair_over_losing_nothing(
+    tmp_path: Path, postgres_cluster: PostgresCluster
+) -> None:
+    url = postgres_cluster.create_database()
+    with replicas(url, 2, tmp_path / "pair") as group:
+        pair_id = _register(group[0])
+        _register(group[1])
+        lead = refitter(group)
+        other = group[1] if lead is group[0] else group[0]
+        w0 = synthetic_steps(pair_id, "w0", K, 2 * STEPS, seed=0)
+        w1 = synthetic_steps(pair_id, "w1", K, 2 * STEPS, seed=1)
+        assert _send(lead, w0[:STEPS]) == STEPS
+        assert _send(other, w1[:STEPS]) == STEPS
+        settled(url, group, pair_id, 2 * STEPS)
+        # The refitter stops folding (its session, and its lock, live on) ...
+        lead.proc.send_signal(signal.SIGSTOP)
+        assert _send(other, w1[STEPS:]) == 2 * STEPS
+        assert pending_rows(url) == STEPS  # acknowledged, not folded
+        # ... and dies mid-round.
+        killed = time.monotonic()
+        lead.proc.kill()
+        lead.proc.wait(WAIT_S)
+        # Its worker reconnects to the other replica and resends everything it has
+        # (the first half was acknowledged already; an unknowing resend is harmless).
+        assert _send(other, w0) == 2 * STEPS
+        (after,) = settled(url, [other], pair_id, 4 * STEPS)
+        print(f"\nfail-over: the pair folded again {time.monotonic() - killed:.2f} s after SIGKILL")
+        assert refitted(other) == 1
+    # The same messages in the same order, once each, on one replica.
+    order = [w0[:STEPS], w1[:STEPS], w1[STEPS:], w0]
+    _close(
+        after, _reference(postgres_cluster.create_database(), tmp_path / "ref", order, 4 * STEPS)
+    )
+
+
+def test_postgresql_stopped_for_ten_seconds_holds_the_acks_and_loses_nothing(
+    tmp_path: Path, postgres_cluster: PostgresCluster
+) -> None:
+    url = postgres_cluster.create_database()
+    with replicas(url, 2, tmp_path / "pair") as group:
+        pair_id = _register(group[0])
+        _register(group[1])
+        steps = synthetic_steps(pair_id, "w0", K, 2 * STEPS, seed=0)
+        assert _send(group[0], steps[:STEPS]) == STEPS
+        settled(url, group, pair_id, STEPS)
+
+        postgres_cluster.stop()
+        stopped = time.monotonic()
+        acks: list[tuple[float, int]] = []
+        done = threading.Event()
+
+        def requests() -> Iterator[pb.ObserveRequest]:
+            yield from steps[STEPS:]
+            done.wait(3 * WAIT_S)  # the stream stays open for its acks
+
+        def consume() -> None:
+            channel, stub = stub_for(group[1].grpc_address)
+            try:
+                for resp in stub.Observe(requests(), timeout=4 * WAIT_S):
+                    if resp.HasField("ack"):
+                        acks.append((time.monotonic(), resp.ack.acked_sequence))
+                        if resp.ack.acked_sequence == 2 * STEPS:
+                            done.set()
+            finally:
+                channel.close()
+
+        reader = threading.Thread(target=consume)
+        reader.start()
+        try:
+            ready = f"{group[1].http_url}/readyz"
+            assert wait_until(lambda: httpx.get(ready, timeout=10).status_code == 503, WAIT_S)
+            time.sleep(max(0.0, 10.0 - (time.monotonic() - stopped)))
+            assert [seq for _, seq in acks if seq > STEPS] == []  # nothing acknowledged
+            postgres_cluster.resume()
+            resumed = time.monotonic()
+            assert done.wait(WAIT_S), acks
+        finally:
+            done.set()
+            reader.join(WAIT_S)
+        print(f"\nacknowledged again {acks[-1][0] - resumed:.2f} s after PostgreSQL was back")
+        settled(url, group, pair_id, 2 * STEPS)
+        for replica in group:
+            assert wait_until(
+                lambda r=replica: httpx.get(f"{r.http_url}/readyz", timeout=10).status_code == 200,
+                WAIT_S,
+            )

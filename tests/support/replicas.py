@@ -1,0 +1,96 @@
+"""Replicas for the tests: several ``avest serve`` processes on one PostgreSQL database.
+
+:func:`replicas` starts ``n`` of them (``--store URL --replica-name rN``), each a
+subprocess (:func:`tests.support.serve.serve`), so that one can be killed
+(SIGKILL, SIGSTOP) like a node lost; :func:`refitter` says which one refits a pair
+(the ``avest_replica_pairs_refitted`` gauge of each); :func:`settled` waits until
+every replica serves the pair at one version with nothing left pending.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+
+from avest_wire.v1 import estimator_pb2 as pb
+from tests.support.helpers import wait_until
+from tests.support.rpc import stub_for
+from tests.support.serve import Served, serve
+
+#: Seconds allowed for a condition on a loaded machine (never a measured duration).
+WAIT_S = 90.0
+
+
+@contextlib.contextmanager
+def replicas(url: str, n: int, root: Path, *args: str) -> Iterator[list[Served]]:
+    """``n`` replicas on the database at ``url`` (data directories under ``root``)."""
+    started: list[Served] = []
+    try:
+        for i in range(n):
+            started.append(
+                serve(
+                    root / f"r{i}", "--store", url, "--replica-name", f"r{i}", *args, timeout=WAIT_S
+                )
+            )
+        yield started
+    finally:
+        for replica in started:
+            replica.stop()
+
+
+def get_pair(replica: Served, pair_id: str) -> pb.Pair:
+    channel, stub = stub_for(replica.grpc_address)
+    try:
+        return stub.GetPair(pb.GetPairRequest(pair_id=pair_id), timeout=30).pair
+    finally:
+        channel.close()
+
+
+def pending_rows(url: str) -> int:
+    with psycopg.connect(url) as conn:
+        row = conn.execute("SELECT count(*) FROM pending").fetchone()
+    return int(row[0]) if row else 0
+
+
+def refitted(replica: Served) -> int:
+    """How many pairs the replica refits, from its metrics."""
+    for line in replica.metrics_text().splitlines():
+        if line.startswith("avest_replica_pairs_refitted "):
+            return int(float(line.split()[-1]))
+    return 0
+
+
+def refitter(group: list[Served]) -> Served:
+    """The replica that refits (the one pair of) the group, once one does."""
+    found: list[Served] = []
+    assert wait_until(
+        lambda: (
+            bool(found.extend(r for r in group if r.proc.poll() is None and refitted(r)))
+            or bool(found)
+        ),
+        WAIT_S,
+        0.1,
+    ), "no replica refits the pair"
+    return found[0]
+
+
+def settled(url: str, group: list[Served], pair_id: str, steps: int) -> list[pb.Pair]:
+    """Wait until nothing is pending and every replica serves the pair with ``steps``
+    folded, at one version; the pair as each replica serves it."""
+
+    def done() -> bool:
+        if pending_rows(url):
+            return False
+        seen = [get_pair(r, pair_id) for r in group]
+        return (
+            all(p.steps_observed == steps for p in seen)
+            and len({p.coefficients.version for p in seen}) == 1
+        )
+
+    assert wait_until(done, WAIT_S, 0.1), [
+        (p.steps_observed, p.coefficients.version) for p in (get_pair(r, pair_id) for r in group)
+    ]
+    return [get_pair(r, pair_id) for r in group]
