@@ -174,6 +174,12 @@ class Replication:
     def leads(self, pair: Pair) -> bool:
         return pair.id in self.led
 
+    @property
+    def backlog(self) -> int:
+        """Steps and round summaries received here and not yet handed to the
+        pending log's write (so not yet acknowledged); admin changes left out."""
+        return sum(1 for _, worker, _, _, _ in self.queue if not worker.startswith("@"))
+
     # -- what the service receives ---------------------------------------------
 
     def offer(self, pair: Pair, worker: str, seq: int, batch: Batch | RoundSummary) -> bool:
@@ -215,9 +221,13 @@ class Replication:
         if new:
             records = [self.app.registry.snapshot(p) for p in new]
             created = await self.app.in_store(self.store.create, records)
-            self.new.clear()
-            for pid in set(r["id"] for r in records) - set(created):
-                self.stale.add(pid)  # another replica stored it first: take its state
+            self.new.difference_update(r["id"] for r in records)
+            for pair in new:
+                if pair.id in created:
+                    pair.revision = max(pair.revision, 1)
+                else:
+                    self.stale.add(pair.id)  # another replica stored it first: take its state
+                    self.outdated.add(pair.id)
             self._lease_due = 0.0
             self._wake.set()
         rows, self.queue = self.queue, []
@@ -291,9 +301,13 @@ class Replication:
             self.led.clear()
             await self._in_session(self.leadership.connect)
         self.live = await self._in_session(self.leadership.heartbeat, self.started, LIVE_S)
-        revisions = await self.app.in_store(self.store.revisions)
         registry = self.app.registry.pairs
-        for pid in sorted(set(registry) - set(revisions) - self.new):
+        # Pairs known stored before the read: one the read lacks was deleted since.
+        stored = {pid for pid, pair in registry.items() if pair.revision > 0}
+        revisions = await self.app.in_store(self.store.revisions)
+        for pid in sorted(stored - set(revisions)):
+            if pid not in registry:
+                continue
             self.led.discard(pid)
             self.app.forget(registry[pid], "deleted")
         for pid, revision in sorted(revisions.items()):
@@ -321,7 +335,7 @@ class Replication:
         record, revision = await self.app.in_store(self.store.load_pair, pid)
         pair = self.app.registry.pairs.get(pid)
         if record is None:
-            if pair is not None and pid not in self.new:
+            if pair is not None and pair.revision > 0:
                 self.led.discard(pid)
                 self.app.forget(pair, "deleted")
             return None
