@@ -205,10 +205,11 @@ class Prometheus:
 def prometheus_config(avest_target: str, vllm_target: str, rules: Path) -> str:
     """deploy/prometheus/prometheus.yml made to run on loopback: 1 s scrape and
     evaluation intervals, the avest job pointed at ``avest_target``, the vLLM
-    job's DNS discovery replaced by ``vllm_target``, the rule file by its
-    absolute path. Everything else (metrics paths, relabelling) is the deploy
-    file's own. Every edit must find its text, so a change in the deploy file
-    fails here loudly rather than testing something else."""
+    job's DNS discovery replaced by ``vllm_target``, the replicas' job (whose
+    replicas are not run here) left out, the rule file by its absolute path.
+    Everything else (metrics paths, relabelling) is the deploy file's own.
+    Every edit must find its text, so a change in the deploy file fails here
+    loudly rather than testing something else."""
     text = PROMETHEUS_CONFIG.read_text()
 
     def once(pattern: str, repl: str, flags: int = 0) -> None:
@@ -217,6 +218,8 @@ def prometheus_config(avest_target: str, vllm_target: str, rules: Path) -> str:
         if n < 1:
             raise AssertionError(f"{PROMETHEUS_CONFIG}: no match for {pattern!r}")
 
+    # The replicas' job (the compose postgres profile): no replica runs here.
+    once(r"(?m)^  - job_name: avest-replicas\n(?:    .*\n)*\n?", "")
     once(r"(?m)^(\s*)scrape_interval: \S+$", "")
     once(r"(?m)^(\s*)evaluation_interval: \S+$", "")
     once(r"(?m)^global:$", "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s")

@@ -62,6 +62,9 @@ NOT_RUN = {
     "vllm-0": "a vLLM worker: needs a GPU and model weights",
     "vllm-1": "a vLLM worker: needs a GPU and model weights",
     "grafana": "Grafana is not installed here; its dashboard's queries are run against Prometheus",
+    "postgres": "the postgres profile: its replicas are run by test_compose_replicas.py",
+    "avest-r1": "the postgres profile: run by test_compose_replicas.py",
+    "avest-r2": "the postgres profile: run by test_compose_replicas.py",
 }
 
 #: Dashboard queries allowed to return nothing in a run of a minute, each
@@ -184,9 +187,10 @@ def mounts(service: dict[str, Any], tmp: Path) -> dict[str, Path]:
 
 def prometheus_folder(source: Path, dest: Path, ports: Ports) -> Path:
     """A copy of deploy/prometheus (rules, tests) whose prometheus.yml names the
-    local targets: ``avest:8000`` becomes the sidecar's loopback port, and the
+    local targets: ``avest:8000`` becomes the sidecar's loopback port, the
     vLLM job's DNS discovery of the alias ``vllm`` (port 8000) the simulator's
-    static loopback target. Nothing else changes (intervals, paths, relabelling)."""
+    static loopback target, and the replicas' job (postgres profile, not run
+    here) is left out. Nothing else changes (intervals, paths, relabelling)."""
     shutil.copytree(source, dest)
     config = yaml.safe_load((source / "prometheus.yml").read_text())
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
@@ -195,6 +199,10 @@ def prometheus_folder(source: Path, dest: Path, ports: Ports) -> Path:
     dns = jobs["vllm"].pop("dns_sd_configs")
     assert [(d["names"], d["type"], d["port"]) for d in dns] == [(["vllm"], "A", 8000)], dns
     jobs["vllm"]["static_configs"] = [{"targets": [f"127.0.0.1:{ports.vllm_sim}"]}]
+    # The postgres profile's replicas are not among the services run here.
+    replicas = jobs.pop("avest-replicas")
+    assert [d["names"] for d in replicas["dns_sd_configs"]] == [["avest-replicas"]], replicas
+    config["scrape_configs"] = list(jobs.values())
     (dest / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False))
     return dest
 

@@ -40,8 +40,10 @@ kubernetes_validate = pytest.importorskip(
 BASE = KUBERNETES / "base"
 TLS = KUBERNETES / "tls"
 VLLM = KUBERNETES / "vllm"
-#: The kustomizations shipped, each rendered and validated as a whole.
-KUSTOMIZATIONS = (BASE, TLS, VLLM)
+REPLICAS = KUBERNETES / "replicas"
+#: The kustomizations shipped, each rendered and validated as a whole
+#: (test_deploy_replicas.py checks the replicas' objects further).
+KUSTOMIZATIONS = (BASE, TLS, VLLM, REPLICAS)
 #: Files that are not whole objects: patches and Helm values.
 PARTIAL = {
     TLS / "statefulset-tls.yaml",
