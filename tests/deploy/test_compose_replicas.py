@@ -6,7 +6,7 @@ one real PostgreSQL database, and Prometheus with the stack's own
 configuration scraping them through its replicas job.
 
 What compose provides and a local run cannot is rewritten, and only that:
-ports and hosts as test_compose_commands.rewrite rewrites them; the image's
+ports and hosts as compose.rewrite rewrites them; the image's
 ``/data`` volume (an anonymous one per container) a fresh folder per replica;
 in the store URL, the ``postgres`` service's host, port and database the test
 cluster's (the user is the same, ``avest``; the cluster trusts loopback, so the
@@ -36,15 +36,7 @@ from tests.support.helpers import http_get
 from tests.support.postgres import PostgresCluster
 from tests.support.serve import stop_process
 
-from .harness import (
-    ALERTS,
-    PROMETHEUS_CONFIG,
-    PROMETHEUS_HINT,
-    Prometheus,
-    require_tool,
-    start_prometheus,
-)
-from .test_compose_commands import (
+from .compose import (
     Local,
     Ports,
     compose_services,
@@ -54,6 +46,14 @@ from .test_compose_commands import (
     start,
     stop,
     wait_for,
+)
+from .harness import (
+    ALERTS,
+    PROMETHEUS_CONFIG,
+    PROMETHEUS_HINT,
+    Prometheus,
+    require_tool,
+    start_prometheus,
 )
 
 pytestmark = pytest.mark.slow

@@ -19,15 +19,9 @@ import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from tests.support.docker import (
-    COMPOSE_HINT,
-    compose_command,
-    compose_major,
-    env_of,
-    instructions,
-    stages,
-)
+from tests.support.docker import compose_major, env_of, instructions, stages
 
+from .compose import COMPOSE_ENV, compose_config, compose_run
 from .harness import COMPOSE, DEPLOY, REPO, find_tool, free_port, load_script, require_tool
 
 pytestmark = pytest.mark.slow
@@ -376,48 +370,6 @@ def test_the_shim_installer_pins_vllms_packages_and_checks_the_plugin(tmp_path: 
 )
 def test_compose_versions_are_read_from_the_version_field(output: str, major: int | None) -> None:
     assert compose_major(output) == major
-
-
-#: Values for the settings compose requires (deploy/.env.example).
-COMPOSE_ENV = {
-    "AVEST_WORKER_TOKEN": "worker-token-for-tests",
-    "AVEST_ADMIN_TOKEN": "admin-token-for-tests",
-    "GRAFANA_ADMIN_PASSWORD": "grafana-password-for-tests",
-}
-
-
-def compose_config(*profiles: str, env: dict[str, str] | None = None) -> dict[str, Any]:
-    r = compose_run(*profiles, env={**COMPOSE_ENV, **(env or {})})
-    assert r.returncode == 0, f"docker compose {' '.join(profiles)} config:\n{r.stderr}"
-    return json.loads(r.stdout)
-
-
-def compose_run(*profiles: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """``docker compose config`` with exactly ``env`` for compose's settings
-    (none from the caller's environment, none from a deploy/.env)."""
-    cmd = compose_command()
-    if cmd is None:
-        pytest.skip(f"docker compose (v2+) not found: {COMPOSE_HINT}")
-    args = [*cmd, "-f", str(COMPOSE)]
-    for p in profiles:
-        args += ["--profile", p]
-    settings = set(COMPOSE_ENV) | {"TARGET_MODEL", "DRAFT_MODEL", "NUM_SPECULATIVE_TOKENS"}
-    settings |= {"HF_TOKEN", "HF_CACHE", "AVEST_LABELS", "AVEST_REFIT_INTERVAL"}
-    clean = {
-        k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_") and k not in settings
-    }
-    clean.update({"HOME": os.environ.get("HOME", "/root"), **env})
-    # An empty env file: a developer's deploy/.env must not fill in what a test leaves out.
-    args += ["--env-file", os.devnull]
-    return subprocess.run(
-        [*args, "config", "--format", "json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        cwd=DEPLOY,
-        env=clean,
-    )
 
 
 def gpu_devices(service: dict[str, Any]) -> list[dict[str, Any]]:

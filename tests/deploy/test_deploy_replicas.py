@@ -28,9 +28,9 @@ from tests.support.docker import stages
 from tests.support.helpers import free_port
 from tests.support.postgres import PostgresCluster
 
+from .compose import COMPOSE_ENV, compose_config
 from .harness import COMPOSE, DEPLOY, PROMETHEUS_CONFIG, REPO, readmes
 from .kube import KUBERNETES, Doc, build, env_of, load_docs, pod_spec
-from .test_deploy_docker import COMPOSE_ENV, compose_config
 
 pytestmark = pytest.mark.slow
 
