@@ -16,7 +16,8 @@ VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 VLLM_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 
 #: The sidecar picked by the ``job`` and ``instance`` variables: every avest
-#: series is selected through it (``instance`` may be All: every target of the job).
+#: series is selected through it (``instance`` may be All: every target of the job,
+#: every replica when the job's targets are replicas on one PostgreSQL database).
 SIDECAR = 'job="$job",instance=~"$instance"'
 #: One pair of that sidecar (``pair`` variable).
 PAIR = f'{SIDECAR},pair="$pair"'
@@ -32,6 +33,15 @@ def sidecar(name: str, matchers: str = "") -> str:
 def pair(name: str, matchers: str = "") -> str:
     """``name`` selected on the sidecar's pair, plus ``matchers``."""
     return f"{name}{{{PAIR}{',' + matchers if matchers else ''}}}"
+
+
+def pair_gauge(name: str, *by: str) -> str:
+    """A gauge of the sidecar's pair, one series per value of the labels ``by``
+    (``position``, ``bin``...) whichever target exports it. On replicas a pair's
+    series come from its refitter alone, and move to another replica at a
+    fail-over (both may export them for a scrape or two), so a pair's gauges are
+    read ``max by (pair, ...)``, its counters summed (``sum(rate(...))``)."""
+    return f"max by ({', '.join(('pair', *by))}) ({pair(name)})"
 
 
 #: The label the pair picker's query adds to ``avest_pair_info``: the name the

@@ -21,7 +21,7 @@ from .panels import (
     text,
     timeseries,
 )
-from .queries import DIVERGENCE_THRESHOLD, ECE_THRESHOLD, pair
+from .queries import DIVERGENCE_THRESHOLD, ECE_THRESHOLD, pair, pair_gauge
 
 #: The sidecar's admin HTTP address as the viewer's browser reaches it (the
 #: ``avest_url`` variable): what the SVG link points at.
@@ -44,7 +44,7 @@ def recent_vs_all(
         lay,
         title,
         description,
-        refs((pair(recent), "recent"), (pair(cumulative), "all drafts")),
+        refs((pair_gauge(recent), "recent"), (pair_gauge(cumulative), "all drafts")),
         unit="none",
         w=8,
         minimum=minimum,
@@ -97,8 +97,8 @@ def calibration(lay: Layout) -> list[dict]:
             "the AvestAcceptanceDivergence threshold (the alert watches exactly this).",
             [
                 target(
-                    f"abs({pair(m.RECENT_PREDICTED_ACCEPTANCE)}"
-                    f" - {pair(m.RECENT_OBSERVED_ACCEPTANCE)})",
+                    f"abs({pair_gauge(m.RECENT_PREDICTED_ACCEPTANCE, 'position')}"
+                    f" - {pair_gauge(m.RECENT_OBSERVED_ACCEPTANCE, 'position')})",
                     "position {{position}}",
                 )
             ],
@@ -114,7 +114,7 @@ def calibration(lay: Layout) -> list[dict]:
             "Labelled drafts behind the calibration",
             "Drafts the cumulative calibration gauges are computed over (since registration "
             "or reset). The calibration alerts wait for 10,000 before judging a pair.",
-            [target(pair(m.CALIBRATION_DRAFTS), "drafts")],
+            [target(pair_gauge(m.CALIBRATION_DRAFTS), "drafts")],
             w=12,
             h=6,
         ),
@@ -127,8 +127,8 @@ def calibration(lay: Layout) -> list[dict]:
             "Score, Budget and the shims' tables use it now; it is served only while the "
             "gain is clearly positive. Empty for a pair without a layer yet.",
             refs(
-                (pair(CALIBRATION_LAYER_GAIN), "gain"),
-                (pair(CALIBRATION_LAYER_SERVED), "served"),
+                (pair_gauge(CALIBRATION_LAYER_GAIN), "gain"),
+                (pair_gauge(CALIBRATION_LAYER_SERVED), "served"),
             ),
             unit="none",
             w=12,

@@ -12,6 +12,7 @@ from .queries import (
     VLLM_ACCEPTED_PER_POS,
     VLLM_DRAFTS,
     pair,
+    pair_gauge,
     sidecar,
     vllm_acceptance_length,
     vllm_per_position,
@@ -51,22 +52,23 @@ def overview(lay: Layout) -> list[dict]:
 COUNTERS = (
     (
         "Pairs",
-        "Model pairs registered with (or restored by) the sidecar.",
-        sidecar(m.PAIRS),
+        "Model pairs registered with (or restored by) the sidecar; on replicas each "
+        "exports the pairs it refits, and the sum is the pairs they hold.",
+        f"sum({sidecar(m.PAIRS)})",
         "short",
     ),
     (
         "Coefficients version",
         "Version of the pair's coefficients in force: +1 per applied refit; what every "
         "worker of the pair is pushed.",
-        pair(m.COEFFICIENTS_VERSION),
+        pair_gauge(m.COEFFICIENTS_VERSION),
         "short",
     ),
     (
         "Refit rounds",
         "Refit rounds closed for the pair (applied or not); one round per refit "
         "interval of observed steps pooled over all workers.",
-        pair(m.ROUND),
+        pair_gauge(m.ROUND),
         "short",
     ),
     (
@@ -78,8 +80,8 @@ COUNTERS = (
     (
         "Open streams",
         "Open Observe and WatchCoefficients streams: roughly one per connected vLLM "
-        "worker (rank 0 of each tensor-parallel group).",
-        sidecar(m.OPEN_STREAMS),
+        "worker (rank 0 of each tensor-parallel group), summed over the replicas.",
+        f"sum({sidecar(m.OPEN_STREAMS)})",
         "short",
     ),
 )
@@ -95,7 +97,13 @@ def pair_table(lay: Layout) -> dict:
         "gridPos": lay.place(24, 3),
         "id": lay.id(),
         "options": {"showHeader": True, "cellHeight": "sm"},
-        "targets": [target(pair(m.PAIR_INFO), "__auto", instant=True)],
+        "targets": [
+            target(
+                pair_gauge(m.PAIR_INFO, "target", "draft", "method", "k", "rule", "labels"),
+                "__auto",
+                instant=True,
+            )
+        ],
         "title": "Pair",
         "transformations": [
             {
@@ -134,14 +142,14 @@ def coefficients(lay: Layout) -> list[dict]:
             "Shared slope w of the pair's logistic model p_i = sigmoid(w * x + b_i), x the "
             "draft's logit(q_max). Steps mark refits; a flat line while drafts flow means "
             "refits are held or rejected (see Refits by outcome).",
-            [target(pair(m.SLOPE), "slope")],
+            [target(pair_gauge(m.SLOPE), "slope")],
         ),
         timeseries(
             lay,
             "Intercepts by position",
             "Per-position intercepts b_i of the coefficients in force (position 0 is the "
             "first draft token).",
-            [target(pair(m.INTERCEPT), "b{{position}}")],
+            [target(pair_gauge(m.INTERCEPT, "position"), "b{{position}}")],
         ),
     ]
 
@@ -155,8 +163,8 @@ def predicted_vs_observed(
         title,
         description,
         refs(
-            (pair(predicted), "predicted {{position}}"),
-            (pair(observed), "observed {{position}}"),
+            (pair_gauge(predicted, "position"), "predicted {{position}}"),
+            (pair_gauge(observed, "position"), "observed {{position}}"),
         ),
         unit="percentunit",
         minimum=0,
@@ -200,8 +208,8 @@ def acceptance(lay: Layout) -> list[dict]:
             "verification vLLM counts positions the budget did not verify as not "
             "accepted, so its curve can sit below avest's at late positions.",
             refs(
-                (pair(m.PREDICTED_SURVIVAL), "avest predicted {{position}}"),
-                (pair(m.OBSERVED_SURVIVAL), "avest observed {{position}}"),
+                (pair_gauge(m.PREDICTED_SURVIVAL, "position"), "avest predicted {{position}}"),
+                (pair_gauge(m.OBSERVED_SURVIVAL, "position"), "avest observed {{position}}"),
                 (vllm_per_position(), "vLLM {{position}}"),
             ),
             unit="percentunit",
@@ -223,8 +231,14 @@ def acceptance(lay: Layout) -> list[dict]:
             "'through position i' curves). vLLM: 1 + "
             f"rate({VLLM_ACCEPTED}) / rate({VLLM_DRAFTS}), vLLM's own definition.",
             refs(
-                (f"1 + sum by (pair) ({pair(m.PREDICTED_SURVIVAL)})", "avest predicted"),
-                (f"1 + sum by (pair) ({pair(m.OBSERVED_SURVIVAL)})", "avest observed"),
+                (
+                    f"1 + sum by (pair) ({pair_gauge(m.PREDICTED_SURVIVAL, 'position')})",
+                    "avest predicted",
+                ),
+                (
+                    f"1 + sum by (pair) ({pair_gauge(m.OBSERVED_SURVIVAL, 'position')})",
+                    "avest observed",
+                ),
                 (vllm_acceptance_length(), "vLLM"),
             ),
             overrides=[dashed("avest observed")],

@@ -86,11 +86,12 @@ def ingestion(lay: Layout) -> list[dict]:
             lay,
             "Durability backlog and streams",
             "Observe steps applied but not yet durable (hence not yet acknowledged), and "
-            "open streams. A growing backlog means group commits lag: workers hold more "
-            "unacknowledged steps and may drop the oldest (alert AvestObserveBacklog).",
+            "open streams, summed over the replicas (each counts its own). A growing backlog "
+            "means group commits lag: workers hold more unacknowledged steps and may drop "
+            "the oldest (alert AvestObserveBacklog).",
             refs(
-                (sidecar(m.QUEUE_DEPTH), "steps not yet durable"),
-                (sidecar(m.OPEN_STREAMS), "open streams"),
+                (f"sum({sidecar(m.QUEUE_DEPTH)})", "steps not yet durable"),
+                (f"sum({sidecar(m.OPEN_STREAMS)})", "open streams"),
             ),
         ),
     ]

@@ -3,6 +3,11 @@
 Reading the registry at scrape time (rather than updating gauges as the state
 changes) means each pair's series exist from its registration (or restoration
 from the store) on, before any observation, and cost nothing between scrapes.
+
+On replicas (:mod:`avest.state.replicas`) every replica holds every pair, but a
+pair's series are exported by its refitter alone (:func:`exported`), so a pair's
+series summed over the replicas count it once; at a fail-over they move to the
+replica that takes the pair over, hence read them aggregated ``by (pair)``.
 """
 
 from __future__ import annotations
@@ -114,7 +119,7 @@ class PairCollector:
         return list(self.families().values())
 
     def pairs(self) -> list[Any]:
-        return list(self._metrics.app.registry.pairs.values())
+        return exported(self._metrics.app)
 
     def collect(self) -> Iterable[Metric]:
         if self.paused:
@@ -153,6 +158,8 @@ class PairCollector:
             f[names.PENDING_FOLDED].add_metric([], float(replication.folded_rows))
             f[names.PENDING_DROPPED].add_metric([], float(replication.undecodable_rows))
         f[names.PAIRS].add_metric([], float(len(pairs)))
+        if replication is not None:  # a refitter folds rows already stored: none wait there
+            tallied = float(replication.backlog)
         f[names.QUEUE_DEPTH].add_metric([], tallied)
 
     def stamp(self, pair: Any) -> tuple[Any, ...]:
@@ -261,6 +268,16 @@ def _calibration_layer(f: Families, pid: str, layer: Any) -> None:
     mapped, plain = layer.recent_logloss
     f[names.CALIBRATION_LAYER_SERVED].add_metric([pid], 1.0 if layer.active else 0.0)
     f[names.CALIBRATION_LAYER_GAIN].add_metric([pid], plain - mapped)
+
+
+def exported(app: Any) -> list[Any]:
+    """The pairs whose series this process exports: every pair it holds, or on
+    replicas those it refits (the others' series come from their refitters)."""
+    pairs = list(app.registry.pairs.values())
+    replication = getattr(app, "replication", None)
+    if replication is None:
+        return pairs
+    return [pair for pair in pairs if replication.leads(pair)]
 
 
 def queue_depth(applied: dict[str, int], durable: dict[str, int]) -> int:

@@ -24,6 +24,15 @@ continue across restarts and drop to 0 when the pair is reset through the
 admin API (Prometheus treats that as a counter reset). ``avest_refits_total``
 counts refits seen by this process.
 
+Replicas (several processes on one PostgreSQL store, :mod:`avest.state.replicas`):
+each pair's series, its worker table's included, come from its refitter alone,
+so summed over the replicas a pair counts once. A fail-over moves them to the
+replica that takes the pair over (both may export them for a scrape or two), so
+read them aggregated over the replicas, ``by (pair)``: ``sum`` for the rates of
+its counters, ``max`` for its gauges. The series that are not per pair are each
+replica's own (streams, RPC, refusals, ``avest_queue_depth``: they add up);
+``avest_pairs`` counts the pairs whose series the replica exports.
+
 Calibration gauges (AUC, ECE, log loss, predicted and observed acceptance) are
 the pair's cumulative calibration state (every draft since registration or the
 last reset, each scored with the coefficients in force when it was applied).
@@ -92,6 +101,14 @@ REPLICA_PAIRS_REFITTED = "avest_replica_pairs_refitted"
 REPLICAS_LIVE = "avest_replicas_live"
 PENDING_FOLDED = "avest_pending_rows_folded_total"
 PENDING_DROPPED = "avest_pending_rows_dropped_total"
+#: Exported by replicas only: one process on a SQLite store has none of them.
+REPLICA_METRICS = (
+    REPLICA_INFO,
+    REPLICA_PAIRS_REFITTED,
+    REPLICAS_LIVE,
+    PENDING_FOLDED,
+    PENDING_DROPPED,
+)
 # The calibration layer (avest.core.calibration), per pair.
 CALIBRATION_LAYER_SERVED = "avest_calibration_layer_served"
 CALIBRATION_LAYER_GAIN = "avest_calibration_layer_logloss_gain"
@@ -208,7 +225,14 @@ CURVE_METRICS: tuple[MetricSpec, ...] = (
 #: Every avest metric, in exposition order.
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(INFO, "gauge", ("version",), "Always 1; the avest version serving."),
-    MetricSpec(PAIRS, "gauge", (), "Model pairs registered (or restored)."),
+    MetricSpec(
+        PAIRS,
+        "gauge",
+        (),
+        "Model pairs registered (or restored) whose series this process exports: every "
+        "pair on one process, the pairs it refits on a replica, so that the sum over "
+        "the replicas is the pairs held.",
+    ),
     MetricSpec(
         PAIR_INFO,
         "gauge",
@@ -340,7 +364,9 @@ METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         (),
         "Observe steps applied but not yet durable (so not yet acknowledged), summed over "
-        "pairs and workers, counted in sequence numbers.",
+        "pairs and workers, counted in sequence numbers; on a replica, the steps and round "
+        "summaries it received and has not yet written to the pending log (each replica "
+        "its own: they add up).",
     ),
     MetricSpec(
         REFUSED_BATCHES,
@@ -401,7 +427,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         (),
         "Pairs whose stored state failed its checksum or did not load at start: kept aside "
-        "in the store's quarantine table and listed by /readyz; the other pairs serve.",
+        "in the store's quarantine table and listed by /readyz; the other pairs serve. "
+        "Replicas each load the one store and report the same pairs: read it with max.",
     ),
     *CURVE_METRICS,
     # -- the calibration layer ---------------------------------------------------

@@ -16,6 +16,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from avest.metrics.collector import exported
 from avest.metrics.names import (
     QUARANTINED_STEPS,
     SPECS,
@@ -65,7 +66,9 @@ class WorkerCollector:
         return list(self.families().values())
 
     def pairs(self) -> list[Any]:
-        return list(self._app.registry.pairs.values())
+        """Every pair, or on replicas the pairs this replica refits (a pair's worker
+        table is exported by its refitter, which judges its workers)."""
+        return exported(self._app)
 
     def tally(self, pair: Any) -> float:
         return 0.0
