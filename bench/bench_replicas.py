@@ -13,18 +13,21 @@ spent per summary by the replicas, by PostgreSQL and by the load generator (the
 three share this machine's cores: the per-summary CPU, not the rate, is what
 sizes a deployment; see README "Sizing replicas").
 
-    python bench/bench_replicas.py [--replicas 1,2,3] [--pairs 6] [--workers 40] [--k 8] [--json]
+    python bench/bench_replicas.py [--replicas 1,2,3] [--pairs 6] [--workers 40] [--k 8]
+                                   [--refit-interval 100] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,20 +40,24 @@ from avest_wire.v1 import estimator_pb2 as pb  # noqa: E402
 from tests.support.postgres import PostgresCluster, find_bindir  # noqa: E402
 from tests.support.replicas import pending_rows, replicas  # noqa: E402
 from tests.support.rpc import stub_for  # noqa: E402
+from tests.support.serve import Served, serve  # noqa: E402
 
 #: Seconds a run may take to fold its log before it is reported as unfinished.
 FOLD_WAIT_S = 600.0
 
 
 def postgres_cpu_s() -> float:
-    """CPU seconds of every PostgreSQL process on this machine so far."""
+    """CPU seconds of every PostgreSQL process on this machine so far, with those of
+    the backends that ended (counted in their parent's children's time)."""
     total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             if (entry / "comm").read_text().strip() == "postgres":
-                total += cpu_s(int(entry.name))
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                total += sum(int(f) for f in fields[11:15]) / tick
         except (OSError, ValueError, IndexError):
             continue
     return total
@@ -76,10 +83,28 @@ async def _load(targets: list[tuple[str, str]], body: bytes, workers: int) -> li
     )
 
 
-def run(cluster: PostgresCluster, root: Path, n: int, a: argparse.Namespace) -> dict[str, Any]:
+@contextlib.contextmanager
+def _group(
+    cluster: PostgresCluster, root: Path, n: int, refit: int
+) -> Iterator[tuple[list[Served], str]]:
+    """``n`` replicas on a new database, or (``n`` = 0) one process on its SQLite file."""
+    if n == 0:
+        with serve(root / "sqlite", "--refit-interval", str(refit), timeout=120) as one:
+            yield [one], ""
+        return
     url = cluster.create_database()
+    with replicas(url, n, root / f"n{n}", "--refit-interval", str(refit)) as group:
+        yield group, url
+
+
+def _pending(url: str) -> int:
+    return pending_rows(url) if url else 0
+
+
+def run(cluster: PostgresCluster, root: Path, n: int, a: argparse.Namespace) -> dict[str, Any]:
     body = summary_body(a.k)
-    with replicas(url, n, root / f"n{n}") as group:
+    with _group(cluster, root, n, a.refit_interval) as (group, url):
+        n = max(n, 1)
         targets = []
         for p in range(a.pairs):
             address = group[p % n].grpc_address
@@ -91,15 +116,15 @@ def run(cluster: PostgresCluster, root: Path, n: int, a: argparse.Namespace) -> 
         results = asyncio.run(_load(targets, body, a.workers))
         acked_s = time.perf_counter() - t0
         deadline = time.monotonic() + FOLD_WAIT_S
-        while pending_rows(url) and time.monotonic() < deadline:
+        while _pending(url) and time.monotonic() < deadline:
             time.sleep(0.05)
         folded_s = time.perf_counter() - t0
-        left = pending_rows(url)
+        left = _pending(url)
         cpu1 = (sum(map(cpu_s, pids)), postgres_cpu_s(), cpu_s(os.getpid()))
     acked = sum(int(r["summaries"]) for r in results)
     us = [(b - c) / max(acked, 1) * 1e6 for b, c in zip(cpu1, cpu0, strict=True)]
     return {
-        "replicas": n,
+        "replicas": n if url else "SQLite",
         "summaries": acked,
         "unacked": sum(int(r["unacked"]) for r in results),
         "pending_left": left,
@@ -114,10 +139,16 @@ def run(cluster: PostgresCluster, root: Path, n: int, a: argparse.Namespace) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--replicas", default="1,2,3")
+    ap.add_argument("--replicas", default="0,1,2,3", help="0: one process on SQLite")
     ap.add_argument("--pairs", type=int, default=6)
     ap.add_argument("--workers", type=int, default=40, help="per pair")
     ap.add_argument("--k", type=int, default=8)
+    ap.add_argument(
+        "--refit-interval",
+        type=int,
+        default=100,
+        help="the replicas' --refit-interval: 100 (the default) refits once per summary",
+    )
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     bindir = find_bindir()
@@ -133,14 +164,15 @@ def main() -> None:
         rows = [run(cluster, root, int(n), a) for n in a.replicas.split(",")]
     finally:
         cluster.stop()
-    base = rows[0]
+    base = next((r for r in rows if r["replicas"] == 1), rows[0])
     for row in rows:
         row["acked_ratio"] = row["acked_per_s"] / base["acked_per_s"]
         row["folded_ratio"] = row["folded_per_s"] / base["folded_per_s"]
     if a.json:
         print(json.dumps(rows, indent=2))
         return
-    print(f"{a.pairs} pairs x {a.workers} workers, K={a.k}, 5 summaries per worker, flat out; "
+    print(f"{a.pairs} pairs x {a.workers} workers, K={a.k}, refit every {a.refit_interval} "
+          "steps, 5 summaries per worker, flat out; "
           f"{os.cpu_count()} cores shared by replicas, PostgreSQL and the load")  # fmt: skip
     print("| replicas | acked/s | ratio | folded/s | ratio | ack p99 ms | CPU µs per summary: "
           "replicas / PostgreSQL / load | left |")  # fmt: skip

@@ -247,7 +247,10 @@ class ObserveStream:
                 key = (pair.id, req.worker_id)
                 self.pairs.add(pair.id)
                 self.acked.setdefault(key, 0)
-                if not await service.app.observe_soon(pair, req.worker_id, req.sequence, batch):
+                summary = req.summary if req.HasField("summary") else None
+                if not await service.app.observe_soon(
+                    pair, req.worker_id, req.sequence, batch, summary
+                ):
                     self._duplicate(pair, req)
                 # A stream over its step rate waits (backpressure through gRPC
                 # flow control, nothing refused or lost). Without turns, each

@@ -33,6 +33,7 @@ from avest.state.store import PairStore
 from avest.state.stores import open_configured
 from avest_wire.pair import PairKey
 from avest_wire.summary import RoundSummary
+from avest_wire.v1 import estimator_pb2 as pb
 
 if TYPE_CHECKING:
     from avest.state.costs import CostCurves
@@ -203,16 +204,22 @@ class Avest:
         return pair, created
 
     async def observe_soon(
-        self, pair: Pair, worker: str, seq: int, batch: Batch | RoundSummary
+        self,
+        pair: Pair,
+        worker: str,
+        seq: int,
+        batch: Batch | RoundSummary,
+        message: pb.RoundSummary | None = None,
     ) -> bool:
         """:meth:`observe`, with a heavy step folded off the event loop
         (:mod:`avest.state.folds`). A step folded while its pair was reset is
         folded again; one folded while the pair was deleted or the service began
         draining is dropped (never acknowledged: its worker resends it).
 
-        Replicas: the step goes to the pending log, folded by the pair's refitter."""
+        Replicas: the step goes to the pending log, folded by the pair's refitter
+        (``message``: a summary as received, stored as it came)."""
         if self.replication is not None:
-            return self.replication.offer(pair, worker, seq, batch)
+            return self.replication.offer(pair, worker, seq, batch, message)
         if not self.folds.heavy(batch):
             busy = self.folds.busy(pair.id)
             if busy is None:

@@ -110,6 +110,9 @@ CREATE TABLE IF NOT EXISTS pending (
     received DOUBLE PRECISION NOT NULL,
     UNIQUE (pair_id, worker_id, sequence)
 );
+-- Payloads are protobuf float arrays (round summaries, raw steps) that do not
+-- compress: stored out of line as they are, without PostgreSQL's compression try.
+ALTER TABLE pending ALTER COLUMN payload SET STORAGE EXTERNAL;
 CREATE TABLE IF NOT EXISTS replicas (
     name TEXT PRIMARY KEY,
     started DOUBLE PRECISION NOT NULL,

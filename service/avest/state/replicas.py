@@ -85,10 +85,13 @@ FOLD_ROWS = 512
 SUMMARY, STEP, COSTS, RESET, RELEASE = "summary", "step", "costs", "reset", "release"
 
 
-def encode(batch: Batch | RoundSummary) -> tuple[str, bytes]:
-    """A step or round summary as a pending row's kind and payload."""
+def encode(
+    batch: Batch | RoundSummary, message: pb.RoundSummary | None = None
+) -> tuple[str, bytes]:
+    """A step or round summary as a pending row's kind and payload (``message``: the
+    summary as received, stored as it came rather than encoded again)."""
     if isinstance(batch, RoundSummary):
-        return SUMMARY, summary_to_pb(batch).SerializeToString()
+        return SUMMARY, (message or summary_to_pb(batch)).SerializeToString()
     arrays = {"features": batch.features, "observed": batch.observed, "accepted": batch.accepted}
     return STEP, npz_bytes(arrays)
 
@@ -182,9 +185,16 @@ class Replication:
 
     # -- what the service receives ---------------------------------------------
 
-    def offer(self, pair: Pair, worker: str, seq: int, batch: Batch | RoundSummary) -> bool:
+    def offer(
+        self,
+        pair: Pair,
+        worker: str,
+        seq: int,
+        batch: Batch | RoundSummary,
+        message: pb.RoundSummary | None = None,
+    ) -> bool:
         """Queue a step or summary for the pending log; False for one already received
-        (folded, stored or queued)."""
+        (folded, stored or queued). ``message``: the summary as received."""
         key = (pair.id, worker)
         known = max(
             self.received.get(key, 0), pair.durable.get(worker, 0), pair.applied.get(worker, 0)
@@ -192,7 +202,7 @@ class Replication:
         if seq <= known:
             return False
         self.received[key] = seq
-        self.queue.append((pair.id, worker, seq, *encode(batch)))
+        self.queue.append((pair.id, worker, seq, *encode(batch, message)))
         return True
 
     def command(self, pair: Pair, kind: str, payload: dict[str, Any] | None = None) -> None:
