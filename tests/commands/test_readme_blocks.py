@@ -119,6 +119,10 @@ CHECKED = {
     "`docker compose config` with the same settings",
     "docker compose --profile gpu --profile gpu-2 up --build": "GPUs and no Docker engine: "
     "test_gpu_compose_commands",
+    "docker compose --profile postgres up --build": "no Docker engine: "
+    "tests/deploy/test_deploy_replicas.py renders the profile with `docker compose config` and "
+    "tests/deploy/test_compose_replicas.py runs its replicas as local processes on a real "
+    "PostgreSQL",
     "docker run --rm avest:local --help": "no Docker engine: test_image_help_lists_every_setting "
     "runs the image's entrypoint (`avest serve`) with --help",
     "AVEST_ADDRESS=avest:50051 AVEST_LABELS=temperature=0.7 vllm serve Qwen/Qwen3-8B "
@@ -159,6 +163,22 @@ NOT_RUN = {
         "entry it edits is checked in tests/deploy/test_deploy_kubernetes.py"
     ),
     "kubectl apply -k deploy/kubernetes/base": _CLUSTER,
+    'PASSWORD="$(openssl rand -hex 32)"': "sets a shell variable for the secret below",
+    'kubectl -n avest create secret generic avest-store --from-literal=postgres-password="$PASSWORD" '
+    '--from-literal=url="postgresql://avest:$PASSWORD@avest-postgres:5432/avest"': _CLUSTER
+    + "; the URL's host, port, user and database against the demo PostgreSQL: "
+    "tests/deploy/test_deploy_replicas.py",
+    "(cd deploy/kubernetes/replicas && kustomize edit set image avest=registry.example.com/avest:0.1.0)": (
+        "edits replicas/kustomization.yaml in place (and kustomize is not installed); its "
+        "`images:` entry is checked in tests/deploy/test_deploy_replicas.py"
+    ),
+    "kubectl apply -k deploy/kubernetes/replicas": _CLUSTER,
+    "kubectl -n avest rollout status statefulset/avest-postgres": _CLUSTER,
+    "kubectl -n avest rollout status deployment/avest": _CLUSTER,
+    'sed -i "s/^AVEST_POSTGRES_PASSWORD=.*/AVEST_POSTGRES_PASSWORD=$(openssl rand -hex 32)/" .env': (
+        "edits the compose stack's .env; the setting is in .env.example "
+        "(tests/deploy/test_deploy_replicas.py)"
+    ),
     "kubectl -n avest rollout status statefulset/avest": _CLUSTER,
     "helm upgrade kube-prometheus-stack prometheus-community/kube-prometheus-stack -n monitoring "
     "--reuse-values --set grafana.sidecar.dashboards.searchNamespace=ALL": _CLUSTER
@@ -487,7 +507,7 @@ def test_demo_compose_commands(tmp_path: Path) -> None:
     env = compose_env()
     shell("cp .env.example .env", deploy, env)
     sed = re.findall(r"(?m)^#   (sed -i .*)$", (deploy / ".env.example").read_text())
-    assert len(sed) == 3, sed
+    assert len(sed) == 4, sed
     for command in sed:
         shell(command, deploy, env)
     values = dict(
@@ -497,8 +517,8 @@ def test_demo_compose_commands(tmp_path: Path) -> None:
     )
     assert all(
         len(values[k]) >= 32
-        for k in ("AVEST_WORKER_TOKEN", "AVEST_ADMIN_TOKEN", "GRAFANA_ADMIN_PASSWORD")
-    )
+        for k in ("AVEST_WORKER_TOKEN", "AVEST_ADMIN_TOKEN", "AVEST_POSTGRES_PASSWORD")
+    ) and len(values["GRAFANA_ADMIN_PASSWORD"]) >= 32
     cfg = compose_config(deploy, ["demo"], env)
     services = cfg["services"]
     assert isinstance(services, dict)
