@@ -238,3 +238,45 @@ def test_postgresql_stopped_for_ten_seconds_holds_the_acks_and_loses_nothing(
                 lambda r=replica: httpx.get(f"{r.http_url}/readyz", timeout=10).status_code == 200,
                 WAIT_S,
             )
+
+
+def test_a_worker_opened_on_another_replica_learns_what_the_replicas_hold_of_it(
+    tmp_path: Path, postgres_cluster: PostgresCluster
+) -> None:
+    """The watermark comes from PostgreSQL, not from the replica's copy (here the
+    refitter is stopped: no replica's copy has folded anything); the worker table is
+    the refitter's, and another replica says which one that is."""
+    url = postgres_cluster.create_database()
+    with replicas(url, 3, tmp_path / "pair") as group:
+        pair_id = _register(group[0])
+        for replica in group[1:]:
+            _register(replica)
+        lead = refitter(group)
+        first, second = (r for r in group if r is not lead)
+        lead.proc.send_signal(signal.SIGSTOP)
+        try:
+            assert _send(first, synthetic_steps(pair_id, "w0", K, STEPS, seed=0)) == STEPS
+            channel, stub = stub_for(second.grpc_address)
+            try:
+                opening = pb.ObserveRequest(pair_id=pair_id, worker_id="w0", open=True)
+                (opened,) = [r.opened for r in stub.Observe(iter([opening]), timeout=60)]
+            finally:
+                channel.close()
+        finally:
+            lead.proc.send_signal(signal.SIGCONT)
+        assert (opened.applied_sequence, opened.acked_sequence) == (STEPS, STEPS)
+        settled(url, group, pair_id, STEPS)
+        pair = httpx.get(f"{second.http_url}/v1/pairs/{pair_id}", timeout=10).json()
+        assert pair["refitter"] == lead_name(lead)
+        refused = httpx.get(f"{second.http_url}/v1/pairs/{pair_id}/workers", timeout=10)
+        assert refused.status_code == 409 and lead_name(lead) in refused.json()["detail"]
+        table = httpx.get(f"{lead.http_url}/v1/pairs/{pair_id}/workers", timeout=10).json()
+        assert [w["worker_id"] for w in table["workers"]] == ["w0"]
+
+
+def lead_name(replica: Served) -> str:
+    """A replica's name (``--replica-name``, as :func:`replicas` gives them)."""
+    for line in replica.metrics_text().splitlines():
+        if line.startswith("avest_replica_info{"):
+            return line.split('replica="', 1)[1].split('"', 1)[0]
+    raise AssertionError("no avest_replica_info")

@@ -88,6 +88,12 @@ _BEARER = HTTPBearer(
 _NOT_FOUND: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorOut, "description": "No pair with that id"}
 }
+#: Replicas: a worker table is the pair's refitter's alone.
+_NOT_REFITTED_HERE = {
+    "model": ErrorOut,
+    "description": "On replicas: this replica does not refit the pair (the message names the "
+    "one that does)",
+}
 #: The query parameters bounding the history and the workers table.
 _HistoryLimit = Annotated[int, Query(ge=1, le=256, description="At most this many, newest last")]
 _WorkersLimit = Annotated[
@@ -177,10 +183,28 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
         pair: Pair = app.registry.get(pair_id)  # NotFound names the id
         return pair
 
-    def pair_view(path: str, model: Any, tag: str = "pairs") -> Any:
-        """``GET /v1/pairs/{pair_id}<path>`` answering ``model``, or 404 for an unknown id."""
+    def refitted_pair(pair_id: str) -> Pair:
+        """The pair, when its worker table is here: on replicas, the refitter's alone."""
+        pair = get_pair(pair_id)
+        replication = app.replication
+        if replication is not None and not replication.leads(pair):
+            raise HTTPException(
+                409,
+                detail=f"pair {pair.id} is refitted by replica "
+                f"{replication.refitter(pair) or '(none yet)'}, which judges its workers: "
+                "ask that replica (its name is the pair's refitter in GET /v1/pairs/{id})",
+            )
+        return pair
+
+    def pair_view(path: str, model: Any, tag: str = "pairs", **responses: Any) -> Any:
+        """``GET /v1/pairs/{pair_id}<path>`` answering ``model``, or 404 for an unknown id
+        (``responses``: more status codes it may answer, by code as text)."""
+        more = {int(code[1:]): r for code, r in responses.items()}
         return api.get(
-            "/v1/pairs/{pair_id}" + path, response_model=model, tags=[tag], responses=_NOT_FOUND
+            "/v1/pairs/{pair_id}" + path,
+            response_model=model,
+            tags=[tag],
+            responses={**_NOT_FOUND, **more},
         )
 
     @api.get("/", include_in_schema=False)
@@ -273,11 +297,12 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
             ],
         )
 
-    @pair_view("/workers", WorkersOut)
+    @pair_view("/workers", WorkersOut, _409=_NOT_REFITTED_HERE)
     async def workers(pair_id: str, limit: _WorkersLimit = 100) -> WorkersOut:
         """The workers seen sending to the pair: mode, last summary, version, drafts,
-        standing and score (:mod:`avest.core.quarantine`)."""
-        pair = get_pair(pair_id)
+        standing and score (:mod:`avest.core.quarantine`). On replicas, the pair's
+        refitter answers (409 elsewhere, naming it)."""
+        pair = refitted_pair(pair_id)
         return WorkersOut(
             id=pair.id,
             workers=[WorkerOut(**w.as_dict()) for w in pair.workers.top(limit)],
@@ -295,7 +320,11 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
             **_ADMIN_ONLY,
             400: {"description": "A malformed request (refused before the route runs)"},
             404: {"model": ErrorOut, "description": "No such pair, or no such worker in it"},
-            409: {"model": ErrorOut, "description": "The worker is not quarantined"},
+            409: {
+                "model": ErrorOut,
+                "description": "The worker is not quarantined; or, on replicas, this replica "
+                "does not refit the pair (the message names the one that does)",
+            },
         },
     )
     async def release_worker(
@@ -307,7 +336,7 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
         next message, and its score starts afresh (a worker that keeps sending data
         the others contradict is quarantined again). Needs ``Authorization: Bearer
         <admin token>`` (refused when the service has none)."""
-        pair = get_pair(pair_id)
+        pair = refitted_pair(pair_id)
         try:
             row = app.release(pair, worker_id)
         except KeyError:

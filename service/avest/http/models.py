@@ -113,6 +113,11 @@ class PairOut(BaseModel):
     calibration_layer: CalibrationLayerOut | None = Field(
         None, description="The pair's calibration layer over the linear predictor"
     )
+    refitter: str | None = Field(
+        None,
+        description="Replicas (a PostgreSQL store): the replica that refits the pair, whose "
+        "worker table /workers reads ('' while none does); absent on one process",
+    )
 
 
 class PairsOut(BaseModel):
@@ -199,7 +204,13 @@ def pair_out(pair: Pair, metrics: Any) -> PairOut:
         calibration=calibration_out(metrics.summary(pair)),
         recent_calibration=calibration_out(metrics.recent_summary(pair)),
         calibration_layer=calibration_layer_out(pair),
+        refitter=refitter_of(getattr(metrics, "app", None), pair),
     )
+
+
+def refitter_of(app: Any, pair: Pair) -> str | None:
+    replication = getattr(app, "replication", None)
+    return None if replication is None else str(replication.refitter(pair))
 
 
 def calibration_layer_out(pair: Pair) -> CalibrationLayerOut | None:

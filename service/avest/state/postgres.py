@@ -70,6 +70,18 @@ log = logging.getLogger("avest")
 #: Seconds to wait for the server when connecting: a start or a retried write
 #: reports an unreachable server instead of hanging on it.
 CONNECT_TIMEOUT_S = 10
+#: TCP keepalives (libpq's, unless the URL sets them): a server or network that
+#: vanishes without closing the connection is noticed within about 25 s, instead
+#: of the system's two hours, so a replica stops believing it refits its pairs.
+#: The server's side (its ``tcp_keepalives_*`` settings) frees a vanished
+#: replica's locks; the deploy manifests set it.
+KEEPALIVES = {
+    "keepalives": "1",
+    "keepalives_idle": "10",
+    "keepalives_interval": "5",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "25000",
+}
 
 
 def _postgres_layout(sqlite_schema: str) -> str:
@@ -116,7 +128,8 @@ ALTER TABLE pending ALTER COLUMN payload SET STORAGE EXTERNAL;
 CREATE TABLE IF NOT EXISTS replicas (
     name TEXT PRIMARY KEY,
     started DOUBLE PRECISION NOT NULL,
-    seen DOUBLE PRECISION NOT NULL
+    seen DOUBLE PRECISION NOT NULL,
+    session BIGINT NOT NULL DEFAULT 0
 );
 """
 SCHEMA = _postgres_layout(SQLITE_SCHEMA) + REPLICA_SCHEMA
@@ -166,8 +179,12 @@ class PostgresStore:
         self.recorded_pairs = recorded
 
     def _connect(self) -> psycopg.Connection[Any]:
+        given = conninfo_to_dict(self.url)
+        options = {k: v for k, v in KEEPALIVES.items() if k not in given}
         try:
-            return psycopg.connect(self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S)
+            return psycopg.connect(
+                self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S, **options
+            )
         except psycopg.Error as exc:
             raise StoreUnreadable(f"{self.location}: cannot connect: {exc}") from exc
 
@@ -578,8 +595,9 @@ class Leadership:
         now = time.time()
         with self._cur() as cur:
             cur.execute(
-                "INSERT INTO replicas (name, started, seen) VALUES (%s, %s, %s) "
-                "ON CONFLICT (name) DO UPDATE SET seen = excluded.seen, started = excluded.started",
+                "INSERT INTO replicas (name, started, seen, session) "
+                "VALUES (%s, %s, %s, pg_backend_pid()) ON CONFLICT (name) DO UPDATE SET "
+                "seen = excluded.seen, started = excluded.started, session = excluded.session",
                 (self.replica, started, now),
             )
             cur.execute("DELETE FROM replicas WHERE seen < %s", (now - 10 * live_s,))
@@ -591,6 +609,20 @@ class Leadership:
     def leave(self) -> None:
         with self._cur() as cur:
             cur.execute("DELETE FROM replicas WHERE name = %s", (self.replica,))
+
+    def refitters(self) -> dict[int, str]:
+        """Which replica holds each pair lock: ``lock key -> replica name``."""
+        with self._cur() as cur:
+            rows = cur.execute(
+                "SELECT l.objid, r.name FROM pg_locks l JOIN replicas r ON r.session = l.pid "
+                "WHERE l.locktype = 'advisory' AND l.granted AND l.classid = %s "
+                "AND l.objsubid = 2",
+                (LOCK_SPACE,),
+            ).fetchall()
+        # objid is an unsigned oid; the key was taken signed.
+        return {
+            int.from_bytes(int(o).to_bytes(4, "big"), "big", signed=True): str(n) for o, n in rows
+        }
 
     def try_lock(self, pair_id: str) -> bool:
         with self._cur() as cur:

@@ -57,6 +57,7 @@ from avest.state.postgres import (
     Leadership,
     PostgresStore,
     listen,
+    lock_key,
 )
 from avest.state.store_format import npz_bytes
 from avest_wire.messages import summary_from_pb, summary_to_pb
@@ -129,6 +130,9 @@ class Replication:
         self.new: set[str] = set()
         #: Replicas alive at the last heartbeat.
         self.live = 1
+        #: ``lock key -> `` the replica refitting the pairs of that key, as of the last
+        #: lease pass.
+        self.refitters: dict[int, str] = {}
         #: Pending rows this replica folded, and rows it could not decode (dropped).
         self.folded_rows = 0
         self.undecodable_rows = 0
@@ -176,6 +180,10 @@ class Replication:
 
     def leads(self, pair: Pair) -> bool:
         return pair.id in self.led
+
+    def refitter(self, pair: Pair) -> str:
+        """The replica refitting the pair ("" while none does)."""
+        return self.name if pair.id in self.led else self.refitters.get(lock_key(pair.id), "")
 
     @property
     def backlog(self) -> int:
@@ -339,6 +347,7 @@ class Replication:
             self.led.discard(pid)
             await self._in_session(self.leadership.unlock, pid)
             log.info("replica %s hands pair %s over", self.name, pid)
+        self.refitters = await self._in_session(self.leadership.refitters)
 
     async def _read(self, pid: str) -> Pair | None:
         """Take the stored state of a pair: a new one, or a newer one."""
