@@ -103,6 +103,11 @@ def test_the_service_on_postgresql_acknowledges_and_restores_after_a_restart(
         _same(pairs_by_id(srv.grpc_address), before)
 
 
+def _pending(url: str) -> int:
+    with psycopg.connect(url) as conn:
+        return int(conn.execute("SELECT count(*) FROM pending").fetchone()[0])
+
+
 def _refuse(url: str, table: str, operation: str) -> None:
     """Make PostgreSQL refuse every ``operation`` on ``table`` (a trigger named refuse)."""
     with psycopg.connect(url, autocommit=True) as conn:
@@ -180,13 +185,12 @@ def test_a_refit_postgresql_refuses_loses_nothing_acknowledged(
         errors = '{operation="refit"}'
         assert wait_until(lambda: (_metric(srv, "avest_store_errors_total", errors) or 0) >= 1)
         assert httpx.get(f"{srv.http_url}/readyz", timeout=10).status_code == 503
-        with psycopg.connect(postgres_url) as conn:  # nothing of the refit was written
-            assert conn.execute("SELECT count(*) FROM pending").fetchone() == (5,)
+        assert _pending(postgres_url) == 5  # nothing of the refit was written
         with psycopg.connect(postgres_url, autocommit=True) as conn:
             conn.execute("DROP TRIGGER refuse ON snapshots")
-        assert wait_until(lambda: _pair(stub, pid).steps_observed == STEPS + 5, WAIT_S)
+        assert wait_until(lambda: _pending(postgres_url) == 0, WAIT_S)
+        assert _pair(stub, pid).steps_observed == STEPS + 5
         with psycopg.connect(postgres_url) as conn:
-            assert conn.execute("SELECT count(*) FROM pending").fetchone() == (0,)
             stored = conn.execute(
                 "SELECT sequence FROM workers WHERE pair_id = %s AND worker_id = 'w0'", (pid,)
             ).fetchone()
