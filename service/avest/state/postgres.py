@@ -502,7 +502,7 @@ class PostgresStore:
                     ).fetchone()
                     if row is not None:
                         self._write_one(cur, r)
-                        cur.execute("SELECT pg_notify(%s, %s)", (PAIRS_CHANNEL, r["id"]))
+                        cur.execute("SELECT pg_notify(%s, %s)", (PAIRS_CHANNEL, f"{r['id']} -1"))
                         created.append(r["id"])
                 self.recorded_pairs = _count_pairs(cur)
         except psycopg.Error as exc:
@@ -511,10 +511,15 @@ class PostgresStore:
             ) from exc
         return created
 
-    def revisions(self) -> dict[str, int]:
-        """Every stored pair's revision (raised by each write of it)."""
+    def revisions(self) -> dict[str, tuple[int, int]]:
+        """Every stored pair's revision (raised by each write of it) and coefficients
+        version."""
         with self._connection().cursor() as cur:
-            return {str(i): int(r) for i, r in cur.execute("SELECT id, revision FROM pairs")}
+            rows = cur.execute(
+                "SELECT p.id, p.revision, coalesce(s.version, -1) FROM pairs p "
+                "LEFT JOIN snapshots s ON s.pair_id = p.id"
+            )
+            return {str(i): (int(r), int(v)) for i, r, v in rows}
 
     def load_pair(self, pair_id: str) -> tuple[dict[str, Any] | None, int]:
         """One pair's record as :meth:`load` gives it (None: not stored), and its revision."""
@@ -542,8 +547,8 @@ class PostgresStore:
         return int(row[0]) if row and row[0] is not None else 0
 
 
-#: NOTIFY channels: a pair stored anew (payload: its id; "-id" once deleted), and
-#: pending rows appended for a pair (payload: its id).
+#: NOTIFY channels: a pair written (payload: its id and coefficients version, -1 for
+#: a new pair; "-id" once deleted), and pending rows appended for a pair (its id).
 PAIRS_CHANNEL = "avest_pairs"
 PENDING_CHANNEL = "avest_pending"
 #: The first key of every advisory lock avest takes (the second is the pair's), so
@@ -660,7 +665,8 @@ class Leadership:
                 self.store._write_one(cur, record)
                 if folded:
                     cur.execute("DELETE FROM pending WHERE id = ANY(%s)", (folded,))
-                cur.execute("SELECT pg_notify(%s, %s)", (PAIRS_CHANNEL, pid))
+                version = int(record["arrays"]["counters"][0])
+                cur.execute("SELECT pg_notify(%s, %s)", (PAIRS_CHANNEL, f"{pid} {version}"))
         except psycopg.Error as exc:
             raise StoreWriteRefused(
                 f"{self.store.location} refused the refit of pair {pid}; nothing of it was "

@@ -70,9 +70,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("avest")
 T = TypeVar("T")
 
-#: How often a refitter folds its pairs' pending rows when no notification woke
-#: it: the longest a summary waits in the log when a NOTIFY was lost.
+#: How often a refitter folds the pending rows of its pairs that have some (each
+#: fold writes the pair's snapshot once, however many rows it folds): the longest
+#: a summary waits in the log before it counts (its acknowledgement does not wait).
 FOLD_EVERY_S = 0.25
+#: How often every pair a replica refits is looked at for pending rows, notified
+#: or not (a notification lost while the listener reconnected).
+SWEEP_EVERY_S = 10.0
 #: How often a replica records its heartbeat, takes pairs nobody refits (a
 #: replica that died: its sessions' locks are gone at once) and reads the
 #: revisions it missed. Fail-over takes at most about this long.
@@ -120,8 +124,10 @@ class Replication:
         #: Pairs to read from the store before anything else (taken over, or a
         #: refit whose write failed: memory may be ahead of the store).
         self.stale: set[str] = set()
-        #: Pairs another replica wrote since this one last read them.
+        #: Pairs another replica wrote with new coefficients (read at once), and
+        #: pairs it wrote with only their counters moved (read at the next sweep).
         self.outdated: set[str] = set()
+        self.lagging: set[str] = set()
         #: Rows received and not yet stored: ``(pair, worker, sequence, kind, payload)``.
         self.queue: list[tuple[str, str, int, str, bytes]] = []
         #: ``(pair, worker) -> `` the highest sequence received here.
@@ -139,6 +145,11 @@ class Replication:
         self._commands = time.time_ns() // 1000
         self._wake = asyncio.Event()
         self._lease_due = 0.0
+        #: Pairs refitted here with rows pending (notified), and when folds and the
+        #: sweep of every pair refitted here are next due.
+        self.due: set[str] = set()
+        self._fold_due = 0.0
+        self._sweep_due = 0.0
         self._stop = threading.Event()
         self._listener: threading.Thread | None = None
         self._loop_task: asyncio.Task[None] | None = None
@@ -271,7 +282,7 @@ class Replication:
     def _notified(self, channel: str, payload: str) -> None:
         if channel == PENDING_CHANNEL:
             if payload in self.led:
-                self._wake.set()
+                self.due.add(payload)  # folded at the next fold time, with what comes meanwhile
             return
         if channel == PAIRS_CHANNEL and payload.startswith("-"):
             pair = self.app.registry.pairs.get(payload[1:])
@@ -280,11 +291,21 @@ class Replication:
                 self.app.forget(pair, "deleted")
             return
         if channel == PAIRS_CHANNEL:
-            if payload not in self.led:
-                self.outdated.add(payload)
+            pid, _, version = payload.partition(" ")
+            if pid not in self.led:
+                self._written(pid, int(version or -1))
         else:  # (re)connected: notifications may have been missed
-            self._lease_due = 0.0
+            self._lease_due = self._sweep_due = 0.0
         self._wake.set()
+
+    def _written(self, pid: str, version: int) -> None:
+        """Another replica wrote the pair: read it now if its coefficients moved (or it
+        is new here), at the next sweep if only its counters did."""
+        pair = self.app.registry.pairs.get(pid)
+        if pair is None or version != pair.estimator.version:
+            self.outdated.add(pid)
+        else:
+            self.lagging.add(pid)
 
     async def _run(self) -> None:
         while True:
@@ -297,12 +318,24 @@ class Replication:
                 for pid in sorted(self.outdated - self.led):
                     self.outdated.discard(pid)
                     await self._read(pid)
-                for pid in sorted(self.led):
-                    await self._fold(pid)
+                now = time.monotonic()
+                if now >= self._sweep_due:
+                    self._sweep_due = now + SWEEP_EVERY_S
+                    self.due |= self.led
+                    for pid in sorted(self.lagging - self.led):
+                        await self._read(pid)
+                    self.lagging.clear()
+                if now >= self._fold_due:
+                    self._fold_due = now + FOLD_EVERY_S
+                    for pid in sorted(self.due & self.led):
+                        self.due.discard(pid)
+                        await self._fold(pid)
+                    self.due &= self.led
                 if self.app.store_error.startswith("store refit"):
                     log.warning("replica %s: refits resumed", self.name)
                     self.app.store_error = ""
             except Exception as exc:
+                self.due |= self.led  # fold them again (each reads the store first)
                 self.app.store_failed("refit", exc)
                 log.warning("replica %s: %s; retrying", self.name, self.app.store_error)
                 self._lease_due = 0.0
@@ -328,10 +361,12 @@ class Replication:
                 continue
             self.led.discard(pid)
             self.app.forget(registry[pid], "deleted")
-        for pid, revision in sorted(revisions.items()):
+        for pid, (revision, version) in sorted(revisions.items()):
             pair = registry.get(pid)
-            if pair is None or (pid not in self.led and revision != pair.revision):
+            if pair is None:
                 await self._read(pid)
+            elif pid not in self.led and revision != pair.revision:
+                self._written(pid, version)
         share = math.ceil(len(revisions) / self.live)
         start = hash(self.name) % max(1, len(revisions))
         order = sorted(revisions)
@@ -341,6 +376,7 @@ class Replication:
             if pid not in self.led and await self._in_session(self.leadership.try_lock, pid):
                 self.led.add(pid)
                 self.stale.add(pid)
+                self.due.add(pid)
                 log.info("replica %s refits pair %s", self.name, pid)
         for pid in sorted(self.led)[share:]:
             await self._fold(pid)
@@ -398,8 +434,10 @@ class Replication:
         self.folded_rows += len(rows)
         pair.revision += 1
         self.app.saved(pair, record)
-        if len(rows) == FOLD_ROWS:
-            self._wake.set()  # more to fold
+        if len(rows) == FOLD_ROWS:  # more to fold: at once
+            self.due.add(pid)
+            self._fold_due = 0.0
+            self._wake.set()
 
     def _apply(self, pair: Pair, worker: str, seq: int, kind: str, payload: bytes) -> None:
         if kind in (SUMMARY, STEP):
