@@ -35,6 +35,7 @@ from avest.core.summary import summarise  # noqa: E402
 from avest_wire.messages import summary_to_pb  # noqa: E402
 from tests.support.replicas import (  # noqa: E402
     WAIT_S,
+    get_pair,
     pending_rows,
     refitted,
     refitter,
@@ -280,3 +281,67 @@ def lead_name(replica: Served) -> str:
         if line.startswith("avest_replica_info{"):
             return line.split('replica="', 1)[1].split('"', 1)[0]
     raise AssertionError("no avest_replica_info")
+
+
+ADMIN_TOKEN = "admin-token-for-replicas"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+def _versions(group: list[Served], pair_id: str) -> set[int]:
+    return {get_pair(r, pair_id).coefficients.version for r in group}
+
+
+def test_admin_changes_on_any_replica_reach_every_replica(
+    tmp_path: Path, postgres_cluster: PostgresCluster
+) -> None:
+    """Cost curves and a reset sent to a replica that does not refit the pair are
+    applied by its refitter and served everywhere; a deletion there removes the pair
+    from every replica, and registering it again starts it afresh."""
+    url = postgres_cluster.create_database()
+    with replicas(url, 2, tmp_path / "pair", "--admin-token", ADMIN_TOKEN) as group:
+        pair_id = _register(group[0])
+        _register(group[1])
+        lead = refitter(group)
+        other = group[1] if lead is group[0] else group[0]
+        assert _send(other, synthetic_steps(pair_id, "w0", K, STEPS, seed=0)) == STEPS
+        (before, _) = settled(url, group, pair_id, STEPS)
+        channel, stub = stub_for(other.grpc_address)
+        try:
+            stub.SetCostCurves(
+                pb.SetCostCurvesRequest(
+                    pair_id=pair_id,
+                    hardware="h200",
+                    draft_curve=[pb.CostPoint(size=1, ms=1.0), pb.CostPoint(size=64, ms=1.5)],
+                    verify_curve=[pb.CostPoint(size=1, ms=5.0), pb.CostPoint(size=64, ms=6.0)],
+                    cudagraph_capture_limit=64,
+                ),
+                timeout=30,
+            )
+        finally:
+            channel.close()
+        base = f"{lead.http_url}/v1/pairs/{pair_id}"
+        assert wait_until(
+            lambda: httpx.get(base, timeout=10).json()["cost_curve_hardware"] == ["h200"], WAIT_S
+        )
+        reset = httpx.post(f"{other.http_url}/v1/pairs/{pair_id}/reset", headers=ADMIN, timeout=10)
+        assert reset.status_code == 200, reset.text
+        target = before.coefficients.version + 1
+        assert wait_until(lambda: _versions(group, pair_id) == {target}, WAIT_S)
+        assert {get_pair(r, pair_id).steps_observed for r in group} == {0}
+
+        gone = httpx.delete(f"{other.http_url}/v1/pairs/{pair_id}", headers=ADMIN, timeout=10)
+        assert gone.status_code == 200, gone.text
+        for replica in group:
+            assert wait_until(
+                lambda r=replica: (
+                    httpx.get(f"{r.http_url}/v1/pairs/{pair_id}", timeout=10).status_code == 404
+                ),
+                WAIT_S,
+            )
+        # Registered again: a new pair from the cold start, refitted and served.
+        assert _register(lead) == pair_id
+        _register(other)
+        assert _send(other, synthetic_steps(pair_id, "w1", K, STEPS, seed=1)) == STEPS
+        after = settled(url, group, pair_id, STEPS)
+        # The same refits from the cold start as the pair's first life.
+        assert after[0].coefficients.version == before.coefficients.version
