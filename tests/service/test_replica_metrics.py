@@ -25,8 +25,16 @@ from tests.support.postgres import PostgresCluster, import_psycopg
 
 import_psycopg()
 from avest.metrics import names  # noqa: E402
-from tests.support.replicas import WAIT_S, refitted, refitter, replicas, settled  # noqa: E402
-from tests.support.rpc import observe_all, stub_for, synthetic_steps  # noqa: E402
+from tests.support.replicas import (  # noqa: E402
+    WAIT_S,
+    refitted,
+    refitter_and_other,
+    register,
+    replicas,
+    send,
+    settled,
+)
+from tests.support.rpc import stub_for, synthetic_steps  # noqa: E402
 from tests.support.serve import Served  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -36,9 +44,6 @@ K = 3
 #: and calibration series has something behind it.
 STEPS = 30
 REFIT_INTERVAL = 10
-KEY = pb.PairKey(
-    target_model="target", draft_model="draft", method="draft_model", num_speculative_tokens=K
-)
 #: Families of the pair's own series, a few from each source: the pair collector
 #: (coefficients, calibration, survival, reliability bins, refits, ingestion) and
 #: the worker table.
@@ -99,38 +104,20 @@ def value(scraped: Scraped, name: str, **labels: str) -> float:
     return found[0]
 
 
-def _register(replica: Served) -> str:
-    channel, stub = stub_for(replica.grpc_address)
-    try:
-        request = pb.RegisterPairRequest(key=KEY, refit_interval=REFIT_INTERVAL)
-        return str(stub.RegisterPair(request, timeout=30).pair_id)
-    finally:
-        channel.close()
-
-
-def _send(replica: Served, msgs: list[pb.ObserveRequest]) -> int:
-    channel, stub = stub_for(replica.grpc_address)
-    try:
-        return int(observe_all(stub, msgs)[0])
-    finally:
-        channel.close()
-
-
 def test_each_pairs_series_come_from_its_refitter_alone(
     tmp_path: Path, postgres_cluster: PostgresCluster
 ) -> None:
     url = postgres_cluster.create_database()
     with replicas(url, 2, tmp_path) as group:
-        pair_id = _register(group[0])
-        assert _register(group[1]) == pair_id
-        lead = refitter(group)
-        other = group[1] if lead is group[0] else group[0]
+        pair_id = register(group[0], K, REFIT_INTERVAL)
+        assert register(group[1], K, REFIT_INTERVAL) == pair_id
+        lead, other = refitter_and_other(group)
         # tests.support.replicas names replica i "r<i>".
         lead_name, other_name = (f"r{group.index(r)}" for r in (lead, other))
         # A worker on each replica: the other one's steps reach the pair through
         # the pending log, folded by the refitter.
-        assert _send(lead, synthetic_steps(pair_id, "w0", K, STEPS, seed=0)) == STEPS
-        assert _send(other, synthetic_steps(pair_id, "w1", K, STEPS, seed=1)) == STEPS
+        assert send(lead, synthetic_steps(pair_id, "w0", K, STEPS, seed=0)) == STEPS
+        assert send(other, synthetic_steps(pair_id, "w1", K, STEPS, seed=1)) == STEPS
         settled(url, group, pair_id, 2 * STEPS)
 
         led, held = scrape(lead), scrape(other)
@@ -161,7 +148,7 @@ def test_each_pairs_series_come_from_its_refitter_alone(
         lead.stop()
         assert wait_until(lambda: refitted(other) == 1, WAIT_S, 0.1)
         more = synthetic_steps(pair_id, "w1", K, STEPS + REFIT_INTERVAL, seed=1)[STEPS:]
-        assert _send(other, more) == STEPS + REFIT_INTERVAL
+        assert send(other, more) == STEPS + REFIT_INTERVAL
         settled(url, [other], pair_id, 2 * STEPS + REFIT_INTERVAL)
         moved = scrape(other)
         assert set(of_pair(moved, pair_id)) == set(mine)
@@ -174,10 +161,10 @@ def test_each_replicas_queue_depth_is_the_steps_it_has_not_stored(
 ) -> None:
     url = postgres_cluster.create_database()
     with replicas(url, 2, tmp_path) as group:
-        pair_id = _register(group[0])
-        assert _register(group[1]) == pair_id
+        pair_id = register(group[0], K, REFIT_INTERVAL)
+        assert register(group[1], K, REFIT_INTERVAL) == pair_id
         steps = synthetic_steps(pair_id, "w0", K, 2 * STEPS, seed=0)
-        assert _send(group[0], steps[:STEPS]) == STEPS
+        assert send(group[0], steps[:STEPS]) == STEPS
         settled(url, group, pair_id, STEPS)
 
         postgres_cluster.stop()

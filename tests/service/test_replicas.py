@@ -39,10 +39,13 @@ from tests.support.replicas import (  # noqa: E402
     pending_rows,
     refitted,
     refitter,
+    refitter_and_other,
+    register,
     replicas,
+    send,
     settled,
 )
-from tests.support.rpc import observe_all, stub_for, synthetic_steps  # noqa: E402
+from tests.support.rpc import stub_for, synthetic_steps  # noqa: E402
 from tests.support.serve import Served  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -52,28 +55,6 @@ STEPS = 30
 WORKERS = 3
 #: Refit every 10 steps: each worker's messages span several refits.
 REFIT_INTERVAL = 10
-KEY = pb.PairKey(
-    target_model="target", draft_model="draft", method="draft_model", num_speculative_tokens=K
-)
-
-
-def _register(replica: Served) -> str:
-    """Register the pair on a replica (as each worker does on the one it reaches)."""
-    channel, stub = stub_for(replica.grpc_address)
-    try:
-        request = pb.RegisterPairRequest(key=KEY, refit_interval=REFIT_INTERVAL)
-        return str(stub.RegisterPair(request, timeout=30).pair_id)
-    finally:
-        channel.close()
-
-
-def _send(replica: Served, msgs: list[pb.ObserveRequest]) -> int:
-    """Stream ``msgs`` to a replica; the highest sequence acknowledged."""
-    channel, stub = stub_for(replica.grpc_address)
-    try:
-        return int(observe_all(stub, msgs)[0])
-    finally:
-        channel.close()
 
 
 def _summaries(pair_id: str, worker: str, seed: int) -> list[pb.ObserveRequest]:
@@ -127,9 +108,9 @@ def _fleet(url: str, root: Path, n: int, mode: str) -> list[pb.Pair]:
         steps = 0
         for w in range(WORKERS):
             replica = group[w % n]
-            pair_id = _register(replica)
+            pair_id = register(replica, K, REFIT_INTERVAL)
             msgs = _messages(pair_id, mode, w)
-            assert _send(replica, msgs) == len(msgs)
+            assert send(replica, msgs) == len(msgs)
             steps += STEPS
         return settled(url, group, pair_id, steps)
 
@@ -147,9 +128,9 @@ def test_three_replicas_give_one_replicas_coefficients(
 
 def _reference(url: str, root: Path, order: list[list[pb.ObserveRequest]], steps: int) -> pb.Pair:
     with replicas(url, 1, root) as (replica,):
-        _register(replica)
+        register(replica, K, REFIT_INTERVAL)
         for msgs in order:
-            assert _send(replica, msgs) == msgs[-1].sequence
+            assert send(replica, msgs) == msgs[-1].sequence
         return settled(url, [replica], msgs[0].pair_id, steps)[0]
 
 
@@ -158,18 +139,17 @@ def test_a_killed_refitter_hands_its_pair_over_losing_nothing(
 ) -> None:
     url = postgres_cluster.create_database()
     with replicas(url, 2, tmp_path / "pair") as group:
-        pair_id = _register(group[0])
-        _register(group[1])
-        lead = refitter(group)
-        other = group[1] if lead is group[0] else group[0]
+        pair_id = register(group[0], K, REFIT_INTERVAL)
+        register(group[1], K, REFIT_INTERVAL)
+        lead, other = refitter_and_other(group)
         w0 = synthetic_steps(pair_id, "w0", K, 2 * STEPS, seed=0)
         w1 = synthetic_steps(pair_id, "w1", K, 2 * STEPS, seed=1)
-        assert _send(lead, w0[:STEPS]) == STEPS
-        assert _send(other, w1[:STEPS]) == STEPS
+        assert send(lead, w0[:STEPS]) == STEPS
+        assert send(other, w1[:STEPS]) == STEPS
         settled(url, group, pair_id, 2 * STEPS)
         # The refitter stops folding (its session, and its lock, live on) ...
         lead.proc.send_signal(signal.SIGSTOP)
-        assert _send(other, w1[STEPS:]) == 2 * STEPS
+        assert send(other, w1[STEPS:]) == 2 * STEPS
         assert pending_rows(url) == STEPS  # acknowledged, not folded
         # ... and dies mid-round.
         killed = time.monotonic()
@@ -177,7 +157,7 @@ def test_a_killed_refitter_hands_its_pair_over_losing_nothing(
         lead.proc.wait(WAIT_S)
         # Its worker reconnects to the other replica and resends everything it has
         # (the first half was acknowledged already; an unknowing resend is harmless).
-        assert _send(other, w0) == 2 * STEPS
+        assert send(other, w0) == 2 * STEPS
         (after,) = settled(url, [other], pair_id, 4 * STEPS)
         print(f"\nfail-over: the pair folded again {time.monotonic() - killed:.2f} s after SIGKILL")
         assert refitted(other) == 1
@@ -193,10 +173,10 @@ def test_postgresql_stopped_for_ten_seconds_holds_the_acks_and_loses_nothing(
 ) -> None:
     url = postgres_cluster.create_database()
     with replicas(url, 2, tmp_path / "pair") as group:
-        pair_id = _register(group[0])
-        _register(group[1])
+        pair_id = register(group[0], K, REFIT_INTERVAL)
+        register(group[1], K, REFIT_INTERVAL)
         steps = synthetic_steps(pair_id, "w0", K, 2 * STEPS, seed=0)
-        assert _send(group[0], steps[:STEPS]) == STEPS
+        assert send(group[0], steps[:STEPS]) == STEPS
         settled(url, group, pair_id, STEPS)
 
         postgres_cluster.stop()
@@ -249,14 +229,14 @@ def test_a_worker_opened_on_another_replica_learns_what_the_replicas_hold_of_it(
     the refitter's, and another replica says which one that is."""
     url = postgres_cluster.create_database()
     with replicas(url, 3, tmp_path / "pair") as group:
-        pair_id = _register(group[0])
+        pair_id = register(group[0], K, REFIT_INTERVAL)
         for replica in group[1:]:
-            _register(replica)
+            register(replica, K, REFIT_INTERVAL)
         lead = refitter(group)
         first, second = (r for r in group if r is not lead)
         lead.proc.send_signal(signal.SIGSTOP)
         try:
-            assert _send(first, synthetic_steps(pair_id, "w0", K, STEPS, seed=0)) == STEPS
+            assert send(first, synthetic_steps(pair_id, "w0", K, STEPS, seed=0)) == STEPS
             channel, stub = stub_for(second.grpc_address)
             try:
                 opening = pb.ObserveRequest(pair_id=pair_id, worker_id="w0", open=True)
@@ -299,11 +279,10 @@ def test_admin_changes_on_any_replica_reach_every_replica(
     from every replica, and registering it again starts it afresh."""
     url = postgres_cluster.create_database()
     with replicas(url, 2, tmp_path / "pair", "--admin-token", ADMIN_TOKEN) as group:
-        pair_id = _register(group[0])
-        _register(group[1])
-        lead = refitter(group)
-        other = group[1] if lead is group[0] else group[0]
-        assert _send(other, synthetic_steps(pair_id, "w0", K, STEPS, seed=0)) == STEPS
+        pair_id = register(group[0], K, REFIT_INTERVAL)
+        register(group[1], K, REFIT_INTERVAL)
+        lead, other = refitter_and_other(group)
+        assert send(other, synthetic_steps(pair_id, "w0", K, STEPS, seed=0)) == STEPS
         (before, _) = settled(url, group, pair_id, STEPS)
         channel, stub = stub_for(other.grpc_address)
         try:
@@ -339,9 +318,9 @@ def test_admin_changes_on_any_replica_reach_every_replica(
                 WAIT_S,
             )
         # Registered again: a new pair from the cold start, refitted and served.
-        assert _register(lead) == pair_id
-        _register(other)
-        assert _send(other, synthetic_steps(pair_id, "w1", K, STEPS, seed=1)) == STEPS
+        assert register(lead, K, REFIT_INTERVAL) == pair_id
+        register(other, K, REFIT_INTERVAL)
+        assert send(other, synthetic_steps(pair_id, "w1", K, STEPS, seed=1)) == STEPS
         after = settled(url, group, pair_id, STEPS)
         # The same refits from the cold start as the pair's first life.
         assert after[0].coefficients.version == before.coefficients.version

@@ -17,7 +17,7 @@ import psycopg
 
 from avest_wire.v1 import estimator_pb2 as pb
 from tests.support.helpers import wait_until
-from tests.support.rpc import stub_for
+from tests.support.rpc import observe_all, stub_for
 from tests.support.serve import Served, serve
 
 #: Seconds allowed for a condition on a loaded machine (never a measured duration).
@@ -41,6 +41,29 @@ def replicas(url: str, n: int, root: Path, *args: str) -> Iterator[list[Served]]
             replica.stop()
 
 
+def register(replica: Served, k: int, refit_interval: int) -> str:
+    """Register the pair of ``k`` positions on a replica (as each worker does on the
+    one it reaches); its id."""
+    key = pb.PairKey(
+        target_model="target", draft_model="draft", method="draft_model", num_speculative_tokens=k
+    )
+    channel, stub = stub_for(replica.grpc_address)
+    try:
+        request = pb.RegisterPairRequest(key=key, refit_interval=refit_interval)
+        return str(stub.RegisterPair(request, timeout=30).pair_id)
+    finally:
+        channel.close()
+
+
+def send(replica: Served, msgs: list[pb.ObserveRequest]) -> int:
+    """Stream ``msgs`` to a replica; the highest sequence acknowledged."""
+    channel, stub = stub_for(replica.grpc_address)
+    try:
+        return int(observe_all(stub, msgs)[0])
+    finally:
+        channel.close()
+
+
 def get_pair(replica: Served, pair_id: str) -> pb.Pair:
     channel, stub = stub_for(replica.grpc_address)
     try:
@@ -61,6 +84,12 @@ def refitted(replica: Served) -> int:
         if line.startswith("avest_replica_pairs_refitted "):
             return int(float(line.split()[-1]))
     return 0
+
+
+def refitter_and_other(group: list[Served]) -> tuple[Served, Served]:
+    """The replica that refits (the one pair of) a group of two, and the other."""
+    lead = refitter(group)
+    return lead, next(r for r in group if r is not lead)
 
 
 def refitter(group: list[Served]) -> Served:
