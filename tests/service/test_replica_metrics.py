@@ -12,14 +12,11 @@
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from avest_wire.v1 import estimator_pb2 as pb
 from tests.support.helpers import wait_until
 from tests.support.postgres import PostgresCluster, import_psycopg
 
@@ -27,14 +24,13 @@ import_psycopg()
 from avest.metrics import names  # noqa: E402
 from tests.support.replicas import (  # noqa: E402
     WAIT_S,
+    pair_on_replicas,
     refitted,
     refitter_and_other,
-    register,
-    replicas,
     send,
     settled,
 )
-from tests.support.rpc import stub_for, synthetic_steps  # noqa: E402
+from tests.support.rpc import HeldStream, synthetic_steps  # noqa: E402
 from tests.support.serve import Served  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -107,10 +103,11 @@ def value(scraped: Scraped, name: str, **labels: str) -> float:
 def test_each_pairs_series_come_from_its_refitter_alone(
     tmp_path: Path, postgres_cluster: PostgresCluster
 ) -> None:
-    url = postgres_cluster.create_database()
-    with replicas(url, 2, tmp_path) as group:
-        pair_id = register(group[0], K, REFIT_INTERVAL)
-        assert register(group[1], K, REFIT_INTERVAL) == pair_id
+    with pair_on_replicas(postgres_cluster, tmp_path, 2, K, REFIT_INTERVAL) as (
+        url,
+        group,
+        pair_id,
+    ):
         lead, other = refitter_and_other(group)
         # tests.support.replicas names replica i "r<i>".
         lead_name, other_name = (f"r{group.index(r)}" for r in (lead, other))
@@ -159,50 +156,23 @@ def test_each_pairs_series_come_from_its_refitter_alone(
 def test_each_replicas_queue_depth_is_the_steps_it_has_not_stored(
     tmp_path: Path, postgres_cluster: PostgresCluster
 ) -> None:
-    url = postgres_cluster.create_database()
-    with replicas(url, 2, tmp_path) as group:
-        pair_id = register(group[0], K, REFIT_INTERVAL)
-        assert register(group[1], K, REFIT_INTERVAL) == pair_id
+    with pair_on_replicas(postgres_cluster, tmp_path, 2, K, REFIT_INTERVAL) as (
+        url,
+        group,
+        pair_id,
+    ):
         steps = synthetic_steps(pair_id, "w0", K, 2 * STEPS, seed=0)
         assert send(group[0], steps[:STEPS]) == STEPS
         settled(url, group, pair_id, STEPS)
-
-        postgres_cluster.stop()
-        acked: list[int] = []
-        done = threading.Event()
-
-        def requests() -> Iterator[pb.ObserveRequest]:
-            yield from steps[STEPS:]
-            done.wait(3 * WAIT_S)  # the stream stays open for its acks
-
-        def consume() -> None:
-            channel, stub = stub_for(group[1].grpc_address)
-            try:
-                for resp in stub.Observe(requests(), timeout=4 * WAIT_S):
-                    if resp.HasField("ack"):
-                        acked.append(resp.ack.acked_sequence)
-                        if resp.ack.acked_sequence == 2 * STEPS:
-                            done.set()
-            finally:
-                channel.close()
-
-        reader = threading.Thread(target=consume)
-        reader.start()
-        stopped = True
-        try:
-            # Received by group[1], not stored while PostgreSQL is down: its backlog.
-            assert wait_until(
-                lambda: value(scrape(group[1]), names.QUEUE_DEPTH) == STEPS, WAIT_S, 0.1
-            ), scrape(group[1]).get(names.QUEUE_DEPTH)
-            assert value(scrape(group[0]), names.QUEUE_DEPTH) == 0
-            assert acked == [] or max(acked) <= STEPS  # nothing of it acknowledged
-            postgres_cluster.resume()
-            stopped = False
-            assert done.wait(WAIT_S), acked
-        finally:
-            if stopped:  # the session's other tests need the server
-                postgres_cluster.resume()
-            done.set()
-            reader.join(WAIT_S)
+        with HeldStream(group[1].grpc_address, steps[STEPS:], 2 * STEPS) as held:
+            with postgres_cluster.outage():
+                held.start()
+                # Received by group[1], not stored while PostgreSQL is down: its backlog.
+                assert wait_until(
+                    lambda: value(scrape(group[1]), names.QUEUE_DEPTH) == STEPS, WAIT_S, 0.1
+                ), scrape(group[1]).get(names.QUEUE_DEPTH)
+                assert value(scrape(group[0]), names.QUEUE_DEPTH) == 0
+                assert max(held.acked(), default=0) <= STEPS  # nothing of it acknowledged
+            assert held.done.wait(WAIT_S), held.acks
         assert wait_until(lambda: value(scrape(group[1]), names.QUEUE_DEPTH) == 0, WAIT_S, 0.1)
         settled(url, group, pair_id, 2 * STEPS)

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import math
 import signal
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -36,6 +34,7 @@ from avest_wire.messages import summary_to_pb  # noqa: E402
 from tests.support.replicas import (  # noqa: E402
     WAIT_S,
     get_pair,
+    pair_on_replicas,
     pending_rows,
     refitted,
     refitter,
@@ -45,7 +44,7 @@ from tests.support.replicas import (  # noqa: E402
     send,
     settled,
 )
-from tests.support.rpc import stub_for, synthetic_steps  # noqa: E402
+from tests.support.rpc import HeldStream, stub_for, synthetic_steps  # noqa: E402
 from tests.support.serve import Served  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -137,10 +136,11 @@ def _reference(url: str, root: Path, order: list[list[pb.ObserveRequest]], steps
 def test_a_killed_refitter_hands_its_pair_over_losing_nothing(
     tmp_path: Path, postgres_cluster: PostgresCluster
 ) -> None:
-    url = postgres_cluster.create_database()
-    with replicas(url, 2, tmp_path / "pair") as group:
-        pair_id = register(group[0], K, REFIT_INTERVAL)
-        register(group[1], K, REFIT_INTERVAL)
+    with pair_on_replicas(postgres_cluster, tmp_path / "pair", 2, K, REFIT_INTERVAL) as (
+        url,
+        group,
+        pair_id,
+    ):
         lead, other = refitter_and_other(group)
         w0 = synthetic_steps(pair_id, "w0", K, 2 * STEPS, seed=0)
         w1 = synthetic_steps(pair_id, "w1", K, 2 * STEPS, seed=1)
@@ -171,48 +171,25 @@ def test_a_killed_refitter_hands_its_pair_over_losing_nothing(
 def test_postgresql_stopped_for_ten_seconds_holds_the_acks_and_loses_nothing(
     tmp_path: Path, postgres_cluster: PostgresCluster
 ) -> None:
-    url = postgres_cluster.create_database()
-    with replicas(url, 2, tmp_path / "pair") as group:
-        pair_id = register(group[0], K, REFIT_INTERVAL)
-        register(group[1], K, REFIT_INTERVAL)
+    with pair_on_replicas(postgres_cluster, tmp_path / "pair", 2, K, REFIT_INTERVAL) as (
+        url,
+        group,
+        pair_id,
+    ):
         steps = synthetic_steps(pair_id, "w0", K, 2 * STEPS, seed=0)
         assert send(group[0], steps[:STEPS]) == STEPS
         settled(url, group, pair_id, STEPS)
-
-        postgres_cluster.stop()
-        stopped = time.monotonic()
-        acks: list[tuple[float, int]] = []
-        done = threading.Event()
-
-        def requests() -> Iterator[pb.ObserveRequest]:
-            yield from steps[STEPS:]
-            done.wait(3 * WAIT_S)  # the stream stays open for its acks
-
-        def consume() -> None:
-            channel, stub = stub_for(group[1].grpc_address)
-            try:
-                for resp in stub.Observe(requests(), timeout=4 * WAIT_S):
-                    if resp.HasField("ack"):
-                        acks.append((time.monotonic(), resp.ack.acked_sequence))
-                        if resp.ack.acked_sequence == 2 * STEPS:
-                            done.set()
-            finally:
-                channel.close()
-
-        reader = threading.Thread(target=consume)
-        reader.start()
-        try:
-            ready = f"{group[1].http_url}/readyz"
-            assert wait_until(lambda: httpx.get(ready, timeout=10).status_code == 503, WAIT_S)
-            time.sleep(max(0.0, 10.0 - (time.monotonic() - stopped)))
-            assert [seq for _, seq in acks if seq > STEPS] == []  # nothing acknowledged
-            postgres_cluster.resume()
+        with HeldStream(group[1].grpc_address, steps[STEPS:], 2 * STEPS) as held:
+            with postgres_cluster.outage():
+                stopped = time.monotonic()
+                held.start()
+                ready = f"{group[1].http_url}/readyz"
+                assert wait_until(lambda: httpx.get(ready, timeout=10).status_code == 503, WAIT_S)
+                time.sleep(max(0.0, 10.0 - (time.monotonic() - stopped)))
+                assert [seq for seq in held.acked() if seq > STEPS] == []  # none acknowledged
             resumed = time.monotonic()
-            assert done.wait(WAIT_S), acks
-        finally:
-            done.set()
-            reader.join(WAIT_S)
-        print(f"\nacknowledged again {acks[-1][0] - resumed:.2f} s after PostgreSQL was back")
+            assert held.done.wait(WAIT_S), held.acks
+        print(f"\nacknowledged again {held.acks[-1][0] - resumed:.2f} s after PostgreSQL was back")
         settled(url, group, pair_id, 2 * STEPS)
         for replica in group:
             assert wait_until(
@@ -227,11 +204,11 @@ def test_a_worker_opened_on_another_replica_learns_what_the_replicas_hold_of_it(
     """The watermark comes from PostgreSQL, not from the replica's copy (here the
     refitter is stopped: no replica's copy has folded anything); the worker table is
     the refitter's, and another replica says which one that is."""
-    url = postgres_cluster.create_database()
-    with replicas(url, 3, tmp_path / "pair") as group:
-        pair_id = register(group[0], K, REFIT_INTERVAL)
-        for replica in group[1:]:
-            register(replica, K, REFIT_INTERVAL)
+    with pair_on_replicas(postgres_cluster, tmp_path / "pair", 3, K, REFIT_INTERVAL) as (
+        url,
+        group,
+        pair_id,
+    ):
         lead = refitter(group)
         first, second = (r for r in group if r is not lead)
         lead.proc.send_signal(signal.SIGSTOP)
@@ -277,10 +254,9 @@ def test_admin_changes_on_any_replica_reach_every_replica(
     """Cost curves and a reset sent to a replica that does not refit the pair are
     applied by its refitter and served everywhere; a deletion there removes the pair
     from every replica, and registering it again starts it afresh."""
-    url = postgres_cluster.create_database()
-    with replicas(url, 2, tmp_path / "pair", "--admin-token", ADMIN_TOKEN) as group:
-        pair_id = register(group[0], K, REFIT_INTERVAL)
-        register(group[1], K, REFIT_INTERVAL)
+    with pair_on_replicas(
+        postgres_cluster, tmp_path / "pair", 2, K, REFIT_INTERVAL, "--admin-token", ADMIN_TOKEN
+    ) as (url, group, pair_id):
         lead, other = refitter_and_other(group)
         assert send(other, synthetic_steps(pair_id, "w0", K, STEPS, seed=0)) == STEPS
         (before, _) = settled(url, group, pair_id, STEPS)

@@ -14,8 +14,6 @@ import argparse
 import os
 import subprocess
 import sys
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +27,14 @@ from avest.state.store import NotAStore, StoreTooNew
 from avest_wire.v1 import estimator_pb2 as pb
 from tests.support.helpers import wait_until
 from tests.support.postgres import PostgresCluster, import_psycopg
-from tests.support.rpc import observe_all, pairs_by_id, register_k, stub_for, synthetic_steps
+from tests.support.rpc import (
+    HeldStream,
+    observe_all,
+    pairs_by_id,
+    register_k,
+    stub_for,
+    synthetic_steps,
+)
 from tests.support.server import ServerHandle, launch
 
 psycopg = import_psycopg()
@@ -128,43 +133,24 @@ def test_a_write_postgresql_refuses_holds_the_acks_until_it_takes_them(
         before = _populate(srv, pairs=1)
         (pid,) = before
         _refuse(postgres_url, "pending", "INSERT")
-        channel, stub = stub_for(srv.grpc_address)
         steps = synthetic_steps(pid, "w0", K, STEPS + 5, seed=0)[STEPS:]
-        acked: list[int] = []
-        done = threading.Event()
-
-        def requests() -> Iterator[pb.ObserveRequest]:
-            yield from steps
-            done.wait(WAIT_S)  # the stream stays open for its acks
-
-        def consume() -> None:
-            for resp in stub.Observe(requests(), timeout=3 * WAIT_S):
-                if resp.HasField("ack"):
-                    acked.append(resp.ack.acked_sequence)
-                    if resp.ack.acked_sequence == STEPS + 5:
-                        done.set()
-
-        reader = threading.Thread(target=consume)
-        reader.start()
-        try:
+        with HeldStream(srv.grpc_address, steps, STEPS + 5) as held:
+            held.start()
             assert wait_until(lambda: _metric(srv, "avest_store_writable") == 0.0, WAIT_S)
             errors = '{operation="write"}'
             assert (_metric(srv, "avest_store_errors_total", errors) or 0) >= 1
-            assert acked == []  # nothing durable, nothing acknowledged
+            assert held.acked() == []  # nothing durable, nothing acknowledged
             with psycopg.connect(postgres_url) as conn:
                 stored = conn.execute(
                     "SELECT sequence FROM workers WHERE pair_id = %s AND worker_id = 'w0'",
                     (pid,),
                 ).fetchone()
             assert stored == (STEPS,)  # the refused writes left nothing behind
-            with psycopg.connect(postgres_url) as conn:
-                assert conn.execute("SELECT count(*) FROM pending").fetchone() == (0,)
+            assert _pending(postgres_url) == 0
             with psycopg.connect(postgres_url, autocommit=True) as conn:
                 conn.execute("DROP TRIGGER refuse ON pending")
-            assert done.wait(WAIT_S), acked
-        finally:
-            done.set()
-            reader.join(WAIT_S)
+            assert held.done.wait(WAIT_S), held.acks
+        channel, stub = stub_for(srv.grpc_address)
         assert wait_until(lambda: _pair(stub, pid).steps_observed == STEPS + 5, WAIT_S)
         channel.close()
         assert wait_until(lambda: _metric(srv, "avest_store_writable") == 1.0, WAIT_S)

@@ -13,6 +13,7 @@ need them fail under CI (``CI`` set), where they must run, and are skipped elsew
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import itertools
 import os
@@ -141,6 +142,16 @@ class PostgresCluster:
             options,
             "start",
         )
+
+    @contextlib.contextmanager
+    def outage(self) -> Iterator[None]:
+        """The server stopped for the block (started again however the block ends: the
+        session's other tests need it)."""
+        self.stop()
+        try:
+            yield
+        finally:
+            self.resume()
 
     def resume(self) -> None:
         """Start the server again after :meth:`stop`, on the same port."""

@@ -17,6 +17,7 @@ import psycopg
 
 from avest_wire.v1 import estimator_pb2 as pb
 from tests.support.helpers import wait_until
+from tests.support.postgres import PostgresCluster
 from tests.support.rpc import observe_all, stub_for
 from tests.support.serve import Served, serve
 
@@ -62,6 +63,20 @@ def send(replica: Served, msgs: list[pb.ObserveRequest]) -> int:
         return int(observe_all(stub, msgs)[0])
     finally:
         channel.close()
+
+
+@contextlib.contextmanager
+def pair_on_replicas(
+    cluster: PostgresCluster, root: Path, n: int, k: int, refit_interval: int, *args: str
+) -> Iterator[tuple[str, list[Served], str]]:
+    """``n`` replicas on a new database of ``cluster``, the pair registered on each:
+    ``(url, replicas, pair id)``."""
+    url = cluster.create_database()
+    with replicas(url, n, root, *args) as group:
+        pair_id = register(group[0], k, refit_interval)
+        for replica in group[1:]:
+            assert register(replica, k, refit_interval) == pair_id
+        yield url, group, pair_id
 
 
 def get_pair(replica: Served, pair_id: str) -> pb.Pair:

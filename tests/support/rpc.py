@@ -5,8 +5,9 @@ sequence read back."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 
 import grpc
 import numpy as np
@@ -183,3 +184,47 @@ async def flood(
     with contextlib.suppress(grpc.aio.AioRpcError):
         async for _ in stub.Observe(gen(), metadata=metadata, timeout=seconds + 30):
             pass
+
+
+class HeldStream:
+    """``msgs`` streamed to ``address`` on a thread of their own from :meth:`start`, the
+    stream held open until ``last`` is acknowledged or the ``with`` block ends:
+    :attr:`acks` as they come, ``(monotonic time, sequence)``, and :attr:`done` set
+    once ``last`` is."""
+
+    def __init__(
+        self, address: str, msgs: list[pb.ObserveRequest], last: int, wait_s: float = 90.0
+    ) -> None:
+        self.address, self.msgs, self.last, self.wait_s = address, msgs, last, wait_s
+        self.acks: list[tuple[float, int]] = []
+        self.done = threading.Event()
+        self._reader = threading.Thread(target=self._consume, daemon=True)
+
+    def acked(self) -> list[int]:
+        return [seq for _, seq in self.acks]
+
+    def _requests(self) -> Iterator[pb.ObserveRequest]:
+        yield from self.msgs
+        self.done.wait(3 * self.wait_s)  # the stream stays open for its acks
+
+    def _consume(self) -> None:
+        channel, stub = stub_for(self.address)
+        try:
+            for resp in stub.Observe(self._requests(), timeout=4 * self.wait_s):
+                if resp.HasField("ack"):
+                    self.acks.append((time.monotonic(), resp.ack.acked_sequence))
+                    if resp.ack.acked_sequence == self.last:
+                        self.done.set()
+        finally:
+            channel.close()
+
+    def start(self) -> None:
+        self._reader.start()
+
+    def __enter__(self) -> HeldStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        if self._reader.is_alive():
+            self._reader.join(self.wait_s)
