@@ -6,8 +6,8 @@
   not per pair come from both, ``avest_replica_info`` naming each, and
   ``avest_pairs`` summed over the two counts the pair once.
 - The refitter stopped, the other takes the pair over and its series with it.
-- ``avest_queue_depth`` on a replica counts the steps it received and has not
-  written to the pending log (PostgreSQL stopped meanwhile): each replica its own.
+- ``avest_queue_depth`` on a replica, each its own: in tests/service/test_replicas.py
+  (PostgreSQL stopped).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from tests.support.replicas import (  # noqa: E402
     send,
     settled,
 )
-from tests.support.rpc import HeldStream, synthetic_steps  # noqa: E402
+from tests.support.rpc import synthetic_steps  # noqa: E402
 from tests.support.serve import Served  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -151,28 +151,3 @@ def test_each_pairs_series_come_from_its_refitter_alone(
         assert set(of_pair(moved, pair_id)) == set(mine)
         assert value(moved, names.STEPS_OBSERVED, pair=pair_id) == 2 * STEPS + REFIT_INTERVAL
         assert value(moved, names.PAIRS) == 1
-
-
-def test_each_replicas_queue_depth_is_the_steps_it_has_not_stored(
-    tmp_path: Path, postgres_cluster: PostgresCluster
-) -> None:
-    with pair_on_replicas(postgres_cluster, tmp_path, 2, K, REFIT_INTERVAL) as (
-        url,
-        group,
-        pair_id,
-    ):
-        steps = synthetic_steps(pair_id, "w0", K, 2 * STEPS, seed=0)
-        assert send(group[0], steps[:STEPS]) == STEPS
-        settled(url, group, pair_id, STEPS)
-        with HeldStream(group[1].grpc_address, steps[STEPS:], 2 * STEPS) as held:
-            with postgres_cluster.outage():
-                held.start()
-                # Received by group[1], not stored while PostgreSQL is down: its backlog.
-                assert wait_until(
-                    lambda: value(scrape(group[1]), names.QUEUE_DEPTH) == STEPS, WAIT_S, 0.1
-                ), scrape(group[1]).get(names.QUEUE_DEPTH)
-                assert value(scrape(group[0]), names.QUEUE_DEPTH) == 0
-                assert max(held.acked(), default=0) <= STEPS  # nothing of it acknowledged
-            assert held.done.wait(WAIT_S), held.acks
-        assert wait_until(lambda: value(scrape(group[1]), names.QUEUE_DEPTH) == 0, WAIT_S, 0.1)
-        settled(url, group, pair_id, 2 * STEPS)

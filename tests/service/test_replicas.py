@@ -8,7 +8,8 @@
   twice (the same coefficients as one replica given the same messages in the same
   order, resends included).
 - PostgreSQL stopped for ten seconds: no step sent meanwhile is acknowledged
-  (``/readyz`` 503), and everything is once it is back.
+  (``/readyz`` 503; the receiving replica's ``avest_queue_depth`` counts them, the
+  other's does not), and everything is once it is back.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from avest.core.summary import summarise  # noqa: E402
 from avest_wire.messages import summary_to_pb  # noqa: E402
 from tests.support.replicas import (  # noqa: E402
     WAIT_S,
+    gauge,
     get_pair,
     pair_on_replicas,
     pending_rows,
@@ -54,6 +56,7 @@ STEPS = 30
 WORKERS = 3
 #: Refit every 10 steps: each worker's messages span several refits.
 REFIT_INTERVAL = 10
+QUEUE_DEPTH = "avest_queue_depth"
 
 
 def _summaries(pair_id: str, worker: str, seed: int) -> list[pb.ObserveRequest]:
@@ -185,10 +188,14 @@ def test_postgresql_stopped_for_ten_seconds_holds_the_acks_and_loses_nothing(
                 held.start()
                 ready = f"{group[1].http_url}/readyz"
                 assert wait_until(lambda: httpx.get(ready, timeout=10).status_code == 503, WAIT_S)
+                # Received by group[1], not stored: its backlog, not the other's.
+                assert wait_until(lambda: gauge(group[1], QUEUE_DEPTH) == STEPS, WAIT_S)
+                assert gauge(group[0], QUEUE_DEPTH) == 0
                 time.sleep(max(0.0, 10.0 - (time.monotonic() - stopped)))
                 assert [seq for seq in held.acked() if seq > STEPS] == []  # none acknowledged
             resumed = time.monotonic()
             assert held.done.wait(WAIT_S), held.acks
+        assert wait_until(lambda: gauge(group[1], QUEUE_DEPTH) == 0, WAIT_S)
         print(f"\nacknowledged again {held.acks[-1][0] - resumed:.2f} s after PostgreSQL was back")
         settled(url, group, pair_id, 2 * STEPS)
         for replica in group:

@@ -14,6 +14,7 @@ import argparse
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -331,3 +332,28 @@ def test_store_copy_back_from_postgresql_and_a_missing_source(
     missing = _store_copy("--from", str(tmp_path / "nothing-here"), "--to", postgres_url)
     assert missing.returncode == 2
     assert "no avest store there" in missing.stderr
+
+
+def test_replicas_starting_together_on_a_new_database_all_open_it(postgres_url: str) -> None:
+    """One creates the tables, the others wait for it and find them (concurrent
+    CREATE TABLE IF NOT EXISTS would collide in PostgreSQL's catalog)."""
+    starts = 4
+    barrier = threading.Barrier(starts)
+    opened: list[Any] = []
+
+    def open_one() -> None:
+        barrier.wait()
+        try:
+            opened.append(PostgresStore(postgres_url))
+        except Exception as exc:
+            opened.append(exc)
+
+    threads = [threading.Thread(target=open_one) for _ in range(starts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S)
+    assert all(isinstance(s, PostgresStore) for s in opened), opened
+    assert sorted(s.found_format for s in opened).count(0) == 1  # exactly one made them
+    for s in opened:
+        s.close()

@@ -93,12 +93,17 @@ def pending_rows(url: str) -> int:
     return int(row[0]) if row else 0
 
 
+def gauge(replica: Served, name: str) -> float:
+    """A series without labels from the replica's metrics (0 when absent)."""
+    for line in replica.metrics_text().splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def refitted(replica: Served) -> int:
     """How many pairs the replica refits, from its metrics."""
-    for line in replica.metrics_text().splitlines():
-        if line.startswith("avest_replica_pairs_refitted "):
-            return int(float(line.split()[-1]))
-    return 0
+    return int(gauge(replica, "avest_replica_pairs_refitted"))
 
 
 def refitter_and_other(group: list[Served]) -> tuple[Served, Served]:

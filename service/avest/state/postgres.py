@@ -200,6 +200,10 @@ class PostgresStore:
         transaction); a database already at :data:`STORE_FORMAT` is not written to."""
         try:
             with self.conn.transaction(), self.conn.cursor() as cur:
+                # Replicas starting together on a new database: one creates the
+                # tables, the others wait and find them (concurrent CREATE TABLE IF
+                # NOT EXISTS collide in PostgreSQL's catalog).
+                cur.execute("SELECT pg_advisory_xact_lock(%s, 0)", (LOCK_SPACE,))
                 columns = _columns(cur)
                 foreign = sorted(set(columns) - TABLES)
                 if foreign:
