@@ -515,10 +515,13 @@ def test_demo_compose_commands(tmp_path: Path) -> None:
         for line in (deploy / ".env").read_text().splitlines()
         if re.match(r"^[A-Z_]+=", line)
     )
-    assert all(
-        len(values[k]) >= 32
-        for k in ("AVEST_WORKER_TOKEN", "AVEST_ADMIN_TOKEN", "AVEST_POSTGRES_PASSWORD")
-    ) and len(values["GRAFANA_ADMIN_PASSWORD"]) >= 32
+    assert (
+        all(
+            len(values[k]) >= 32
+            for k in ("AVEST_WORKER_TOKEN", "AVEST_ADMIN_TOKEN", "AVEST_POSTGRES_PASSWORD")
+        )
+        and len(values["GRAFANA_ADMIN_PASSWORD"]) >= 32
+    )
     cfg = compose_config(deploy, ["demo"], env)
     services = cfg["services"]
     assert isinstance(services, dict)
