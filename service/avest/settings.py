@@ -43,8 +43,8 @@ class Settings(BaseSettings):
     )
     replica_name: str = Field(
         "",
-        description="this replica's name in logs and metrics (with a PostgreSQL store); "
-        "empty for the host name",
+        description="this replica's name in logs and metrics (with a PostgreSQL store), "
+        "unique among the replicas; empty for the host name and the process id",
     )
     #: Update rule for pairs that do not ask for one (see README: measured).
     default_rule: str = Field(

@@ -39,7 +39,12 @@ from tests.support.rpc import (
 from tests.support.server import ServerHandle, launch
 
 psycopg = import_psycopg()
-from avest.state.postgres import PostgresStore, StoreWriteRefused  # noqa: E402
+from avest.state.postgres import (  # noqa: E402
+    Leadership,
+    PostgresStore,
+    StaleWrite,
+    StoreWriteRefused,
+)
 
 K = 8
 STEPS = 30
@@ -357,3 +362,38 @@ def test_replicas_starting_together_on_a_new_database_all_open_it(postgres_url: 
     assert sorted(s.found_format for s in opened).count(0) == 1  # exactly one made them
     for s in opened:
         s.close()
+
+
+def test_a_refit_on_a_revision_the_store_moved_past_writes_nothing(postgres_url: str) -> None:
+    """A refitter whose copy is behind the store (another write came in between: a
+    session that outlived its process, a fold abandoned half-known) is refused, and
+    the pending rows it would have folded stay."""
+    store = PostgresStore(postgres_url)
+    leader = Leadership(store, "r0")
+    leader.connect()
+    try:
+        (revision,) = store.create([_record("p")]).values()
+        store.append_pending([("p", "w", 2, "step", b"x")], "r0")
+        ((row, *_),) = leader.pending("p", 10)
+        with pytest.raises(StaleWrite):
+            leader.commit(_record("p", updated=5.0), [row], revision - 1)
+        assert len(leader.pending("p", 10)) == 1 and store.revisions()["p"][0] == revision
+        assert leader.commit(_record("p", updated=5.0), [row], revision) == revision + 1
+        assert leader.pending("p", 10) == []
+    finally:
+        leader.close()
+        store.close()
+
+
+def test_rows_for_a_pair_no_longer_stored_are_not_appended(postgres_url: str) -> None:
+    """Rows received for a pair deleted meanwhile would be folded by nobody, or into the
+    pair registered again under the same key: they are not kept."""
+    store = PostgresStore(postgres_url)
+    try:
+        store.create([_record("p")])
+        store.delete("p")
+        store.append_pending([("p", "w", 1, "step", b"x")], "r0")
+        with psycopg.connect(postgres_url) as conn:
+            assert conn.execute("SELECT count(*) FROM pending").fetchone() == (0,)
+    finally:
+        store.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -159,7 +160,9 @@ class Avest:
         if getattr(self.store, "replicated", False):
             from avest.state.replicas import Replication
 
-            name = self.config.replica_name or socket.gethostname()
+            # Unique per process: two replicas of one name would take each other's
+            # session for their own (and end it).
+            name = self.config.replica_name or f"{socket.gethostname()}-{os.getpid()}"
             self.replication = Replication(self, self.store, name)  # type: ignore[arg-type]
             await self.replication.start()
             log.info("replica %s: %d pair(s), refits %d of them",
@@ -219,6 +222,7 @@ class Avest:
         Replicas: the step goes to the pending log, folded by the pair's refitter
         (``message``: a summary as received, stored as it came)."""
         if self.replication is not None:
+            await self.replication.room()
             return self.replication.offer(pair, worker, seq, batch, message)
         if not self.folds.heavy(batch):
             busy = self.folds.busy(pair.id)
@@ -304,6 +308,8 @@ class Avest:
             return
         self.registry.remove(pair)
         self.folds.forget(pair.id)
+        if self.replication is not None:
+            self.replication.forget(pair.id)
         pair.watchers.clear()
         for hook in self.hooks.removed:
             hook(pair, why)
@@ -378,7 +384,7 @@ class Avest:
                 if self.store_error.startswith("store write"):
                     log.warning("store writes resumed after: %s", self.store_error)
                     self.store_error = ""
-                self._durable(raised)
+                self.mark_durable(raised)
                 return
             pairs = [p for p in self.registry.pairs.values() if p.dirty or force]
             for n, chunk in enumerate(_chunks(pairs)):
@@ -417,13 +423,14 @@ class Avest:
         for pair, record in zip(pairs, records, strict=True):
             raised += pair.saved(record)
         self.state_file.record(len(self.registry.pairs))
-        self._durable(raised)
+        self.mark_durable(raised)
 
     def saved(self, pair: Pair, record: dict[str, Any]) -> None:
         """A snapshot of the pair another path wrote (a replica's refit) is durable."""
-        self._durable(pair.saved(record))
+        self.mark_durable(pair.saved(record))
 
-    def _durable(self, raised: list[tuple[str, str, int]]) -> None:
+    def mark_durable(self, raised: list[tuple[str, str, int]]) -> None:
+        """``(pair, worker, sequence)`` watermarks now durable: acknowledge them."""
         if raised:
             for hook in self.hooks.durable:
                 hook(raised)

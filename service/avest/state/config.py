@@ -40,7 +40,8 @@ class StateConfig:
     #: PostgreSQL URL (``postgresql://USER@HOST:PORT/DB``).
     store: str = ""
     #: This process's name among the replicas on one PostgreSQL database (logs,
-    #: metrics, the ``replicas`` table); "" for the host name.
+    #: metrics, the ``replicas`` table), unique among them; "" for the host name and
+    #: the process id.
     replica_name: str = ""
 
     @property

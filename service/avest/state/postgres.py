@@ -26,6 +26,7 @@ the database is the one place that knows what it held.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -81,6 +82,10 @@ KEEPALIVES = {
     "keepalives_interval": "5",
     "keepalives_count": "3",
     "tcp_user_timeout": "25000",
+    # The server's side, for this session: a replica whose node vanished has its
+    # session, and the locks it holds, ended as soon (whatever the server's defaults).
+    "options": "-c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5 "
+    "-c tcp_keepalives_count=3 -c tcp_user_timeout=25000",
 }
 
 
@@ -122,6 +127,7 @@ CREATE TABLE IF NOT EXISTS pending (
     received DOUBLE PRECISION NOT NULL,
     UNIQUE (pair_id, worker_id, sequence)
 );
+CREATE INDEX IF NOT EXISTS pending_pair ON pending (pair_id, id);
 -- Payloads are protobuf float arrays (round summaries, raw steps) that do not
 -- compress: stored out of line as they are, without PostgreSQL's compression try.
 ALTER TABLE pending ALTER COLUMN payload SET STORAGE EXTERNAL;
@@ -143,6 +149,10 @@ PAIR_TABLES = ("workers", "coefficient_history", "cost_curves", "snapshots", "pe
 
 class StoreWriteRefused(RuntimeError):
     """PostgreSQL refused a write or a delete: nothing of it was written."""
+
+
+class StaleWrite(RuntimeError):
+    """A refit built on a revision of the pair the store no longer holds: not written."""
 
 
 def redacted(url: str) -> str:
@@ -281,16 +291,18 @@ class PostgresStore:
                 f"nothing of it was written: {type(exc).__name__}: {exc}"
             ) from exc
 
-    def _write_one(self, cur: psycopg.Cursor[Any], r: dict[str, Any]) -> None:
+    def _write_one(self, cur: psycopg.Cursor[Any], r: dict[str, Any]) -> int:
+        """Upsert one pair's rows; its revision after the write."""
         pid = r["id"]
         key_json = json.dumps(r["key"], sort_keys=True)
-        cur.execute(
+        written = cur.execute(
             "INSERT INTO pairs (id, key_json, k, rule, refit_interval, updated) "
             "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO UPDATE SET "
             "rule = excluded.rule, refit_interval = excluded.refit_interval, "
-            "updated = excluded.updated, revision = pairs.revision + 1",
+            "updated = excluded.updated, revision = pairs.revision + 1 RETURNING revision",
             (pid, key_json, r["key"]["k"], r["rule"], r["refit_interval"], r["updated"]),
-        )
+        ).fetchone()
+        revision = int(written[0]) if written else 0
         counters = r["arrays"]["counters"]
         blob = pack_arrays(r["arrays"])
         outcome = r.get("last_outcome", "")
@@ -344,6 +356,7 @@ class PostgresStore:
                 "verify_json = excluded.verify_json, cudagraph_limit = excluded.cudagraph_limit",
                 costs,
             )
+        return revision
 
     def delete(self, pair_id: str) -> None:
         """Remove every row of a pair (one transaction)."""
@@ -471,10 +484,13 @@ class PostgresStore:
         try:
             conn = self._connection()
             with conn.transaction(), conn.cursor() as cur:
+                # Rows of a pair deleted meanwhile are not kept: nothing would fold
+                # them, and a pair registered again under the same key starts afresh.
                 cur.executemany(
                     "INSERT INTO pending (pair_id, worker_id, sequence, kind, payload, replica, "
-                    "received) VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
-                    [(*row, replica, now) for row in rows],
+                    "received) SELECT %s, %s, %s, %s, %s, %s, %s WHERE EXISTS "
+                    "(SELECT 1 FROM pairs WHERE id = %s) ON CONFLICT DO NOTHING",
+                    [(*row, replica, now, row[0]) for row in rows],
                 )
                 for pid in sorted({row[0] for row in rows}):
                     cur.execute("SELECT pg_notify(%s, %s)", (PENDING_CHANNEL, pid))
@@ -484,10 +500,11 @@ class PostgresStore:
                 f"written: {type(exc).__name__}: {exc}"
             ) from exc
 
-    def create(self, records: list[dict[str, Any]]) -> list[str]:
+    def create(self, records: list[dict[str, Any]]) -> dict[str, int]:
         """Store new pairs that no replica stored yet (one transaction); returns the ids
-        this call created (a pair another replica created first is left as it is)."""
-        created = []
+        this call created, with their revisions (a pair another replica created first
+        is left as it is)."""
+        created: dict[str, int] = {}
         try:
             conn = self._connection()
             with conn.transaction(), conn.cursor() as cur:
@@ -505,9 +522,8 @@ class PostgresStore:
                         ),
                     ).fetchone()
                     if row is not None:
-                        self._write_one(cur, r)
+                        created[r["id"]] = self._write_one(cur, r)
                         cur.execute("SELECT pg_notify(%s, %s)", (PAIRS_CHANNEL, f"{r['id']} -1"))
-                        created.append(r["id"])
                 self.recorded_pairs = _count_pairs(cur)
         except psycopg.Error as exc:
             raise StoreWriteRefused(
@@ -584,10 +600,18 @@ class Leadership:
         return self.conn is not None and not (self.conn.closed or self.conn.broken)
 
     def connect(self) -> None:
+        """A new session; the previous one of this replica, if PostgreSQL still keeps it
+        (a connection that broke on this side only), is ended so its locks go."""
         if self.conn is not None:
             self.conn.close()
         self.conn = None
         self.conn = self.store._connect()
+        with contextlib.suppress(psycopg.Error), self.conn.cursor() as cur:
+            cur.execute(
+                "SELECT pg_terminate_backend(session) FROM replicas WHERE name = %s "
+                "AND session <> 0 AND session <> pg_backend_pid()",
+                (self.replica,),
+            )
 
     def close(self) -> None:
         if self.conn is not None:
@@ -641,8 +665,11 @@ class Leadership:
         return bool(row and row[0])
 
     def unlock(self, pair_id: str) -> None:
+        self.unlock_key(lock_key(pair_id))
+
+    def unlock_key(self, key: int) -> None:
         with self._cur() as cur:
-            cur.execute("SELECT pg_advisory_unlock(%s, %s)", (LOCK_SPACE, lock_key(pair_id)))
+            cur.execute("SELECT pg_advisory_unlock(%s, %s)", (LOCK_SPACE, key))
 
     def pending(self, pair_id: str, limit: int) -> list[tuple[int, str, int, str, bytes]]:
         """The pair's oldest pending rows: ``(id, worker, sequence, kind, payload)``."""
@@ -654,19 +681,28 @@ class Leadership:
             ).fetchall()
         return [(int(i), str(w), int(q), str(k), bytes(p)) for i, w, q, k, p in rows]
 
-    def commit(self, record: dict[str, Any], folded: list[int]) -> bool:
+    def commit(self, record: dict[str, Any], folded: list[int], revision: int) -> int:
         """Write the pair's snapshot and delete the pending rows it folded, in one
-        transaction, then tell the replicas; False (nothing written) when the pair is
-        no longer stored (deleted meanwhile)."""
+        transaction, then tell the replicas; the pair's new revision, or 0 (nothing
+        written) when the pair is no longer stored (deleted meanwhile).
+
+        ``revision``: the one the snapshot was built on. Another is in the store
+        (a write this replica's memory has not seen) and nothing is written:
+        :class:`StaleWrite`."""
         pid = record["id"]
         try:
             with self._cur() as cur, cur.connection.transaction():
                 held = cur.execute(
-                    "SELECT 1 FROM pairs WHERE id = %s FOR UPDATE", (pid,)
+                    "SELECT revision FROM pairs WHERE id = %s FOR UPDATE", (pid,)
                 ).fetchone()
                 if held is None:
-                    return False
-                self.store._write_one(cur, record)
+                    return 0
+                if int(held[0]) != revision:
+                    raise StaleWrite(
+                        f"pair {pid} is at revision {held[0]} in the store, this replica's "
+                        f"copy at {revision}: not written, read again"
+                    )
+                revision = self.store._write_one(cur, record)
                 if folded:
                     cur.execute("DELETE FROM pending WHERE id = ANY(%s)", (folded,))
                 version = int(record["arrays"]["counters"][0])
@@ -676,7 +712,7 @@ class Leadership:
                 f"{self.store.location} refused the refit of pair {pid}; nothing of it was "
                 f"written: {type(exc).__name__}: {exc}"
             ) from exc
-        return True
+        return revision
 
 
 def listen(
@@ -764,6 +800,8 @@ def _meta(cur: psycopg.Cursor[Any]) -> dict[str, str]:
 
 
 def _delete(cur: psycopg.Cursor[Any], pair_id: str) -> None:
+    # The pair's row first, as a refit's commit takes it: the two never deadlock.
+    cur.execute("SELECT 1 FROM pairs WHERE id = %s FOR UPDATE", (pair_id,))
     for table in PAIR_TABLES:
         cur.execute(f"DELETE FROM {table} WHERE pair_id = %s", (pair_id,))
     cur.execute("DELETE FROM pairs WHERE id = %s", (pair_id,))

@@ -40,9 +40,10 @@ import io
 import json
 import logging
 import math
+import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -56,9 +57,11 @@ from avest.state.postgres import (
     PENDING_CHANNEL,
     Leadership,
     PostgresStore,
+    StoreWriteRefused,
     listen,
     lock_key,
 )
+from avest.state.store import StoreUnreadable
 from avest.state.store_format import npz_bytes
 from avest_wire.messages import summary_from_pb, summary_to_pb
 from avest_wire.summary import RoundSummary
@@ -86,6 +89,15 @@ LIVE_S = 5.0
 #: Pending rows folded per transaction: a refit transaction stays short (the
 #: snapshot is written once per this many rows), and a backlog is folded in turns.
 FOLD_ROWS = 512
+#: Rows appended to the pending log per transaction: after an outage the backlog
+#: goes in chunks, each acknowledged as it commits.
+APPEND_ROWS = 1000
+#: Bytes received and not yet in the pending log, past which streams wait (no step
+#: read from them) until a write makes room: PostgreSQL unreachable holds the
+#: steps on the workers, not in this process's memory.
+MAX_QUEUED_BYTES = 64 << 20
+#: The worker id of admin-change rows: no worker has it (ids are 1 byte or more).
+COMMANDS = ""
 #: The kinds of pending rows.
 SUMMARY, STEP, COSTS, RESET, RELEASE = "summary", "step", "costs", "reset", "release"
 
@@ -139,10 +151,18 @@ class Replication:
         #: ``lock key -> `` the replica refitting the pairs of that key, as of the last
         #: lease pass.
         self.refitters: dict[int, str] = {}
-        #: Pending rows this replica folded, and rows it could not decode (dropped).
+        #: Pending rows this replica folded, rows it could not decode (dropped), and
+        #: reads or folds of one pair that failed (retried).
         self.folded_rows = 0
         self.undecodable_rows = 0
-        self._commands = time.time_ns() // 1000
+        self.pair_errors = 0
+        #: Bytes of :attr:`queue`, and set while they are under the bound.
+        self.queued_bytes = 0
+        self._room = asyncio.Event()
+        self._room.set()
+        #: Pairs nobody refitted at the last lease pass (taken at the next one if
+        #: still nobody's, whatever the share: their refitter is gone).
+        self._free: set[str] = set()
         self._wake = asyncio.Event()
         self._lease_due = 0.0
         #: Pairs refitted here with rows pending (notified), and when folds and the
@@ -200,7 +220,7 @@ class Replication:
     def backlog(self) -> int:
         """Steps and round summaries received here and not yet handed to the
         pending log's write (so not yet acknowledged); admin changes left out."""
-        return sum(1 for _, worker, _, _, _ in self.queue if not worker.startswith("@"))
+        return sum(1 for _, worker, _, _, _ in self.queue if worker != COMMANDS)
 
     # -- what the service receives ---------------------------------------------
 
@@ -221,14 +241,35 @@ class Replication:
         if seq <= known:
             return False
         self.received[key] = seq
-        self.queue.append((pair.id, worker, seq, *encode(batch, message)))
+        self._queue((pair.id, worker, seq, *encode(batch, message)))
         return True
 
+    def _queue(self, row: tuple[str, str, int, str, bytes]) -> None:
+        self.queue.append(row)
+        self.queued_bytes += len(row[4])
+        if self.queued_bytes > MAX_QUEUED_BYTES:
+            self._room.clear()
+
+    async def room(self) -> None:
+        """Wait while the rows not yet in the pending log are over their bound."""
+        await self._room.wait()
+
+    def forget(self, pair_id: str) -> None:
+        """The pair is gone (deleted): drop what this replica holds of it."""
+        self.queue = [row for row in self.queue if row[0] != pair_id]
+        self.queued_bytes = sum(len(row[4]) for row in self.queue)
+        if self.queued_bytes <= MAX_QUEUED_BYTES:
+            self._room.set()
+        for key in [k for k in self.received if k[0] == pair_id]:
+            del self.received[key]
+        for held in (self.led, self.stale, self.new, self.due, self.outdated, self.lagging):
+            held.discard(pair_id)
+
     def command(self, pair: Pair, kind: str, payload: dict[str, Any] | None = None) -> None:
-        """Queue an admin change for the pair's refitter, which applies it in order."""
-        self._commands += 1
+        """Queue an admin change for the pair's refitter, which applies it in order
+        (a random sequence: unique among the replicas' commands)."""
         body = json.dumps(payload or {}).encode()
-        self.queue.append((pair.id, f"@{self.name}", self._commands, kind, body))
+        self._queue((pair.id, COMMANDS, secrets.randbits(62) + 1, kind, body))
         self.app.flush_soon()
 
     def set_costs(self, pair: Pair, curves: CostCurves) -> None:
@@ -253,28 +294,34 @@ class Replication:
             self.new.difference_update(r["id"] for r in records)
             for pair in new:
                 if pair.id in created:
-                    pair.revision = max(pair.revision, 1)
+                    pair.revision = created[pair.id]
                 else:
                     self.stale.add(pair.id)  # another replica stored it first: take its state
                     self.outdated.add(pair.id)
             self._lease_due = 0.0
             self._wake.set()
-        rows, self.queue = self.queue, []
-        if not rows:
-            return []
-        try:
+        while self.queue:
+            rows = self.queue[:APPEND_ROWS]
             await self.app.in_store(self.store.append_pending, rows, self.name)
-        except BaseException:
-            self.queue[:0] = rows
-            raise
+            del self.queue[: len(rows)]
+            self.queued_bytes -= sum(len(row[4]) for row in rows)
+            if self.queued_bytes <= MAX_QUEUED_BYTES:
+                self._room.set()
+            self.app.mark_durable(self._stored(rows))
+        return []
+
+    def _stored(self, rows: list[tuple[str, str, int, str, bytes]]) -> list[tuple[str, str, int]]:
+        """The rows are in the pending log: the watermarks they raise (acknowledged)."""
         raised: dict[tuple[str, str], int] = {}
         for pid, worker, seq, _, _ in rows:
             pair = self.app.registry.pairs.get(pid)
-            if pair is None or worker.startswith("@"):
+            if pair is None or worker == COMMANDS:
                 continue
             if seq > pair.durable.get(worker, 0):
                 pair.durable[worker] = seq
                 raised[(pid, worker)] = seq
+            if self.received.get((pid, worker), 0) <= seq:
+                self.received.pop((pid, worker), None)  # the pair's watermark covers it
         return [(pid, worker, seq) for (pid, worker), seq in raised.items()]
 
     # -- what the replicas share ---------------------------------------------------
@@ -298,6 +345,22 @@ class Replication:
             self._lease_due = self._sweep_due = 0.0
         self._wake.set()
 
+    async def _each(self, pid: str, step: Callable[[str], Awaitable[Any]]) -> None:
+        """One pair's read or fold: a failure that is the pair's own (its rows do not
+        decode, its snapshot another write overtook) is logged and the pair tried
+        again, and the other pairs go on; PostgreSQL unreachable stops the pass."""
+        try:
+            await step(pid)
+        except (StoreWriteRefused, StoreUnreadable):
+            raise
+        except Exception as exc:
+            self.stale.add(pid)
+            if pid in self.led:
+                self.due.add(pid)
+            self.pair_errors += 1
+            log.warning("replica %s: pair %s: %s: %s; read again and retried",
+                        self.name, pid, type(exc).__name__, exc)  # fmt: skip
+
     def _written(self, pid: str, version: int) -> None:
         """Another replica wrote the pair: read it now if its coefficients moved (or it
         is new here), at the next sweep if only its counters did."""
@@ -317,19 +380,19 @@ class Replication:
                     await self._lease()
                 for pid in sorted(self.outdated - self.led):
                     self.outdated.discard(pid)
-                    await self._read(pid)
+                    await self._each(pid, self._read)
                 now = time.monotonic()
                 if now >= self._sweep_due:
                     self._sweep_due = now + SWEEP_EVERY_S
                     self.due |= self.led
                     for pid in sorted(self.lagging - self.led):
-                        await self._read(pid)
+                        await self._each(pid, self._read)
                     self.lagging.clear()
                 if now >= self._fold_due:
                     self._fold_due = now + FOLD_EVERY_S
                     for pid in sorted(self.due & self.led):
                         self.due.discard(pid)
-                        await self._fold(pid)
+                        await self._each(pid, self._fold)
                     self.due &= self.led
                 if self.app.store_error.startswith("store refit"):
                     log.warning("replica %s: refits resumed", self.name)
@@ -370,20 +433,31 @@ class Replication:
         share = math.ceil(len(revisions) / self.live)
         start = hash(self.name) % max(1, len(revisions))
         order = sorted(revisions)
+        self.refitters = await self._in_session(self.leadership.refitters)
+        # Locks this session holds for no pair it refits (a pair deleted meanwhile)
+        # go, or the pair registered again under that key would have no refitter.
+        mine = {key for key, name in self.refitters.items() if name == self.name}
+        for key in sorted(mine - {lock_key(pid) for pid in self.led}):
+            await self._in_session(self.leadership.unlock_key, key)
+            del self.refitters[key]
+        free = {pid for pid in order if lock_key(pid) not in self.refitters}
+        # Up to the share; beyond it, pairs nobody took since the last pass (their
+        # refitter died: its heartbeat still counts it among the live for a while).
+        orphans, self._free = free & self._free, free
         for pid in order[start:] + order[:start]:
-            if len(self.led) >= share:
-                break
-            if pid not in self.led and await self._in_session(self.leadership.try_lock, pid):
+            if pid not in free or (len(self.led) >= share and pid not in orphans):
+                continue
+            if await self._in_session(self.leadership.try_lock, pid):
                 self.led.add(pid)
                 self.stale.add(pid)
                 self.due.add(pid)
+                self.refitters[lock_key(pid)] = self.name
                 log.info("replica %s refits pair %s", self.name, pid)
         for pid in sorted(self.led)[share:]:
             await self._fold(pid)
             self.led.discard(pid)
             await self._in_session(self.leadership.unlock, pid)
             log.info("replica %s hands pair %s over", self.name, pid)
-        self.refitters = await self._in_session(self.leadership.refitters)
 
     async def _read(self, pid: str) -> Pair | None:
         """Take the stored state of a pair: a new one, or a newer one."""
@@ -422,17 +496,19 @@ class Replication:
         record = self.app.registry.snapshot(pair)
         pair.dirty = False
         try:
-            kept = await self._in_session(self.leadership.commit, record, [r[0] for r in rows])
+            revision = await self._in_session(
+                self.leadership.commit, record, [r[0] for r in rows], pair.revision
+            )
         except BaseException:
             self.app.registry.unsnapshot(pair, record)
             self.stale.add(pid)  # memory is ahead of the store: read it again first
+            self.due.add(pid)
             raise
-        if not kept:
-            self.led.discard(pid)
+        if not revision:
             self.app.forget(pair, "deleted")
             return
         self.folded_rows += len(rows)
-        pair.revision += 1
+        pair.revision = revision
         self.app.saved(pair, record)
         if len(rows) == FOLD_ROWS:  # more to fold: at once
             self.due.add(pid)
@@ -453,4 +529,13 @@ class Replication:
             raise ValueError(f"unknown kind {kind!r}")
 
     async def _in_session(self, call: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._session, call, *args)
+        """Run a call on the session's thread. A caller cancelled meanwhile (the
+        service closing) still waits for it to end: a commit under way is never
+        abandoned half-known, so what follows reads what it wrote."""
+        done = asyncio.get_running_loop().run_in_executor(self._session, call, *args)
+        try:
+            return await asyncio.shield(done)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await done
+            raise
