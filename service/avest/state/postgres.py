@@ -190,7 +190,7 @@ class PostgresStore:
 
     def _connect(self) -> psycopg.Connection[Any]:
         given = conninfo_to_dict(self.url)
-        options = {k: v for k, v in KEEPALIVES.items() if k not in given}
+        options: dict[str, Any] = {k: v for k, v in KEEPALIVES.items() if k not in given}
         try:
             return psycopg.connect(
                 self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S, **options

@@ -45,13 +45,13 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from avest.core.estimator import Batch
 from avest.state.costs import CostCurves
-from avest.state.pairs import Pair
+from avest.state.pairs import Pair, Registry
 from avest.state.postgres import (
     PAIRS_CHANNEL,
     PENDING_CHANNEL,
@@ -66,9 +66,6 @@ from avest.state.store_format import npz_bytes
 from avest_wire.messages import summary_from_pb, summary_to_pb
 from avest_wire.summary import RoundSummary
 from avest_wire.v1 import estimator_pb2 as pb
-
-if TYPE_CHECKING:
-    from avest.state.app import Avest
 
 log = logging.getLogger("avest")
 T = TypeVar("T")
@@ -120,11 +117,37 @@ def decode(kind: str, payload: bytes, k: int) -> Batch | RoundSummary:
         return Batch(npz["features"], npz["observed"], npz["accepted"])
 
 
+class Host(Protocol):
+    """What a replica's part needs of the service that made it (the state's
+    :class:`~avest.state.app.Avest`)."""
+
+    registry: Registry
+    #: The last store error while it lasts, and the failures by operation.
+    store_error: str
+    store_errors: dict[str, int]
+
+    def observe(self, pair: Pair, worker: str, seq: int, batch: Batch | RoundSummary) -> bool: ...
+
+    def adopt(self, record: dict[str, Any]) -> Pair: ...
+
+    def forget(self, pair: Pair, why: str) -> None: ...
+
+    def saved(self, pair: Pair, record: dict[str, Any]) -> None: ...
+
+    def mark_durable(self, raised: list[tuple[str, str, int]]) -> None: ...
+
+    def store_failed(self, operation: str, exc: BaseException) -> None: ...
+
+    def flush_soon(self) -> None: ...
+
+    async def in_store(self, call: Callable[..., T], *args: Any) -> T: ...
+
+
 class Replication:
     """This replica's part: its pending log writes, the pairs it refits, and what it
     learns of the others'. Made and started by :class:`~avest.state.app.Avest`."""
 
-    def __init__(self, app: Avest, store: PostgresStore, name: str) -> None:
+    def __init__(self, app: Host, store: PostgresStore, name: str) -> None:
         self.app = app
         self.store = store
         self.name = name
