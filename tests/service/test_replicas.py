@@ -46,8 +46,9 @@ from tests.support.replicas import (  # noqa: E402
     send,
     settled,
 )
-from tests.support.rpc import HeldStream, stub_for, synthetic_steps  # noqa: E402
+from tests.support.rpc import HeldStream, register_k, stub_for, synthetic_steps  # noqa: E402
 from tests.support.serve import Served  # noqa: E402
+from tests.support.server import launch  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -307,3 +308,35 @@ def test_admin_changes_on_any_replica_reach_every_replica(
         after = settled(url, group, pair_id, STEPS)
         # The same refits from the cold start as the pair's first life.
         assert after[0].coefficients.version == before.coefficients.version
+
+
+def test_what_a_replica_cannot_store_waits_on_the_workers_past_its_bound(
+    tmp_path: Path, postgres_cluster: PostgresCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL down: a replica keeps what it received up to its bound (here one
+    step's bytes), then reads no more from its streams; everything is acknowledged
+    once PostgreSQL is back."""
+    import avest.state.replicas as replicas_module
+
+    url = postgres_cluster.create_database()
+    with launch(tmp_path / "data", store=url) as srv:
+        channel, stub = stub_for(srv.grpc_address)
+        try:
+            pair_id = register_k(stub, K, 0).pair_id
+        finally:
+            channel.close()
+        steps = synthetic_steps(pair_id, "w0", K, STEPS, seed=0)
+        monkeypatch.setattr(replicas_module, "MAX_QUEUED_BYTES", 1)
+        with HeldStream(srv.grpc_address, steps, STEPS) as held:
+            with postgres_cluster.outage():
+                held.start()
+
+                def queued() -> float:
+                    text = httpx.get(f"{srv.http_url}/metrics", timeout=10).text
+                    (line,) = [x for x in text.splitlines() if x.startswith(QUEUE_DEPTH + " ")]
+                    return float(line.split()[-1])
+
+                assert wait_until(lambda: queued() >= 1, WAIT_S)
+                time.sleep(2.0)  # the stream's other steps are not read meanwhile
+                assert queued() == 1 and held.acked() == []
+            assert held.done.wait(WAIT_S), held.acks
