@@ -340,3 +340,25 @@ def test_what_a_replica_cannot_store_waits_on_the_workers_past_its_bound(
                 time.sleep(2.0)  # the stream's other steps are not read meanwhile
                 assert queued() == 1 and held.acked() == []
             assert held.done.wait(WAIT_S), held.acks
+
+
+def test_a_killed_replica_s_pairs_go_to_the_survivor_beyond_its_share(
+    tmp_path: Path, postgres_cluster: PostgresCluster
+) -> None:
+    """Two replicas refitting a pair each: one killed, the other refits both (its
+    share grows as soon as the dead one's session is gone) and folds what is sent."""
+    url = postgres_cluster.create_database()
+    with replicas(url, 2, tmp_path / "pairs") as group:
+        ids = [register(group[0], k, REFIT_INTERVAL) for k in (K, K + 1)]
+        for k in (K, K + 1):
+            register(group[1], k, REFIT_INTERVAL)
+        assert wait_until(lambda: [refitted(r) for r in group] == [1, 1], WAIT_S, 0.1)
+        dead, survivor = group
+        killed = time.monotonic()
+        dead.proc.kill()
+        dead.proc.wait(WAIT_S)
+        assert wait_until(lambda: refitted(survivor) == 2, WAIT_S, 0.05)
+        print(f"\nthe survivor refits both pairs {time.monotonic() - killed:.2f} s after SIGKILL")
+        for k, pair_id in zip((K, K + 1), ids, strict=True):
+            assert send(survivor, synthetic_steps(pair_id, "w", k, STEPS, seed=k)) == STEPS
+            settled(url, [survivor], pair_id, STEPS)

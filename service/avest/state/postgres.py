@@ -634,8 +634,12 @@ class Leadership:
                 (self.replica, started, now),
             )
             cur.execute("DELETE FROM replicas WHERE seen < %s", (now - 10 * live_s,))
+            # Alive: a recent heartbeat, and its session still open (a replica that
+            # died is not counted from the moment PostgreSQL ended its session).
             row = cur.execute(
-                "SELECT count(*) FROM replicas WHERE seen >= %s", (now - live_s,)
+                "SELECT count(*) FROM replicas r WHERE r.seen >= %s AND EXISTS "
+                "(SELECT 1 FROM pg_stat_activity a WHERE a.pid = r.session)",
+                (now - live_s,),
             ).fetchone()
         return max(1, int(row[0]) if row else 1)
 

@@ -183,9 +183,7 @@ class Replication:
         self.queued_bytes = 0
         self._room = asyncio.Event()
         self._room.set()
-        #: Pairs nobody refitted at the last lease pass (taken at the next one if
-        #: still nobody's, whatever the share: their refitter is gone).
-        self._free: set[str] = set()
+
         self._wake = asyncio.Event()
         self._lease_due = 0.0
         #: Pairs refitted here with rows pending (notified), and when folds and the
@@ -464,11 +462,10 @@ class Replication:
             await self._in_session(self.leadership.unlock_key, key)
             del self.refitters[key]
         free = {pid for pid in order if lock_key(pid) not in self.refitters}
-        # Up to the share; beyond it, pairs nobody took since the last pass (their
-        # refitter died: its heartbeat still counts it among the live for a while).
-        orphans, self._free = free & self._free, free
         for pid in order[start:] + order[:start]:
-            if pid not in free or (len(self.led) >= share and pid not in orphans):
+            if len(self.led) >= share:
+                break
+            if pid not in free:
                 continue
             if await self._in_session(self.leadership.try_lock, pid):
                 self.led.add(pid)
