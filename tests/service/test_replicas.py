@@ -19,6 +19,7 @@ import signal
 import time
 from pathlib import Path
 
+import grpc
 import httpx
 import numpy as np
 import pytest
@@ -362,3 +363,21 @@ def test_a_killed_replica_s_pairs_go_to_the_survivor_beyond_its_share(
         for k, pair_id in zip((K, K + 1), ids, strict=True):
             assert send(survivor, synthetic_steps(pair_id, "w", k, STEPS, seed=k)) == STEPS
             settled(url, [survivor], pair_id, STEPS)
+
+
+def test_a_worker_opened_while_postgresql_is_down_is_told_to_come_back(
+    tmp_path: Path, postgres_cluster: PostgresCluster
+) -> None:
+    """Its watermark cannot be read: UNAVAILABLE (retry), not a fault of the service."""
+    url = postgres_cluster.create_database()
+    with launch(tmp_path / "data", store=url) as srv:
+        channel, stub = stub_for(srv.grpc_address)
+        try:
+            pair_id = register_k(stub, K, 0).pair_id
+            opening = pb.ObserveRequest(pair_id=pair_id, worker_id="w0", open=True)
+            with postgres_cluster.outage(), pytest.raises(grpc.RpcError) as refused:
+                list(stub.Observe(iter([opening]), timeout=WAIT_S))
+        finally:
+            channel.close()
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
+    assert "open it again" in refused.value.details()

@@ -145,7 +145,8 @@ class ObserveStream:
         key = (pair.id, req.worker_id)
         self.pairs.add(pair.id)
         self.opened.add(key)
-        applied, durable = await self.service.app.watermark(pair, req.worker_id)
+        with refusals():
+            applied, durable = await self.service.app.watermark(pair, req.worker_id)
         self.acked[key] = max(self.acked.get(key, 0), durable)
         self.out.put_nowait(
             pb.ObserveResponse(

@@ -7,7 +7,7 @@ from typing import Any
 
 import grpc
 
-from avest.state.errors import Conflict, Exhausted, NotFound
+from avest.state.errors import Conflict, Exhausted, NotFound, Unavailable
 from avest_wire.errors import InvalidInput
 from avest_wire.matrix import MatrixError
 
@@ -47,3 +47,5 @@ def refusals() -> Any:
         raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
     except Conflict as exc:
         raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+    except Unavailable as exc:
+        raise Refused(grpc.StatusCode.UNAVAILABLE, str(exc)) from None

@@ -15,6 +15,10 @@ class Conflict(RuntimeError):
         self.field = field_name
 
 
+class Unavailable(RuntimeError):
+    """The store cannot answer now (unreachable): try again later; nothing changed."""
+
+
 class Exhausted(RuntimeError):
     """A configured limit (pairs, rows, message size) would be exceeded."""
 

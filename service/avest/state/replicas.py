@@ -51,6 +51,7 @@ import numpy as np
 
 from avest.core.estimator import Batch
 from avest.state.costs import CostCurves
+from avest.state.errors import Unavailable
 from avest.state.pairs import Pair, Registry
 from avest.state.postgres import (
     PAIRS_CHANNEL,
@@ -300,7 +301,13 @@ class Replication:
     async def watermark(self, pair: Pair, worker: str) -> tuple[int, int]:
         """What the replicas hold of a worker: ``(applied, acknowledged)``, both the
         highest sequence stored (folded or pending) or received here."""
-        stored = await self.app.in_store(self.store.watermark, pair.id, worker)
+        try:
+            stored = await self.app.in_store(self.store.watermark, pair.id, worker)
+        except Exception as exc:  # unreachable: the worker opens again later
+            raise Unavailable(
+                f"pair {pair.id}: what the replicas hold of worker {worker!r} cannot be read "
+                f"now ({type(exc).__name__}); open it again shortly"
+            ) from exc
         durable = max(stored, pair.durable.get(worker, 0))
         pair.durable[worker] = durable
         return max(durable, self.received.get((pair.id, worker), 0)), durable
