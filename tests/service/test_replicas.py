@@ -233,8 +233,13 @@ def test_a_worker_opened_on_another_replica_learns_what_the_replicas_hold_of_it(
             lead.proc.send_signal(signal.SIGCONT)
         assert (opened.applied_sequence, opened.acked_sequence) == (STEPS, STEPS)
         settled(url, group, pair_id, STEPS)
-        pair = httpx.get(f"{second.http_url}/v1/pairs/{pair_id}", timeout=10).json()
-        assert pair["refitter"] == lead_name(lead)
+
+        # Each replica reads who refits what at its lease passes (each second).
+        def named() -> str:
+            got = httpx.get(f"{second.http_url}/v1/pairs/{pair_id}", timeout=10).json()
+            return str(got["refitter"])
+
+        assert wait_until(lambda: named() == lead_name(lead), WAIT_S), named()
         refused = httpx.get(f"{second.http_url}/v1/pairs/{pair_id}/workers", timeout=10)
         assert refused.status_code == 409 and lead_name(lead) in refused.json()["detail"]
         table = httpx.get(f"{lead.http_url}/v1/pairs/{pair_id}/workers", timeout=10).json()
