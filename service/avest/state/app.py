@@ -377,14 +377,13 @@ class Avest:
             if self.replication is not None:
                 # Replicas write the log; each pair's refitter writes the pair.
                 try:
-                    raised = await self.replication.flush()
+                    await self.replication.flush()
                 except Exception as exc:
                     self.store_failed("write", exc)
                     raise
                 if self.store_error.startswith("store write"):
                     log.warning("store writes resumed after: %s", self.store_error)
                     self.store_error = ""
-                self.mark_durable(raised)
                 return
             pairs = [p for p in self.registry.pairs.values() if p.dirty or force]
             for n, chunk in enumerate(_chunks(pairs)):

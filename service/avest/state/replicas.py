@@ -312,9 +312,9 @@ class Replication:
         pair.durable[worker] = durable
         return max(durable, self.received.get((pair.id, worker), 0)), durable
 
-    async def flush(self) -> list[tuple[str, str, int]]:
-        """Store the pairs registered here and the rows received; returns the
-        ``(pair, worker, sequence)`` watermarks the rows raised (now acknowledged)."""
+    async def flush(self) -> None:
+        """Store the pairs registered here and the rows received, each chunk of rows
+        acknowledged as it commits."""
         new = [p for p in (self.app.registry.pairs.get(i) for i in sorted(self.new)) if p]
         if new:
             records = [self.app.registry.snapshot(p) for p in new]
@@ -336,7 +336,6 @@ class Replication:
             if self.queued_bytes <= MAX_QUEUED_BYTES:
                 self._room.set()
             self.app.mark_durable(self._stored(rows))
-        return []
 
     def _stored(self, rows: list[tuple[str, str, int, str, bytes]]) -> list[tuple[str, str, int]]:
         """The rows are in the pending log: the watermarks they raise (acknowledged)."""
