@@ -5,9 +5,10 @@
   sequence 2^64-1 under a real worker's id and overwrites the cost curves;
   once against a service with tokens, once against one without (loopback).
 * ``busy``: N busy Observe streams (default 1,000, each sending as fast as
-  flow control lets it) next to a light worker that sends 50 steps, one every
-  100 ms, each waiting for its acknowledgement: the light worker's ack
-  latency (p50, p99, max), and /healthz latency meanwhile.
+  flow control lets it) next to a light worker that sends 20 steps, one every
+  5 s (a worker in summary mode sending its rounds), each waiting for its
+  acknowledgement: the light worker's ack latency (p50, p99, max), and /healthz
+  latency meanwhile.
 * ``idle``: the service under a 1,024 open-file limit, then 1,100 sockets
   that connect and send nothing (half to gRPC, half to HTTP): for 30 s,
   fresh /healthz and gRPC health probes every 0.5 s (share answered, longest
@@ -17,17 +18,21 @@
   (``--steps-per-turn 0``, one step per stream per loop iteration, as before)
   and with the default.
 * ``overload``: the capacity first (steps folded per second with every stream
-  flat out, shedding off), then N streams (default 1,000) each paced so that
-  together they offer twice that, next to the light worker of ``busy``: its
-  ack latency and the steps folded and turns shed, once with shedding off
-  (``--shed-after-ms 0``) and once with the default, in one run.
+  flat out, shedding and pacing off), then N streams (default 1,000) each paced
+  so that together they offer twice that, next to the light worker of ``busy``:
+  its ack latency, the steps folded, turns shed and steps paced, with shedding
+  and pacing off (``--shed-after-ms 0 --pace-after-ms 0``), with turns' shedding
+  only (``--pace-after-ms 0``) and with the defaults, in one run; with
+  ``--baseline TREE``, first the same on another source tree's server (shedding
+  off), e.g. an export of an earlier commit.
 * ``heavy``: one stream sending 2 MiB steps (8,192 rows x K = 64, the largest
   allowed) flat out, while /healthz and GetCoefficients are probed every 50 ms:
   their latency (p50, p99, max), once with every step folded on the event loop
   (``--fold-thread-cells 0``, as before) and once with the default (heavy steps
   folded on a worker thread), in the same run.
 
-Usage: python bench/bench_abuse.py poison|busy|busy-turns|overload|idle|heavy|all [--streams N] [--json]
+Usage: python bench/bench_abuse.py poison|busy|busy-turns|overload|idle|heavy|all [--streams N]
+       [--baseline TREE] [--json]
 """
 
 from __future__ import annotations
@@ -60,6 +65,10 @@ from avest_wire.v1 import estimator_pb2_grpc as pb_grpc  # noqa: E402
 from tests.support.rpc import flood, random_step  # noqa: E402
 
 K = 5
+#: The light worker: this many steps, one every LIGHT_EVERY_S seconds (a worker in
+#: summary mode sends a round every few seconds), each after the last one's ack.
+LIGHT_STEPS = 20
+LIGHT_EVERY_S = 5.0
 WORKER = (("authorization", f"Bearer {WORKER_TOKEN}"),)
 ADMIN = (("authorization", f"Bearer {ADMIN_TOKEN}"),)
 
@@ -226,7 +235,13 @@ def _capacity(streams: int = 200, seconds: float = 15.0, procs: int = 4) -> floa
         served.stop()
 
 
-def overload(streams: int, factor: float = 2.0, steps: int = 50, procs: int = 4) -> dict[str, Any]:
+def overload(
+    streams: int,
+    factor: float = 2.0,
+    steps: int = LIGHT_STEPS,
+    procs: int = 4,
+    baseline: Path | None = None,
+) -> dict[str, Any]:
     capacity = _capacity(procs=procs)
     rate = factor * capacity / streams
     out: dict[str, Any] = {
@@ -235,11 +250,19 @@ def overload(streams: int, factor: float = 2.0, steps: int = 50, procs: int = 4)
         "per_stream_rate": round(rate, 3),
         "offered_steps_per_s": round(rate * streams, 1),
     }
-    for name, extra in (("no_shedding", ["--shed-after-ms", "0"]), ("shedding", [])):
-        served = serve(Path(tempfile.mkdtemp(prefix="avest-overload-")), extra)
+    configs: list[tuple[str, list[str], Path | None]] = [
+        ("off", ["--shed-after-ms", "0", "--pace-after-ms", "0"], None),
+        ("turns_only", ["--pace-after-ms", "0"], None),
+        ("default", [], None),
+    ]
+    if baseline is not None:
+        configs.insert(0, ("baseline", ["--shed-after-ms", "0"], baseline))
+    for name, extra, tree in configs:
+        served = serve(Path(tempfile.mkdtemp(prefix="avest-overload-")), extra, tree=tree)
         try:
             busy_pid, light_pid = _busy_and_light(served.grpc_address)
-            seconds = 200.0 + steps * 0.3  # covers the wait for the streams to open
+            # Covers the wait for the streams to open and the light worker's steps.
+            seconds = 200.0 + steps * (LIGHT_EVERY_S + 2.0)
             workers = _start_busy(served.grpc_address, busy_pid, streams, procs, seconds, rate)
             # Every stream that will open open (a thousand streams opening at once is
             # its own storm; the light worker is measured next to them running): the
@@ -259,6 +282,8 @@ def overload(streams: int, factor: float = 2.0, steps: int = 50, procs: int = 4)
             s1 = _scrape(served.http_url, "avest_steps_observed_total")
             result["folded_steps_per_s"] = round((s1 - s0) / (time.monotonic() - t0), 1)
             result["shed_turns"] = _scrape(served.http_url, "avest_shed_turns_total")
+            result["paced_steps"] = _scrape(served.http_url, "avest_paced_steps_total")
+            result["stream_step_cap"] = _scrape(served.http_url, "avest_stream_step_cap")
             result["streams_open"] = int(opened)
             result["streams_open_s"] = round(opened_s, 1)
             out[name] = result
@@ -267,13 +292,17 @@ def overload(streams: int, factor: float = 2.0, steps: int = 50, procs: int = 4)
                 p.join(60)
         finally:
             served.stop()
-    out["light_ack_p99_ratio_shedding_vs_not"] = round(
-        out["shedding"]["ack_ms_p99"] / out["no_shedding"]["ack_ms_p99"], 3
-    )
+    for name in ("baseline", "turns_only", "default"):
+        if name in out:
+            out[f"light_ack_p99_ratio_{name}_vs_off"] = round(
+                out[name]["ack_ms_p99"] / out["off"]["ack_ms_p99"], 3
+            )
     return out
 
 
-async def _light(address: str, pid: str, steps: int, http_url: str) -> dict[str, Any]:
+async def _light(
+    address: str, pid: str, steps: int, http_url: str, every_s: float = LIGHT_EVERY_S
+) -> dict[str, Any]:
     channel = grpc.aio.insecure_channel(address)
     t_connect = time.perf_counter()
     await channel.channel_ready()
@@ -306,7 +335,7 @@ async def _light(address: str, pid: str, steps: int, http_url: str) -> dict[str,
             t0 = time.perf_counter()
             await http.get("/healthz")
             health.append(time.perf_counter() - t0)
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(every_s)
     await queue.put(None)
     await reader
     await channel.close()
@@ -332,14 +361,14 @@ async def _light(address: str, pid: str, steps: int, http_url: str) -> dict[str,
 def busy(
     streams: int,
     procs: int = 4,
-    steps: int = 50,
+    steps: int = LIGHT_STEPS,
     tokens: bool = True,
     extra: list[str] | None = None,
 ) -> dict[str, Any]:
     served = serve(Path(tempfile.mkdtemp(prefix="avest-busy-")), extra or [], tokens=tokens)
     try:
         busy_pid, light_pid = _busy_and_light(served.grpc_address)
-        seconds = 20.0 + steps * 0.2
+        seconds = 20.0 + steps * (LIGHT_EVERY_S + 2.0)
         workers = _start_busy(served.grpc_address, busy_pid, streams, procs, seconds)
         time.sleep(8.0)  # let every stream open and run
         rss0 = served.rss_mib()
@@ -350,8 +379,9 @@ def busy(
                 pb.GetPairRequest(pair_id=busy_pid), metadata=WORKER
             ).pair.steps_observed
         result.update(busy_streams=streams, busy_steps_applied=busy_steps, rss_mib=round(rss0, 1))
-        for p in workers:
-            p.join(seconds + 60)
+        for p in workers:  # measured: the rest of their time is not needed
+            p.terminate()
+            p.join(60)
         return result
     finally:
         served.stop()
@@ -443,6 +473,9 @@ def main() -> int:
     parser.add_argument("--sockets", type=int, default=1100)
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
+        "--baseline", type=Path, help="overload: also a server from this source tree, first"
+    )
+    parser.add_argument(
         "--no-tokens", action="store_true", help="serve without tokens (to compare older builds)"
     )
     args = parser.parse_args()
@@ -456,7 +489,7 @@ def main() -> int:
         out["busy_no_turns"] = busy(args.streams, extra=["--steps-per-turn", "0"])
         out["busy_turns"] = busy(args.streams)
     if args.what in ("overload", "all"):
-        out["overload"] = overload(args.streams)
+        out["overload"] = overload(args.streams, baseline=args.baseline)
     if args.what in ("heavy", "all"):
         out["heavy"] = heavy()
     if args.what in ("idle", "all"):

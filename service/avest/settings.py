@@ -115,6 +115,14 @@ class Settings(BaseSettings):
         "a second: streams that send faster than they are served are then held back for "
         "1-2 s each, nothing refused or lost (0: never shed; needs steps_per_turn)",
     )
+    pace_after_ms: float = Field(
+        50.0,
+        ge=0,
+        description="saturated once the event loop has lagged this long for half a second "
+        "with at least 16 streams sending: each Observe stream is then held to a cap of "
+        "steps per second that follows the lag, streams under it never held, nothing refused "
+        "or lost (0: never pace)",
+    )
     fold_thread_cells: int = Field(
         65536,
         ge=0,
@@ -222,6 +230,7 @@ class Settings(BaseSettings):
             pair_rate=self.pair_rate,
             stream_step_rate=self.stream_step_rate,
             shed_after_s=self.shed_after_ms / 1000.0,
+            pace_after_s=self.pace_after_ms / 1000.0,
             max_message_bytes=self.max_message_bytes,
         )
 

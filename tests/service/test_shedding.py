@@ -1,11 +1,13 @@
 """Load shedding on a real server: an overloaded service holds back the streams
-that press, a light worker next to them goes on being acknowledged, nothing is
-refused or lost, and /metrics shows it.
+that press (turns) and paces a crowd on a saturated loop (pacing), a light worker
+next to them goes on being acknowledged, nothing is refused or lost, and /metrics
+shows it.
 
 The overload is made, not hoped for: every fold sleeps 5 ms (the service folds
 at most 200 steps a second, however fast the machine), and 24 streams each send
 20 steps a second, so a step waits about 24 x 5 ms for its turn, past a 20 ms
-target."""
+target, and the loop comes round to its lag probe tens of milliseconds late. Each
+mechanism is tested with the other off."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import numpy as np
 import pytest
 
 from avest.core.estimator import Batch, OnlineEstimator
+from avest.grpc import pacing
 from avest_client import Forwarder
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
@@ -104,7 +107,7 @@ class _Floods:
 @pytest.fixture
 def overloaded(open_server, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Live, str]]:  # noqa: ANN001
     _slow_folds(monkeypatch)
-    live = open_server(steps_per_turn=2, shed_after_ms=20)
+    live = open_server(steps_per_turn=2, shed_after_ms=20, pace_after_ms=0)
     pid = register_named(live.stub, "shed", K, refit_interval=50)
     yield live, pid
 
@@ -160,7 +163,7 @@ def test_an_overloaded_service_holds_back_streams_that_press_and_loses_nothing(
 
 def test_without_a_target_nothing_is_shed(open_server, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     _slow_folds(monkeypatch)
-    live = open_server(steps_per_turn=2, shed_after_ms=0)
+    live = open_server(steps_per_turn=2, shed_after_ms=0, pace_after_ms=0)
     pid = register_named(live.stub, "shed", K, refit_interval=50)
     with _Floods(live.grpc_address, pid, 3.0) as floods:
         pass
@@ -168,3 +171,42 @@ def test_without_a_target_nothing_is_shed(open_server, monkeypatch: pytest.Monke
     samples = scrape(live)
     assert value(samples, "avest_shed_turns_total") == 0
     assert value(samples, "avest_overloaded") == 0
+    assert value(samples, "avest_paced_steps_total") == 0
+    assert value(samples, "avest_stream_step_cap") == 0
+
+
+def test_a_crowd_on_a_saturated_loop_is_paced_and_loses_nothing(
+    open_server,  # noqa: ANN001
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The floods never press hard enough to matter here (turns' shedding is off):
+    the loop lags, and each stream is held to a cap of steps per second until the
+    floods end; the light worker's steps are all applied and acknowledged."""
+    _slow_folds(monkeypatch)
+    # The folds sleep, so the loop's thread is off the CPU while the loop lags: the
+    # guard against a machine's lag (tested in test_pacing) is set aside here.
+    monkeypatch.setattr(pacing, "BUSY", 0.0)
+    live = open_server(steps_per_turn=8, shed_after_ms=0, pace_after_ms=5)
+    pid = register_named(live.stub, "paced", K, refit_interval=50)
+    light_pid = register_named(live.stub, "light", K, refit_interval=50)
+    light = Forwarder(live.grpc_address, light_pid, worker_id="light", k=K).start()
+    rng = np.random.default_rng(1)
+    caps: list[float] = []
+    try:
+        with _Floods(live.grpc_address, pid, FLOOD_S) as floods:
+            assert _wait(
+                lambda: caps.append(value(scrape(live), "avest_stream_step_cap")) or caps[-1] > 0
+            )
+            for i in range(5):
+                light.submit(rng.uniform(-3, 3, (1, K)), [K], [i % (K + 1)])
+                assert light.flush(timeout=60), light.last_error
+    finally:
+        light.close()
+    assert floods.ends == ["OK"] * FLOODS
+    samples = scrape(live)
+    assert value(samples, "avest_paced_steps_total") > 0
+    assert value(samples, "avest_shed_turns_total") == 0
+    # The cap is a share of what the streams sent: below 20 steps a second each.
+    assert 0 < caps[-1] < 20
+    assert live.stub.GetPair(pb.GetPairRequest(pair_id=light_pid)).pair.steps_observed == 5
+    assert value(samples, "avest_refused_batches_total", method="Observe", reason="other") == 0

@@ -20,5 +20,8 @@ class StreamLimits:
     #: Shed streams that press once steps have stood this long in line for a turn,
     #: seconds (0: never shed; see :class:`avest.grpc.turns.Shedding`).
     shed_after_s: float = 0.1
+    #: Pace the streams once the event loop has lagged this long, seconds (0: never
+    #: pace; see :class:`avest.grpc.pacing.Pacing`).
+    pace_after_s: float = 0.05
     #: Largest gRPC message sent or received (``ListPairs`` pages fit it).
     max_message_bytes: int = MAX_MESSAGE_BYTES

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import grpc
 
 from avest.grpc.gate import MALFORMED, malformed_reply
+from avest.grpc.pacing import Pace, Pacing
 from avest.grpc.refusals import Refused, refusals
 from avest.grpc.turns import Place, Shed, Turns
 from avest.policy.throttle import LogLimiter, TokenBucket
@@ -42,12 +43,16 @@ class StreamHost(Protocol):
     owners: dict[tuple[str, str], ObserveStream]
     #: Who applies the next step (fair turns between streams).
     turns: Turns
+    #: The cap on each stream's steps per second while the loop is saturated.
+    pacing: Pacing
 
     def step_rate(self) -> TokenBucket | None: ...
 
     def malformed(self, method: str) -> None: ...
 
     def shed(self) -> None: ...
+
+    def paced(self) -> None: ...
 
     def validate_observe(self, req: pb.ObserveRequest) -> tuple[Pair, Any]: ...
 
@@ -79,8 +84,9 @@ class ObserveStream:
         #: Workers opened on this stream (told their watermark before any step).
         self.opened: set[tuple[str, str]] = set()
         self.error: Refused | None = None
-        #: Its place in the turns (:class:`Turns`).
+        #: Its place in the turns (:class:`Turns`) and its pacing (:class:`Pacing`).
         self.place = Place()
+        self.pace = Pace()
 
     def coefficients(self, pair_id: str, msg: pb.Coefficients) -> None:
         if pair_id in self.pairs:
@@ -218,6 +224,13 @@ class ObserveStream:
                     service.malformed("Observe")
                     self.error = Refused(*malformed_reply())
                     break
+                # Above the cap while the loop is saturated, the step waits.
+                hold = service.pacing.hold_s(self.pace)
+                if hold > 0:
+                    service.paced()
+                    await asyncio.sleep(hold)
+                    if service.draining:
+                        break
                 # Wait for a turn: streams that sent least recently go first.
                 await self._turn(turns)
                 if service.draining:

@@ -30,6 +30,7 @@ from avest.grpc.convert import (
 )
 from avest.grpc.limits import StreamLimits
 from avest.grpc.observe import ObserveStream
+from avest.grpc.pacing import Pacing
 from avest.grpc.pages import page_cap
 from avest.grpc.refusals import Refused, refusals
 from avest.grpc.summaries import summary_from_pb
@@ -70,6 +71,8 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         self.open_streams = 0
         self.owners: dict[tuple[str, str], ObserveStream] = {}
         self.turns = Turns(limits.steps_per_turn, Shedding(target_s=limits.shed_after_s))
+        #: The cap on each stream's steps per second while the loop is saturated.
+        self.pacing = Pacing(target_s=limits.pace_after_s)
         #: Calls and steps per pair, whoever sends them (``pair_rate``).
         self.pair_rates = KeyedRates(limits.pair_rate)
         self._logs = LogLimiter("avest.grpc")
@@ -94,6 +97,15 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
             "overloaded: Observe steps stand in line past %.0f ms; streams that press are "
             "held back",
             self.turns.shedding.target_s * 1000,
+        )
+
+    def paced(self) -> None:
+        self._logs.warning(
+            "paced",
+            "overloaded: the event loop lags past %.0f ms; Observe streams are held to %.2f "
+            "steps per second each",
+            self.pacing.target_s * 1000,
+            self.pacing.cap or 0.0,
         )
 
     def malformed(self, method: str) -> None:

@@ -72,6 +72,9 @@ COLLECTED = (
     names.OVERLOADED,
     names.TURN_WAIT,
     names.SHED_TURNS,
+    names.LOOP_LAG,
+    names.STREAM_STEP_CAP,
+    names.PACED_STEPS,
     names.QUEUE_DEPTH,
     names.STORE_ERRORS,
     names.STORE_WRITABLE,
@@ -145,6 +148,10 @@ class PairCollector:
         f[names.OVERLOADED].add_metric([], 1.0 if overloaded else 0.0)
         f[names.TURN_WAIT].add_metric([], wait)
         f[names.SHED_TURNS].add_metric([], float(shed))
+        cap, lag, paced = m.pacing()
+        f[names.STREAM_STEP_CAP].add_metric([], cap)
+        f[names.LOOP_LAG].add_metric([], lag)
+        f[names.PACED_STEPS].add_metric([], float(paced))
         app = m.app
         for operation, count in getattr(app, "store_errors", {}).items():
             f[names.STORE_ERRORS].add_metric([operation], float(count))

@@ -90,6 +90,9 @@ OPEN_STREAMS = "avest_open_streams"
 OVERLOADED = "avest_overloaded"
 TURN_WAIT = "avest_turn_wait_seconds"
 SHED_TURNS = "avest_shed_turns_total"
+LOOP_LAG = "avest_loop_lag_seconds"
+STREAM_STEP_CAP = "avest_stream_step_cap"
+PACED_STEPS = "avest_paced_steps_total"
 QUEUE_DEPTH = "avest_queue_depth"
 REFUSED_BATCHES = "avest_refused_batches_total"
 STORE_ERRORS = "avest_store_errors_total"
@@ -358,6 +361,28 @@ METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         (),
         "How long the last Observe step granted a turn had waited in line for it, seconds.",
+    ),
+    MetricSpec(
+        LOOP_LAG,
+        "gauge",
+        (),
+        "How late the event loop came round to its last lag probe (every 0.1 s), seconds: "
+        "the wait of everything on the loop.",
+    ),
+    MetricSpec(
+        STREAM_STEP_CAP,
+        "gauge",
+        (),
+        "Steps per second each Observe stream may send while the event loop is saturated "
+        "(past --pace-after-ms for half a second, with at least 16 streams sending); 0: no "
+        "cap. Streams under it are never held.",
+    ),
+    MetricSpec(
+        PACED_STEPS,
+        "counter",
+        (),
+        "Observe steps held back because their stream sent above the cap: each waited, read "
+        "but not folded, until its stream was under the cap again; nothing is refused or lost.",
     ),
     MetricSpec(
         QUEUE_DEPTH,

@@ -61,6 +61,9 @@ class Metrics:
         #: (overloaded, the last granted step's wait in line in seconds, turns shed so
         #: far) of the Observe turns, read at scrape time.
         self.load: Callable[[], tuple[bool, float, int]] = lambda: (False, 0.0, 0)
+        #: (the cap on each stream's steps per second or 0, the event loop's lag in
+        #: seconds, steps held back so far) of the Observe pacing, read at scrape time.
+        self.pacing: Callable[[], tuple[float, float, int]] = lambda: (0.0, 0.0, 0)
         self._refits: dict[str, dict[str, int]] = {}
         #: (pair id, "all" | "recent") -> (stamp, summary)
         self._summaries: dict[tuple[str, str], tuple[_Stamp, CalibrationSummary]] = {}
@@ -101,6 +104,9 @@ class Metrics:
 
     def set_load(self, fn: Callable[[], tuple[bool, float, int]]) -> None:
         self.load = fn
+
+    def set_pacing(self, fn: Callable[[], tuple[float, float, int]]) -> None:
+        self.pacing = fn
 
     def refused(self, method: str, reason: str) -> None:
         """Count one refused request (``reason`` outside REFUSAL_REASONS -> ``other``)."""
