@@ -34,6 +34,7 @@ EXPECTED_ALERTS = {
     "AvestBatchesRefused",  # refused batches
     "AvestObserveStreamsFailing",  # streams failing: workers drop while disconnected
     "AvestObserveBacklog",
+    "AvestOverloaded",  # load shed (streams paced or held back), sustained
     "AvestCalibrationDrift",  # ECE above a threshold, sustained
     "AvestAcceptanceDivergence",  # predicted vs observed acceptance
     "AvestPairNoObservations",  # a registered pair without observations
