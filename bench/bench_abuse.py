@@ -7,8 +7,8 @@
 * ``busy``: N busy Observe streams (default 1,000, each sending as fast as
   flow control lets it) next to a light worker that sends 20 steps, one every
   5 s (a worker in summary mode sending its rounds), each waiting for its
-  acknowledgement: the light worker's ack latency (p50, p99, max), and /healthz
-  latency meanwhile.
+  acknowledgement, once the open-stream gauge stopped growing: the light worker's
+  ack latency (p50, p99, max), and /healthz latency meanwhile.
 * ``idle``: the service under a 1,024 open-file limit, then 1,100 sockets
   that connect and send nothing (half to gRPC, half to HTTP): for 30 s,
   fresh /healthz and gRPC health probes every 0.5 s (share answered, longest
@@ -216,6 +216,23 @@ def _scrape(http_url: str, name: str) -> float:
     return 0.0
 
 
+def _opened(http_url: str) -> tuple[float, float]:
+    """Wait until every stream that will open is open (a thousand streams opening at
+    once is its own storm; the light worker is measured next to them running): the
+    open-stream gauge has not grown for 5 s; then 5 s more for the line. Returns the
+    streams open and the seconds they took."""
+    t_open = t_grew = time.monotonic()
+    opened = -1.0
+    while time.monotonic() - t_open < 180 and time.monotonic() - t_grew < 5:
+        n = _scrape(http_url, "avest_open_streams")
+        if n > opened:
+            opened, t_grew = n, time.monotonic()
+        time.sleep(1.0)
+    opened_s = time.monotonic() - t_open
+    time.sleep(5.0)
+    return opened, round(opened_s, 1)
+
+
 def _capacity(streams: int = 200, seconds: float = 15.0, procs: int = 4) -> float:
     """Steps folded per second with ``streams`` streams flat out and no shedding."""
     served = serve(Path(tempfile.mkdtemp(prefix="avest-capacity-")), ["--shed-after-ms", "0"])
@@ -264,18 +281,7 @@ def overload(
             # Covers the wait for the streams to open and the light worker's steps.
             seconds = 200.0 + steps * (LIGHT_EVERY_S + 2.0)
             workers = _start_busy(served.grpc_address, busy_pid, streams, procs, seconds, rate)
-            # Every stream that will open open (a thousand streams opening at once is
-            # its own storm; the light worker is measured next to them running): the
-            # open-stream gauge has not grown for 5 s. Then a few seconds for the line.
-            t_open = t_grew = time.monotonic()
-            opened = -1.0
-            while time.monotonic() - t_open < 180 and time.monotonic() - t_grew < 5:
-                n = _scrape(served.http_url, "avest_open_streams")
-                if n > opened:
-                    opened, t_grew = n, time.monotonic()
-                time.sleep(1.0)
-            opened_s = time.monotonic() - t_open
-            time.sleep(5.0)
+            opened, opened_s = _opened(served.http_url)
             s0 = _scrape(served.http_url, "avest_steps_observed_total")
             t0 = time.monotonic()
             result = asyncio.run(_light(served.grpc_address, light_pid, steps, served.http_url))
@@ -285,7 +291,7 @@ def overload(
             result["paced_steps"] = _scrape(served.http_url, "avest_paced_steps_total")
             result["stream_step_cap"] = _scrape(served.http_url, "avest_stream_step_cap")
             result["streams_open"] = int(opened)
-            result["streams_open_s"] = round(opened_s, 1)
+            result["streams_open_s"] = opened_s
             out[name] = result
             for p in workers:  # measured: the rest of their time is not needed
                 p.terminate()
@@ -368,9 +374,9 @@ def busy(
     served = serve(Path(tempfile.mkdtemp(prefix="avest-busy-")), extra or [], tokens=tokens)
     try:
         busy_pid, light_pid = _busy_and_light(served.grpc_address)
-        seconds = 20.0 + steps * (LIGHT_EVERY_S + 2.0)
+        seconds = 200.0 + steps * (LIGHT_EVERY_S + 2.0)
         workers = _start_busy(served.grpc_address, busy_pid, streams, procs, seconds)
-        time.sleep(8.0)  # let every stream open and run
+        opened, opened_s = _opened(served.http_url)
         rss0 = served.rss_mib()
         result = asyncio.run(_light(served.grpc_address, light_pid, steps, served.http_url))
         with grpc.insecure_channel(served.grpc_address) as ch:
@@ -378,7 +384,15 @@ def busy(
             busy_steps = stub.GetPair(
                 pb.GetPairRequest(pair_id=busy_pid), metadata=WORKER
             ).pair.steps_observed
-        result.update(busy_streams=streams, busy_steps_applied=busy_steps, rss_mib=round(rss0, 1))
+        result.update(
+            busy_streams=streams,
+            busy_steps_applied=busy_steps,
+            rss_mib=round(rss0, 1),
+            streams_open=int(opened),
+            streams_open_s=opened_s,
+            shed_turns=_scrape(served.http_url, "avest_shed_turns_total"),
+            paced_steps=_scrape(served.http_url, "avest_paced_steps_total"),
+        )
         for p in workers:  # measured: the rest of their time is not needed
             p.terminate()
             p.join(60)
