@@ -26,7 +26,6 @@ and the service runs as before (``False``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import selectors
@@ -50,20 +49,25 @@ def _grpc_reader(callback: object) -> bool:
 
 
 def drained(sock: socket.socket, handle_events: Callable[[], None]) -> Callable[[], None]:
-    """``handle_events`` after every pending byte of ``sock`` but one is read."""
+    """``handle_events`` after every pending byte of ``sock`` but one is read.
+
+    Several loops of one process (in-process test servers) share grpcio's socket, and
+    any loop's reader hands every queued completion to its loop: a pass that finds
+    the bytes taken by another loop's reader leaves the completions to that one
+    (grpcio's reader would fail on the empty socket)."""
     buf = bytearray(CHUNK)
+    peek = socket.MSG_PEEK | socket.MSG_DONTWAIT
 
     def handle() -> None:
         try:
-            pending = sock.recv_into(buf, CHUNK, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            pending = sock.recv_into(buf, CHUNK, peek)
+            if pending > 1:
+                sock.recv_into(buf, pending - 1, socket.MSG_DONTWAIT)
+                pending = sock.recv_into(buf, 1, peek)
         except (BlockingIOError, InterruptedError):
-            pending = 0
-        if pending > 1:
-            # Another loop of this process reading the same socket (grpcio hands
-            # every loop it serves the one socket pair) may have taken them.
-            with contextlib.suppress(BlockingIOError, InterruptedError):
-                sock.recv_into(buf, pending - 1)
-        handle_events()
+            return
+        if pending > 0:
+            handle_events()
 
     handle.drained = True  # type: ignore[attr-defined]
     return handle
