@@ -21,27 +21,51 @@ def _pending(sock: socket.socket) -> int:
         return 0
 
 
-def test_each_pass_reads_every_byte_but_the_one_the_original_reads() -> None:
+def test_each_pass_runs_the_original_once_per_pending_byte() -> None:
     read_end, write_end = socket.socketpair()
+    read_end.setblocking(False)  # as grpcio's
     with read_end, write_end:
-        calls: list[tuple[int, int]] = []
+        calls: list[int] = []
 
         def original() -> None:  # grpcio's reader: one byte, then every queued completion
-            before = _pending(read_end)
             read_end.recv(1)
-            calls.append((before, _pending(read_end)))
+            calls.append(_pending(read_end))
 
         handle = drained(read_end, original)
         write_end.send(b"1" * 500)
         handle()
-        assert calls == [(1, 0)]
+        assert calls == list(range(499, -1, -1))
+        assert _pending(read_end) == 0
         write_end.send(b"1")
         handle()
-        assert calls[-1] == (1, 0)
-        # Another loop of the process took the bytes first: nothing to read, and
-        # grpcio's reader (which would fail on the empty socket) is not called.
+        assert calls[-1] == 0 and len(calls) == 501
+        # Another loop of the process took the byte first: grpcio's reader fails on
+        # the empty socket, and that loop's reader hands the completions over.
         handle()
-        assert len(calls) == 2
+        assert len(calls) == 501
+
+
+def test_a_reader_that_fails_leaves_the_bytes_after_it_to_wake_the_loops_again() -> None:
+    """grpcio's reader raises for a completion of a loop already closed, before it
+    hands the rest over: their wake-ups stay on the socket."""
+    read_end, write_end = socket.socketpair()
+    read_end.setblocking(False)
+    with read_end, write_end:
+        runs = [0]
+
+        def original() -> None:
+            read_end.recv(1)
+            runs[0] += 1
+            if runs[0] == 3:
+                raise RuntimeError("Event loop is closed")
+
+        handle = drained(read_end, original)
+        write_end.send(b"1" * 10)
+        with pytest.raises(RuntimeError):
+            handle()
+        assert _pending(read_end) == 7
+        handle()
+        assert _pending(read_end) == 0 and runs[0] == 10
 
 
 def _reader(loop: asyncio.AbstractEventLoop) -> object:

@@ -15,9 +15,10 @@ stream opened each waits its turn behind every other stream's. Measured
 was read 200-400 ms after it was sent, and a stream opened among a thousand others
 acknowledged 27 s later.
 
-:func:`drain_wakeups` wraps that reader so each pass consumes every byte but one
-before the original reader runs (it reads the last, as it expects to), so the
-poller is never blocked for long; the completions it hands over are unchanged.
+:func:`drain_wakeups` wraps that reader so each pass runs it once per pending byte
+(the first run hands over every queued completion, the others find the queue
+empty or nearly), so the poller is never blocked for long; the completions it
+hands over, and the order, are unchanged.
 It relies on asyncio's selector loop keeping its readers in ``_selector`` and on
 grpcio's reader being that method: where either is not so, nothing is wrapped
 and the service runs as before (``False``).
@@ -34,7 +35,7 @@ from collections.abc import Callable
 
 log = logging.getLogger("avest.grpc")
 
-#: Bytes read per pass at most (each byte is one completion's wake-up).
+#: Wake-ups handled per pass at most (each byte is one completion's).
 CHUNK = 65536
 
 
@@ -49,25 +50,26 @@ def _grpc_reader(callback: object) -> bool:
 
 
 def drained(sock: socket.socket, handle_events: Callable[[], None]) -> Callable[[], None]:
-    """``handle_events`` after every pending byte of ``sock`` but one is read.
+    """``handle_events`` run once per byte pending on ``sock`` (up to :data:`CHUNK`).
 
-    Several loops of one process (in-process test servers) share grpcio's socket, and
-    any loop's reader hands every queued completion to its loop: a pass that finds
-    the bytes taken by another loop's reader leaves the completions to that one
-    (grpcio's reader would fail on the empty socket)."""
-    buf = bytearray(CHUNK)
+    grpcio's reader reads one byte and then hands over every queued completion, so
+    each byte is consumed by a reader that drains the queue after it: a completion
+    queued after a drain keeps its own byte, and one that a reader could not hand
+    over (grpcio raises for a completion of a loop already closed) keeps the bytes
+    after it, which wake the loops again. Several loops of one process (in-process
+    test servers) share grpcio's socket, and any loop's reader hands every queued
+    completion to its loop: a byte another loop took first is left to that loop."""
+    buf = bytearray(1)
     peek = socket.MSG_PEEK | socket.MSG_DONTWAIT
 
     def handle() -> None:
-        try:
-            pending = sock.recv_into(buf, CHUNK, peek)
-            if pending > 1:
-                sock.recv_into(buf, pending - 1, socket.MSG_DONTWAIT)
-                pending = sock.recv_into(buf, 1, peek)
-        except (BlockingIOError, InterruptedError):
-            return
-        if pending > 0:
-            handle_events()
+        for _ in range(CHUNK):
+            try:
+                handle_events()
+                if sock.recv_into(buf, 1, peek) == 0:
+                    return
+            except (BlockingIOError, InterruptedError):
+                return
 
     handle.drained = True  # type: ignore[attr-defined]
     return handle
