@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from abuse_heavy import heavy  # noqa: E402
 from serve_proc import ADMIN_TOKEN, WORKER_TOKEN, serve  # noqa: E402
 
+from avest.grpc.wakeups import drain_wakeups  # noqa: E402
 from avest_wire.v1 import estimator_pb2 as pb  # noqa: E402
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc  # noqa: E402
 from tests.support.rpc import flood, random_step  # noqa: E402
@@ -175,7 +176,13 @@ def _busy_proc(
         await channel.close()
 
     async def main() -> None:
+        # The load generator is a grpcio asyncio process too, and a flat-out one
+        # meets the same one-byte wake-ups as the service (avest.grpc.wakeups): the
+        # streams it has open would starve the ones it opens.
+        probe = grpc.aio.insecure_channel(address)
+        drain_wakeups(asyncio.get_running_loop())
         await asyncio.gather(*(one(w) for w in range(first, first + count)))
+        await probe.close()
 
     resource.setrlimit(
         resource.RLIMIT_NOFILE, (8192, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
