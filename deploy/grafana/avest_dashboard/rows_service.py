@@ -94,6 +94,20 @@ def ingestion(lay: Layout) -> list[dict]:
                 (f"sum({sidecar(m.OPEN_STREAMS)})", "open streams"),
             ),
         ),
+        timeseries(
+            lay,
+            "Load shed",
+            "The event loop's lag (the largest over the replicas, seconds), the cap on each "
+            "Observe stream's steps per second while the loop is saturated (pacing; 0: no "
+            "cap), and steps paced and turns shed per second. Workers that send a step every "
+            "few seconds are served meanwhile; busier ones queue (alert AvestOverloaded).",
+            refs(
+                (f"max({sidecar(m.LOOP_LAG)})", "loop lag (s)"),
+                (f"max({sidecar(m.STREAM_STEP_CAP)})", "cap (steps/s per stream)"),
+                (f"sum(rate({sidecar(m.PACED_STEPS)}[{RI}]))", "paced steps/s"),
+                (f"sum(rate({sidecar(m.SHED_TURNS)}[{RI}]))", "shed turns/s"),
+            ),
+        ),
     ]
 
 
