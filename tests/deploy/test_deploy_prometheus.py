@@ -34,7 +34,7 @@ EXPECTED_ALERTS = {
     "AvestBatchesRefused",  # refused batches
     "AvestObserveStreamsFailing",  # streams failing: workers drop while disconnected
     "AvestObserveBacklog",
-    "AvestOverloaded",  # load shed (streams paced or held back), sustained
+    "AvestOverloaded",  # backpressure: streams held back by a full pair queue, sustained
     "AvestCalibrationDrift",  # ECE above a threshold, sustained
     "AvestAcceptanceDivergence",  # predicted vs observed acceptance
     "AvestPairNoObservations",  # a registered pair without observations

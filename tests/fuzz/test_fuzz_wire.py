@@ -123,7 +123,6 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
         max_pairs=32,
         refit_interval=3,
         rpc_rate=0,
-        stream_step_rate=0,
         flush_interval_ms=5,
     )
     t = Target(handle)

@@ -96,16 +96,16 @@ def ingestion(lay: Layout) -> list[dict]:
         ),
         timeseries(
             lay,
-            "Load shed",
-            "The event loop's lag (the largest over the replicas, seconds), the cap on each "
-            "Observe stream's steps per second while the loop is saturated (pacing; 0: no "
-            "cap), and steps paced and turns shed per second. Workers that send a step every "
-            "few seconds are served meanwhile; busier ones queue (alert AvestOverloaded).",
+            "Backpressure",
+            "Observe messages checked and waiting in the pairs' queues (summed over the "
+            "replicas), messages per second that found their pair's queue full and waited "
+            "(their stream read no further until there was room; nothing refused or lost), "
+            "and whether streams wait for room now (1 on some replica). Brief waits in bursts "
+            "are normal; waiting that lasts means overload (alert AvestOverloaded).",
             refs(
-                (f"max({sidecar(m.LOOP_LAG)})", "loop lag (s)"),
-                (f"max({sidecar(m.STREAM_STEP_CAP)})", "cap (steps/s per stream)"),
-                (f"sum(rate({sidecar(m.PACED_STEPS)}[{RI}]))", "paced steps/s"),
-                (f"sum(rate({sidecar(m.SHED_TURNS)}[{RI}]))", "shed turns/s"),
+                (f"sum({sidecar(m.ADMISSION_QUEUED)})", "queued messages"),
+                (f"sum(rate({sidecar(m.BACKPRESSURE_WAITS)}[{RI}]))", "waits/s"),
+                (f"max({sidecar(m.OVERLOADED)})", "overloaded"),
             ),
         ),
     ]
