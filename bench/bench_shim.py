@@ -22,6 +22,14 @@ Also measures forwarding throughput from one worker: drafts per second the
 shim hands to a no-op in-memory sink, and drafts per second the real sink
 delivers to a healthy sidecar (until acknowledged).
 
+Each variant's path is checked by count after it is timed (:func:`check_variant`),
+and the run ends with a message naming the variant (exit status 1) instead of a
+figure when it failed: no step captured, a sink that received nothing, steps
+failed in ``submit`` or refused by the sidecar, a healthy sidecar that
+acknowledged nothing, pooled coefficients that never governed where the sink is
+connected (or governed where it is absent); a throughput run that dropped or left
+steps unacknowledged.
+
     python bench/bench_shim.py [--batch 256] [--k 8] [--steps 4000] [--no-sidecar] [--json out.json]
 """
 
@@ -89,6 +97,43 @@ def _phase(
     return times
 
 
+def check_variant(kind: str, stats: dict[str, Any], sink: Any) -> None:
+    """Raise :class:`SystemExit` unless the path variant ``kind`` timed worked, by count.
+
+    ``stats``: the shim's (``avest_stats``), read after the timed phase (after the
+    acknowledgements, for a healthy sidecar); ``sink``: the in-memory sink, read after
+    the cleanup (a slow one gets its first step 500 ms after it was captured), or None.
+    """
+    if kind == "vLLM alone (A/A)":
+        return
+    problems = []
+    if not stats:
+        problems.append("the shim is not running (no stats)")
+    if not stats.get("captured"):
+        problems.append("the shim captured no step")
+    if stats.get("submit_errors"):
+        problems.append(f"{stats['submit_errors']} steps failed in the sink's submit")
+    absent = kind.endswith("absent")
+    if not absent and not stats.get("governed"):
+        problems.append("pooled coefficients never governed (the sink did not connect)")
+    if absent and stats.get("governed"):
+        problems.append("pooled coefficients governed with the sidecar absent")
+    if sink is not None and not sink.calls:
+        problems.append("the sink received no step")
+    real = stats.get("sink") or {}
+    if kind.startswith("sidecar"):
+        if not real.get("received"):
+            problems.append("the sink received no step")
+        if real.get("refused") or real.get("invalid"):
+            problems.append(
+                f"{real.get('refused')} steps refused by the sidecar, {real.get('invalid')} invalid"
+            )
+        if kind == "sidecar: healthy" and not real.get("acked"):
+            problems.append("the sidecar acknowledged no step")
+    if problems:
+        raise SystemExit(f"bench: {kind!r} timed a path that failed: " + "; ".join(problems))
+
+
 def bench_steps(
     batch: int, k: int, steps: int, rounds: int, queue: int, sidecar: bool, gap_s: float = 0.0
 ) -> dict:
@@ -99,12 +144,19 @@ def bench_steps(
             continue
         est, cleanup = make_variant(kind, batch, k, queue)
         plain = StandinAcceptanceEstimator(batch, k, CPU)
+        rt = getattr(est, "_avest", None)
+        memory = rt.sink if rt is not None and isinstance(rt.sink, BenchSink) else None
         try:
             shim_t, plain_t = _phase(est, plain, inputs, steps, rounds, gap_s)
+            if kind == "sidecar: healthy" and rt is not None and rt.transfer is not None:
+                # untimed: what was captured, acknowledged
+                rt.transfer.flush(60)
+                rt.sink.flush(60)
             stats = est.avest_stats() if hasattr(est, "avest_stats") else {}
             sink = stats.get("sink") or {}
         finally:
             cleanup()
+        check_variant(kind, stats, memory)
         t = np.array(shim_t)
         base = statistics.median(plain_t)
         out[kind] = {
@@ -132,9 +184,15 @@ def bench_throughput_memory(batch: int, k: int, steps: int) -> dict:
     for i in range(steps):
         fwd.capture(feats[i % len(feats)], idx, sampled[i % 8], rejected[i % 8])
     produced = time.perf_counter() - t0
-    fwd.flush(60)
+    flushed = fwd.flush(60)
     elapsed = time.perf_counter() - t0
     est.avest_close()
+    if not flushed or fwd.dropped or fwd.submit_errors or sink.calls != steps:
+        raise SystemExit(
+            f"bench: forwarding to the in-memory sink failed: the sink received {sink.calls} "
+            f"of {steps} steps ({fwd.dropped} dropped, {fwd.submit_errors} failed in submit, "
+            f"{'flushed' if flushed else 'not flushed after 60 s'})"
+        )
     return {
         "steps": steps,
         "rows": sink.rows,
@@ -178,6 +236,12 @@ def bench_throughput_sidecar(batch: int, k: int, steps: int) -> dict:
         est.avest_close()
     finally:
         sidecar.stop()
+    if not ok or s["acked"] != steps:
+        raise SystemExit(
+            f"bench: forwarding to the sidecar failed: {s['acked']} of {steps} steps "
+            f"acknowledged ({s['dropped']} dropped, {s['refused']} refused, "
+            f"{'complete' if ok else 'incomplete after 300 s'})"
+        )
     return {
         "steps": steps,
         "acked": s["acked"],

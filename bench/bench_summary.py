@@ -2,13 +2,19 @@
 
 * **Shim**: added wall time per ``step`` at B x K (``bench/shim_costs.py``):
   the shim's own work around a stand-in whose step does only vLLM's
-  bookkeeping, with fresh per-step tensors as vLLM allocates them and a gap
-  after each step (the precise figure); ``SummaryRound.record`` alone, by
-  reference and by copy; and the CPU stand-in of vLLM's estimator
+  bookkeeping (what vLLM's kernels do, the step's features and the round's
+  sums, done off the clock before each step), with fresh per-step tensors as
+  vLLM allocates them and a gap after each step (the precise figure);
+  ``SummaryRound.record`` alone, by reference and by copy, each round ended
+  with its sums; and the CPU stand-in of vLLM's estimator
   (tests/support/standin.py), each variant interleaved with a plain estimator in
   blocks (``bench_shim._phase``): raw mode, summary mode with the on-device
   calibration sketch, summary mode without it. In-memory sinks (pooled
-  coefficients govern), so only the shim's own cost is measured.
+  coefficients govern), so only the shim's own cost is measured. Each
+  variant's path is checked by count afterwards (``shim_costs.check_summaries``,
+  ``check_raw``): a round summary refused on the host, a sink that received
+  nothing, summaries covering no drafts or a sketch variant without sketches
+  end the run with a message naming the variant (exit status 1), not a figure.
 * **Bytes on the wire per worker-step**: the serialized ``ObserveRequest``
   of one raw step (B x K float32 features and the counts), against the
   serialized summary messages the summary shim produced over the same
@@ -55,6 +61,8 @@ from grpc_floor import grpc_floor
 from shim_costs import (
     bench_overhead,
     bench_record,
+    check_raw,
+    check_summaries,
     compare_trees,
     print_shim_costs,
     summary_shim,
@@ -91,24 +99,37 @@ def torch_steps(batch: int, k: int, n: int, seed: int) -> tuple:
 
 
 def bench_shim_steps(batch: int, k: int, steps: int, rounds: int) -> dict[str, dict[str, float]]:
-    inputs = torch_steps(batch, k, 128, seed=1)  # > one round of distinct tensors
+    # distinct tensors for every step of a block (_phase starts each block at the first),
+    # and more than a round: no round holds one tensor twice, even across blocks
+    inputs = torch_steps(batch, k, max(128, steps // rounds), seed=1)
     out = {}
     for name, mode, sketch in (
         ("raw", "raw", True),
         ("summary + sketch", "summary", True),
         ("summary, no sketch", "summary", False),
     ):
-        est, _ = summary_shim(mode, batch, k, sketch)
+        est, sink = summary_shim(mode, batch, k, sketch)
         plain = StandinAcceptanceEstimator(batch, k, CPU)
+        rt = est._avest
         try:
             shim_t, plain_t = _phase(est, plain, inputs, steps, rounds, 0.0)
+            if rt.rounds is not None and not rt.rounds.flush(60):
+                raise SystemExit(f"bench: {name!r}: rounds still with the sender after 60 s")
+            if rt.transfer is not None and not rt.transfer.flush(60):
+                raise SystemExit(f"bench: {name!r}: steps still with the forwarder after 60 s")
         finally:
             est.avest_close()
+        if rt.rounds is not None:
+            check_summaries(name, sink, rt.rounds, sketch=sketch)
+        else:
+            check_raw(name, est, sink)
         base = statistics.median(plain_t)
         out[name] = {
             "median_us": float(np.median(shim_t)),
             "plain_median_us": base,
             "added_median_us": float(np.median(shim_t)) - base,
+            "summaries": float(len(sink.summaries)),
+            "sketches": float(sum(s.sketch is not None for s in sink.summaries)),
         }
     return out
 
@@ -129,8 +150,11 @@ def bench_bytes(batch: int, k: int, steps: int) -> dict[str, float]:
             coefficients_version=1,
         )  # fmt: skip
         raw_bytes.append(msg.ByteSize())
-    est._avest.rounds.flush(10)
+    rounds = est._avest.rounds
+    if not rounds.flush(30):
+        raise SystemExit("bench: bytes: rounds still with the sender after 30 s")
     est.avest_close()
+    check_summaries("bytes", sink, rounds, sketch=True)
     sizes = [
         pb.ObserveRequest(
             pair_id=PAIR_ID, worker_id=WORKER_ID, sequence=i + 1, k=k, summary=summary_to_pb(s)
