@@ -226,13 +226,19 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
         response_model_exclude_none=True,
         tags=["health"],
         responses={
-            503: {"model": Status, "description": "Starting, draining, or store writes failing"}
+            503: {
+                "model": Status,
+                "description": "Starting, draining, store writes failing, or none of the "
+                "stored pairs can be served (all set aside)",
+            }
         },
     )
     async def readyz(response: Response) -> Status:
-        """Readiness: 200 once the state is restored; 503 before that, while draining and
-        while store writes fail (no step is acknowledged then), with the reason. Pairs
-        quarantined at start are listed (the others serve)."""
+        """Readiness: 200 once the state is restored; 503 before that, while draining,
+        while store writes fail (no step is acknowledged then; an I/O error reads
+        "store I/O error: ..."), and while none of the stored pairs can be served
+        (every one set aside), with the reason. The pairs set aside (quarantined at
+        start, or unreadable) are listed by id with why (the others serve)."""
         quarantined = dict(getattr(app, "quarantined", {})) or None
         if getattr(app, "draining", False):
             response.status_code = 503
@@ -244,6 +250,14 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
         if store_error:
             response.status_code = 503
             return Status(status="store-error", reason=store_error, quarantined=quarantined)
+        if quarantined and not app.registry.pairs:
+            response.status_code = 503
+            return Status(
+                status="quarantined",
+                reason=f"none of the {len(quarantined)} stored pair(s) can be served: every "
+                "one is set aside (see quarantined); an admin deletes a pair to begin it afresh",
+                quarantined=quarantined,
+            )
         return Status(status="ready", quarantined=quarantined)
 
     @api.get(

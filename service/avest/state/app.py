@@ -115,8 +115,15 @@ class Avest:
     async def start(self) -> None:
         """Restore every pair from the store, then start the group-commit loop.
 
-        A pair whose stored state fails its checksum or does not decode is
-        quarantined (kept aside in the store, reported) and the others serve.
+        The store is checked first, and damage it can repair is repaired (SQLite:
+        :meth:`~avest.state.store.Store.load_at_start`). A pair whose own stored
+        state cannot be read, fails its checksum or does not decode is quarantined
+        (kept aside in the store, reported) and the others serve; so do the pairs set
+        aside at earlier starts stay aside, until an admin deletes them. A store
+        whose damage cannot be repaired is rebuilt from the readable pairs, nothing
+        written into the damaged file first. A pair whose rows the disk refuses to
+        read (an I/O error) is not served either, and nothing is set aside for it:
+        its rows are read again at the next start.
         """
         loop = asyncio.get_running_loop()
         if self.store.backup is not None:
@@ -125,7 +132,10 @@ class Avest:
                 self.store.found_format,
                 self.store.backup,
             )
-        loaded = await loop.run_in_executor(self._writer, self.store.load)
+        load = getattr(self.store, "load_at_start", self.store.load)
+        loaded = await loop.run_in_executor(self._writer, load)
+        if loaded.repaired:
+            log.warning("store repaired at start: %s", loaded.repaired)
         problems = dict(loaded.quarantined)
         for record in loaded.records:
             try:
@@ -135,21 +145,36 @@ class Avest:
                 continue
             self._attach(pair)
             log.info("restored pair %s at version %d", pair.id, pair.estimator.version)
-        unreadable = False
+        for pid, why in loaded.unreadable.items():
+            self.quarantined[pid] = why
+            log.error("pair %s not served: %s; its rows are left as they are", pid, why)
+        for pid, why in loaded.set_aside.items():
+            self.quarantined[pid] = why
+            log.warning("pair %s stays set aside until an admin deletes it (%s)", pid, why)
+        # While the disk refuses reads, damage cannot be told from it: nothing is set aside.
+        settle = not loaded.unreadable
+        damaged = loaded.damaged if settle else ""
         for pid, reason in problems.items():
-            kept = await loop.run_in_executor(self._writer, self.store.quarantine, pid, reason)
             self.quarantined[pid] = reason
-            unreadable |= not kept
             log.error("pair %s quarantined (%s); the other pairs serve", pid, reason)
-        if unreadable:
-            # Damaged pages that cannot even be deleted: rebuild the file from what
-            # loaded, keeping the damaged one aside, so that writes work again.
+            if damaged or not settle:
+                continue  # nothing written into a file about to be set aside
+            try:
+                kept = await loop.run_in_executor(self._writer, self.store.quarantine, pid, reason)
+            except Exception as exc:  # the disk, not the file: its rows stay where they are
+                log.error("pair %s stays in the store as it is: %s", pid, exc)
+                continue
+            if not kept:
+                damaged = f"the rows of pair {pid} cannot be removed"
+        if damaged:
             good = [r for r in loaded.records if r["id"] not in problems]
-            aside = await loop.run_in_executor(
-                self._writer, self.store.rebuild, good, dict(self.quarantined)
-            )
+            aside = await loop.run_in_executor(self._writer, self.store.rebuild, good, problems)
             log.error(
-                "store damaged: rebuilt from the readable pairs; damaged file kept as %s", aside
+                "store damaged (%s): rebuilt from the %d readable pair(s); the damaged file "
+                "is kept, unchanged, as %s",
+                damaged,
+                len(good),
+                aside,
             )
         held = len(self.registry.pairs) + len(self.quarantined)
         self.state_file.check_loaded(held, self.config.allow_empty_store)
@@ -187,8 +212,11 @@ class Avest:
                 await self._flusher
         try:
             await self.flush(deadline=deadline)
-        except Exception:
-            log.exception("final snapshot failed; unacknowledged steps will be resent")
+        except Exception as exc:  # one line: what the store said (a traceback adds nothing)
+            log.error(
+                "final snapshot failed (%s); unacknowledged steps will be resent",
+                self.store_error or f"{type(exc).__name__}: {exc}",
+            )
         if self.replication is not None:
             await self.replication.close()
         await asyncio.get_running_loop().run_in_executor(self._writer, self.store.close)
@@ -198,6 +226,28 @@ class Avest:
     # -- operations ---------------------------------------------------------
 
     def register(self, key: PairKey, rule: str = "", refit_interval: int = 0) -> tuple[Pair, bool]:
+        """The key's pair, registered if new. A pair set aside at start (its stored
+        state unreadable) is refused (:class:`~avest.state.errors.Conflict`): it is
+        not registered again, empty, over what the store keeps of it."""
+        why = self.quarantined.get(key.pair_id)
+        if why is not None and key.pair_id not in self.registry.pairs:
+            from avest.state.errors import Conflict
+
+            if why.startswith("store I/O error"):
+                raise Conflict(
+                    "pair_id",
+                    f"pair {key.pair_id} is not served: the disk refused to read its stored "
+                    f"state ({why}). It is not registered again, empty, over that state: "
+                    "restart once the disk reads again, or have an admin delete the pair "
+                    f"(DELETE /v1/pairs/{key.pair_id}) to begin it afresh",
+                )
+            raise Conflict(
+                "pair_id",
+                f"pair {key.pair_id} is set aside (quarantined at start: {why}). It is not "
+                "registered again, empty, until an admin deletes it (DELETE "
+                f"/v1/pairs/{key.pair_id}, or DeletePair), which drops what the store kept "
+                "of it",
+            )
         pair, created = self.registry.register(key, rule, refit_interval)
         if created:
             self._attach(pair)
