@@ -14,24 +14,20 @@
   fresh /healthz and gRPC health probes every 0.5 s (share answered, longest
   outage), idle sockets the service closed, and bytes of log written.
 
-* ``busy-turns``: ``busy`` twice in one run, without fair turns
-  (``--steps-per-turn 0``, one step per stream per loop iteration, as before)
-  and with the default.
-* ``overload``: the capacity first (steps folded per second with every stream
-  flat out, shedding and pacing off), then N streams (default 1,000) each paced
-  so that together they offer twice that, next to the light worker of ``busy``:
-  its ack latency, the steps folded, turns shed and steps paced, with shedding
-  and pacing off (``--shed-after-ms 0 --pace-after-ms 0``), with turns' shedding
-  only (``--pace-after-ms 0``) and with the defaults, in one run; with
-  ``--baseline TREE``, first the same on another source tree's server (shedding
-  off), e.g. an export of an earlier commit.
+* ``overload``: the capacity first (raw steps folded per second with every
+  stream flat out), then N streams (default 1,000) each paced so that together
+  they offer twice that, next to the light worker of ``busy``: its ack latency,
+  the steps folded and the backpressure waits, at the defaults; with
+  ``--baseline TREE``, first the same on another source tree's server, e.g. an
+  export of an earlier commit. (``bench_fleet.py --overload`` does the same with
+  round summaries.)
 * ``heavy``: one stream sending 2 MiB steps (8,192 rows x K = 64, the largest
   allowed) flat out, while /healthz and GetCoefficients are probed every 50 ms:
   their latency (p50, p99, max), once with every step folded on the event loop
   (``--fold-thread-cells 0``, as before) and once with the default (heavy steps
   folded on a worker thread), in the same run.
 
-Usage: python bench/bench_abuse.py poison|busy|busy-turns|overload|idle|heavy|all [--streams N]
+Usage: python bench/bench_abuse.py poison|busy|overload|idle|heavy|all [--streams N]
        [--baseline TREE] [--json]
 """
 
@@ -60,7 +56,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from abuse_heavy import heavy  # noqa: E402
 from serve_proc import ADMIN_TOKEN, WORKER_TOKEN, serve  # noqa: E402
 
-from avest.grpc.wakeups import drain_wakeups  # noqa: E402
 from avest_wire.v1 import estimator_pb2 as pb  # noqa: E402
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc  # noqa: E402
 from tests.support.rpc import flood, random_step  # noqa: E402
@@ -176,13 +171,7 @@ def _busy_proc(
         await channel.close()
 
     async def main() -> None:
-        # The load generator is a grpcio asyncio process too, and a flat-out one
-        # meets the same one-byte wake-ups as the service (avest.grpc.wakeups): the
-        # streams it has open would starve the ones it opens.
-        probe = grpc.aio.insecure_channel(address)
-        drain_wakeups(asyncio.get_running_loop())
         await asyncio.gather(*(one(w) for w in range(first, first + count)))
-        await probe.close()
 
     resource.setrlimit(
         resource.RLIMIT_NOFILE, (8192, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
@@ -241,8 +230,8 @@ def _opened(http_url: str) -> tuple[float, float]:
 
 
 def _capacity(streams: int = 200, seconds: float = 15.0, procs: int = 4) -> float:
-    """Steps folded per second with ``streams`` streams flat out and no shedding."""
-    served = serve(Path(tempfile.mkdtemp(prefix="avest-capacity-")), ["--shed-after-ms", "0"])
+    """Steps folded per second with ``streams`` streams flat out."""
+    served = serve(Path(tempfile.mkdtemp(prefix="avest-capacity-")), [])
     try:
         with grpc.insecure_channel(served.grpc_address) as ch:
             stub = pb_grpc.EstimatorServiceStub(ch)
@@ -274,13 +263,9 @@ def overload(
         "per_stream_rate": round(rate, 3),
         "offered_steps_per_s": round(rate * streams, 1),
     }
-    configs: list[tuple[str, list[str], Path | None]] = [
-        ("off", ["--shed-after-ms", "0", "--pace-after-ms", "0"], None),
-        ("turns_only", ["--pace-after-ms", "0"], None),
-        ("default", [], None),
-    ]
+    configs: list[tuple[str, list[str], Path | None]] = [("default", [], None)]
     if baseline is not None:
-        configs.insert(0, ("baseline", ["--shed-after-ms", "0"], baseline))
+        configs.insert(0, ("baseline", [], baseline))
     for name, extra, tree in configs:
         served = serve(Path(tempfile.mkdtemp(prefix="avest-overload-")), extra, tree=tree)
         try:
@@ -294,9 +279,9 @@ def overload(
             result = asyncio.run(_light(served.grpc_address, light_pid, steps, served.http_url))
             s1 = _scrape(served.http_url, "avest_steps_observed_total")
             result["folded_steps_per_s"] = round((s1 - s0) / (time.monotonic() - t0), 1)
-            result["shed_turns"] = _scrape(served.http_url, "avest_shed_turns_total")
-            result["paced_steps"] = _scrape(served.http_url, "avest_paced_steps_total")
-            result["stream_step_cap"] = _scrape(served.http_url, "avest_stream_step_cap")
+            result["backpressure_waits"] = _scrape(
+                served.http_url, "avest_backpressure_waits_total"
+            )
             result["streams_open"] = int(opened)
             result["streams_open_s"] = opened_s
             out[name] = result
@@ -305,11 +290,10 @@ def overload(
                 p.join(60)
         finally:
             served.stop()
-    for name in ("baseline", "turns_only", "default"):
-        if name in out:
-            out[f"light_ack_p99_ratio_{name}_vs_off"] = round(
-                out[name]["ack_ms_p99"] / out["off"]["ack_ms_p99"], 3
-            )
+    if "baseline" in out:
+        out["light_ack_p99_ratio_default_vs_baseline"] = round(
+            out["default"]["ack_ms_p99"] / out["baseline"]["ack_ms_p99"], 3
+        )
     return out
 
 
@@ -397,8 +381,7 @@ def busy(
             rss_mib=round(rss0, 1),
             streams_open=int(opened),
             streams_open_s=opened_s,
-            shed_turns=_scrape(served.http_url, "avest_shed_turns_total"),
-            paced_steps=_scrape(served.http_url, "avest_paced_steps_total"),
+            backpressure_waits=_scrape(served.http_url, "avest_backpressure_waits_total"),
         )
         for p in workers:  # measured: the rest of their time is not needed
             p.terminate()
@@ -487,9 +470,7 @@ def idle(
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument(
-        "what", choices=["poison", "busy", "busy-turns", "overload", "idle", "heavy", "all"]
-    )
+    parser.add_argument("what", choices=["poison", "busy", "overload", "idle", "heavy", "all"])
     parser.add_argument("--streams", type=int, default=1000)
     parser.add_argument("--sockets", type=int, default=1100)
     parser.add_argument("--json", action="store_true")
@@ -506,9 +487,6 @@ def main() -> int:
         out["poison_without_tokens_loopback"] = poison_once(False)
     if args.what in ("busy", "all"):
         out["busy"] = busy(args.streams, tokens=not args.no_tokens)
-    if args.what == "busy-turns":
-        out["busy_no_turns"] = busy(args.streams, extra=["--steps-per-turn", "0"])
-        out["busy_turns"] = busy(args.streams)
     if args.what in ("overload", "all"):
         out["overload"] = overload(args.streams, baseline=args.baseline)
     if args.what in ("heavy", "all"):

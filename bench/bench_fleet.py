@@ -1114,6 +1114,9 @@ def overload_case(
         acked1, cpu1, ccpu1 = shared.acked.value, cpu_s(server.pid), clients.cpu()
         pcpu1 = time.process_time()
         server.check(f"overload ({case})")
+        # Backpressure: messages that waited for room in their pair's queue (an
+        # older tree instead shed turns and paced steps; each reads "—" where absent).
+        waits = server.metric("avest_backpressure_waits_total")
         shed = server.metric("avest_shed_turns_total")
         paced = server.metric("avest_paced_steps_total")
         log(f"{name} overload ({case}): light worker done; busy streams stop and drain")
@@ -1142,6 +1145,7 @@ def overload_case(
             window_s=round(elapsed, 1),
             server_cpu_share=round((cpu1 - cpu0) / elapsed, 3),
             client_cpu_share=round((ccpu1 - ccpu0 + pcpu1 - pcpu0) / elapsed, 3),
+            backpressure_waits=waits,
             shed_turns=shed,
             paced_steps=paced,
             load_avg=round(os.getloadavg()[0], 2),
@@ -1241,7 +1245,7 @@ ROWS: dict[str, list[tuple[str, str]]] = {
         ("/healthz p50 / **p99** / max ms", "healthz"),
         ("GetCoefficients p50 / **p99** / max ms", "getcoef"),
         ("probes (healthz, GetCoefficients)", "probes"),
-        ("shed turns, paced steps (server counters)", "shedding"),
+        ("backpressure waits; shed turns, paced steps (older trees)", "shedding"),
         ("server / client CPU share (cores)", "shares"),
         ("busy sent = acked; drain s", "drain"),
         ("streams opened again (busy, light; --reopen)", "reopened"),
@@ -1284,7 +1288,8 @@ def _cell(section: str, r: dict[str, Any], key: str) -> Any:
         "healthz": [get("healthz_p50_ms"), get("healthz_p99_ms"), get("healthz_max_ms")],
         "getcoef": [get("getcoef_p50_ms"), get("getcoef_p99_ms"), get("getcoef_max_ms")],
         "probes": [get("healthz_probes"), get("getcoef_probes")],
-        "shedding": [get("shed_turns"), get("paced_steps")],
+        "shedding": f"{_fmt(get('backpressure_waits'))}; "
+        f"{_fmt([get('shed_turns'), get('paced_steps')])}",
         "reopened": [get("busy_reopened"), get("light_reopened")],
         "drain": f"{_fmt(get('busy_sent'))} = {_fmt(get('busy_acked'))}; {_fmt(get('drain_s'))}",
     }

@@ -65,7 +65,7 @@ def start_server(
             *("--log-level", "warning", "--max-pairs", "4096"),
             # Admin token for SetCostCurves; no call-rate or step-rate limits
             # (the benchmark measures the server, from one client address).
-            *("--admin-token", ADMIN_TOKEN, "--rpc-rate", "0", "--stream-step-rate", "0"),
+            *("--admin-token", ADMIN_TOKEN, "--rpc-rate", "0"),
             *extra,
         ],
         tokens=False,

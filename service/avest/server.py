@@ -30,8 +30,6 @@ from grpc_reflection.v1alpha import reflection
 from avest.grpc.gate import Gate
 from avest.grpc.interceptor import RpcInterceptor
 from avest.grpc.service import EstimatorService
-from avest.grpc.wakeups import drain_wakeups
-from avest.grpc.warden import Warden
 from avest.http.api import build_http
 from avest.http.protocol import guarded_protocol, quiet_loop_errors
 from avest.metrics.registry import Metrics
@@ -72,10 +70,6 @@ class Server:
             access=self.access,
         )
         self.metrics.set_open_streams(lambda: self.service.open_streams)
-        turns = self.service.turns
-        self.metrics.set_load(lambda: (turns.overloaded, turns.last_wait_s, turns.shed_total))
-        pacing = self.service.pacing
-        self.metrics.set_pacing(lambda: (pacing.cap or 0.0, pacing.lag_s, pacing.paced_total))
         self.health = health.aio.HealthServicer()
         self.grpc_port = 0
         self.http_port = 0
@@ -85,8 +79,6 @@ class Server:
         self._grpc: grpc.aio.Server | None = None
         self._http: _EmbeddedUvicorn | None = None
         self._http_task: asyncio.Task[None] | None = None
-        self._warden: asyncio.Task[None] | None = None
-        self._pacing: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
 
     @property
@@ -210,13 +202,6 @@ class Server:
                 "the address is in use or not available here"
             )
         await self._grpc.start()
-        drain_wakeups(asyncio.get_running_loop())
-        # At the connection cap, the most idle connections make room for new ones.
-        self._warden = asyncio.create_task(
-            Warden(self.grpc_port, self.max_connections).run(), name="avest-grpc-warden"
-        )
-        # The event loop's lag, and the cap on each stream while it is saturated.
-        self._pacing = asyncio.create_task(self.service.pacing.watch(), name="avest-pacing")
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
 
@@ -290,13 +275,12 @@ class Server:
             )
         except asyncio.TimeoutError:
             log.warning("final flush before draining timed out")
-        except Exception:
-            log.exception("final flush before draining failed")
+        except Exception as exc:
+            # A store that refuses writes is already reported (readyz, the metric), and
+            # the final snapshot names it in one line: say nothing more here.
+            if not self.app.store_error:
+                log.warning("final flush before draining failed: %s", exc)
         await self.service.drain()
-        if self._warden is not None:
-            self._warden.cancel()
-        if self._pacing is not None:
-            self._pacing.cancel()
         if self._grpc is not None:
             await self._grpc.stop(min(left(), 1.0))
         # A chunk under way when the deadline passes still finishes: leave it room.

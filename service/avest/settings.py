@@ -102,26 +102,20 @@ class Settings(BaseSettings):
     rpc_rate: float = Field(
         1000.0, ge=0, description="unary calls per second per client address (0: no limit)"
     )
-    steps_per_turn: int = Field(
-        8,
-        ge=0,
-        description="Observe steps applied per event-loop iteration, all streams together; "
-        "streams served least recently go first (0: no limit, one step per stream per turn)",
+    pair_queue: int = Field(
+        64,
+        ge=1,
+        description="Observe messages a pair's queue holds in front of its owner; when it is "
+        "full the streams sending to the pair are read no further until there is room "
+        "(HTTP/2 flow control holds their senders back; nothing is refused or lost)",
     )
-    shed_after_ms: float = Field(
-        100.0,
+    min_refit_interval_ms: float = Field(
+        1000.0,
         ge=0,
-        description="overloaded once Observe steps have waited this long for their turn for half "
-        "a second: streams that send faster than they are served are then held back for "
-        "1-2 s each, nothing refused or lost (0: never shed; needs steps_per_turn)",
-    )
-    pace_after_ms: float = Field(
-        50.0,
-        ge=0,
-        description="saturated once the event loop has lagged this long for half a second "
-        "with at least 16 streams sending: each Observe stream is then held to a cap of "
-        "steps per second that follows the lag, streams under it never held, nothing refused "
-        "or lost (0: never pace)",
+        description="a pair refits at most this often: a round that fills sooner stays open, "
+        "pooling what every worker sends, and refits when the interval is over, so refits "
+        "and coefficient pushes do not grow with the number of workers (0: refit every "
+        "--refit-interval pooled steps)",
     )
     fold_thread_cells: int = Field(
         65536,
@@ -132,13 +126,8 @@ class Settings(BaseSettings):
     pair_rate: float = Field(
         20000.0,
         ge=0,
-        description="calls and Observe steps per second naming one pair, all clients together, "
-        "then RESOURCE_EXHAUSTED (0: no limit)",
-    )
-    stream_step_rate: float = Field(
-        5000.0,
-        ge=0,
-        description="Observe steps per second per stream; faster senders are slowed (0: no limit)",
+        description="unary calls per second naming one pair, all clients together, then "
+        "RESOURCE_EXHAUSTED (0: no limit)",
     )
     grace_s: float = Field(
         5.0, gt=0.0, description="seconds SIGTERM may take in all (drain, final snapshot, exit)"
@@ -220,17 +209,15 @@ class Settings(BaseSettings):
             pair_ttl_s=self.pair_ttl_s,
             store=self.store,
             replica_name=self.replica_name,
+            pair_queue=self.pair_queue,
+            min_refit_s=self.min_refit_interval_ms / 1000.0,
         )
 
     def stream_limits(self) -> StreamLimits:
         """What the gRPC adapter reads of these settings."""
         return StreamLimits(
             max_rows=self.max_rows,
-            steps_per_turn=self.steps_per_turn,
             pair_rate=self.pair_rate,
-            stream_step_rate=self.stream_step_rate,
-            shed_after_s=self.shed_after_ms / 1000.0,
-            pace_after_s=self.pace_after_ms / 1000.0,
             max_message_bytes=self.max_message_bytes,
         )
 

@@ -186,10 +186,11 @@ def test_restart_resumes_the_same_coefficients(start_server, tmp_path, trace_sli
 
 @contextlib.contextmanager
 def _spawned(data_dir, kill=False):
-    """``avest serve`` over ``data_dir`` flushing every 10 ms, and a stub: ``(process,
+    """``avest serve`` over ``data_dir`` flushing every 10 ms (each full round refitted
+    at once), and a stub: ``(process,
     stub)``. At the end the process is killed, or (``kill=False``) stopped with SIGTERM
     and given 20 s to exit."""
-    proc, address = spawn(data_dir, "--flush-interval-ms", "10")
+    proc, address = spawn(data_dir, "--flush-interval-ms", "10", "--min-refit-interval-ms", "0")
     channel, stub = stub_for(address)
     try:
         yield proc, stub

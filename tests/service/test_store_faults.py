@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 
@@ -24,7 +25,7 @@ from tests.support.rpc import (
     stub_for,
     synthetic_steps,
 )
-from tests.support.server import ServerHandle, launch
+from tests.support.server import ADMIN, ServerHandle, launch
 
 pytestmark = pytest.mark.slow
 
@@ -145,8 +146,16 @@ def test_a_corrupt_snapshot_quarantines_its_pair_and_the_others_serve(tmp_path, 
         body = ready.json()
         assert body["status"] == "ready" and list(body["quarantined"]) == [bad]
         assert _metric(srv, "avest_quarantined_pairs") == 1.0
-        # The id is free again: the key registers afresh and serves.
+        # The key is refused until an admin deletes what was set aside; then it
+        # registers afresh and serves.
         channel, stub = stub_for(srv.grpc_address)
+        with pytest.raises(grpc.RpcError) as refused:
+            register_k(stub, 64, int(before[bad].key.labels["n"]))
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "set aside" in (refused.value.details() or "")
+        stub.DeletePair(pb.DeletePairRequest(pair_id=bad), metadata=ADMIN)
+        assert httpx.get(f"{srv.http_url}/readyz", timeout=10).json() == {"status": "ready"}
+        assert _metric(srv, "avest_quarantined_pairs") == 0.0
         reg = register_k(stub, 64, int(before[bad].key.labels["n"]))
         assert reg.pair_id == bad and reg.created and reg.coefficients.version == 0
         observe_all(stub, synthetic_steps(bad, "again", 64, 12, seed=9))
@@ -157,7 +166,7 @@ def test_a_corrupt_snapshot_quarantines_its_pair_and_the_others_serve(tmp_path, 
         srv.stop()
     with sqlite3.connect(db) as c:
         kept = c.execute("SELECT pair_id, reason FROM quarantine").fetchall()
-    assert [pid for pid, _ in kept] == [bad]
+    assert kept == []  # the admin's delete dropped what was set aside
     aside = list(data.glob("avest.sqlite3.corrupt-*"))
     # A damaged page could not even be deleted: the file was rebuilt, the old one kept.
     assert len(aside) == (1 if fault == "garbage-page" else 0)

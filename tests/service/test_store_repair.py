@@ -355,12 +355,6 @@ def test_deleting_a_set_aside_pair_from_the_store_frees_its_id(tmp_path):
         srv.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DELETE /v1/pairs/{id} (http/api.py delete_pair) and DeletePair (grpc/service.py) "
-    "look the id up in the registry only, which a pair set aside is not in: they answer 404 "
-    "(NOT_FOUND) instead of deleting what the store keeps of it",
-)
 def test_an_admin_deletes_a_set_aside_pair_and_its_key_registers_afresh(tmp_path):
     data = tmp_path / "data"
     before = _populate(data, pairs=1)
@@ -589,11 +583,6 @@ def test_stopping_while_the_disk_is_full_the_final_snapshot_says_so_in_one_line(
     assert "database or disk is full" in final[0].getMessage()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Server.stop (server.py) logs the failed flush before draining with "
-    "log.exception: a traceback, and a second line",
-)
 def test_stopping_while_the_disk_is_full_logs_one_line_and_no_traceback(tmp_path, caplog):
     said = _fill_the_disk_and_stop(tmp_path, caplog)
     assert [r for r in said if r.exc_info] == []

@@ -136,12 +136,16 @@ class OnlineEstimator:
         """Validate and fold one decode step; refit when the round is full."""
         return self.apply(make_batch(features, num_verified, num_accepted, self.k, exclude))
 
-    def apply(self, batch: Batch, stats: RoundStats | None = None) -> Refit | None:
+    def apply(
+        self, batch: Batch, stats: RoundStats | None = None, refit: bool = True
+    ) -> Refit | None:
         """Fold a validated batch scored at the coefficients in force.
 
         ``stats``: the batch's round statistics as the caller wants them folded
         (:meth:`contribution`, bounded by :mod:`avest.core.quarantine`); the
-        calibration measures always score the batch itself.
+        calibration measures always score the batch itself. ``refit``: whether a
+        round this batch fills may refit now (else it stays open, :attr:`round_full`,
+        until the caller calls :meth:`refit`).
         """
         eta = linear_predictor(self.coefficients, batch.features)
         # The IRLS sums stay on the logistic prediction; the calibration
@@ -157,9 +161,7 @@ class OnlineEstimator:
         self.drafts += batch.labelled
         self.steps += 1
         self.steps_in_round += 1
-        if self.steps_in_round >= self.round_length:
-            return self.refit()
-        return None
+        return self.refit() if refit and self.round_full else None
 
     def contribution(self, batch: Batch | RoundSummary) -> RoundStats:
         """The round statistics ``batch`` adds to the open round, at the coefficients in force."""
@@ -173,7 +175,9 @@ class OnlineEstimator:
             stats = rebase(stats, summary_coefficients(batch), self.coefficients)
         return stats
 
-    def apply_summary(self, summary: RoundSummary, stats: RoundStats | None = None) -> Refit | None:
+    def apply_summary(
+        self, summary: RoundSummary, stats: RoundStats | None = None, refit: bool = True
+    ) -> Refit | None:
         """Pool one worker's round summary into the open round; refit when it is full.
 
         Statistics at the current version merge as they are; older ones are
@@ -193,9 +197,7 @@ class OnlineEstimator:
         self.drafts += summary.drafts
         self.steps += summary.steps
         self.steps_in_round += summary.steps
-        if self.steps_in_round >= self.round_length:
-            return self.refit()
-        return None
+        return self.refit() if refit and self.round_full else None
 
     def settle(self) -> None:
         """Fold the pending summaries' sketches into the open round and the layer.
@@ -221,6 +223,11 @@ class OnlineEstimator:
     def round_length(self) -> int:
         """Steps in the open round: ``refit_interval``, less while the rule warms up."""
         return round_steps(self.rule, self.round, self.refit_interval)
+
+    @property
+    def round_full(self) -> bool:
+        """The open round holds its :attr:`round_length` steps (or more, when held open)."""
+        return self.steps_in_round >= self.round_length
 
     def refit(self) -> Refit:
         """Close the round now: one update-rule step, then a fresh round."""

@@ -1,8 +1,14 @@
-"""One Observe call: apply steps as they arrive, push acknowledgements and updates."""
+"""One Observe call: check each message once, hand it to its pair's owner, push
+acknowledgements and coefficient updates (the latest of each, never a backlog).
+
+The stream itself only reads, checks and writes. What it reads goes to the pair's
+bounded queue (:mod:`avest.state.admission`); while that queue is full the stream
+reads nothing more, and HTTP/2 flow control holds its sender back."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -11,10 +17,8 @@ from typing import Any, Protocol
 import grpc
 
 from avest.grpc.gate import MALFORMED, malformed_reply
-from avest.grpc.pacing import Pace, Pacing
 from avest.grpc.refusals import Refused, refusals
-from avest.grpc.turns import Place, Shed, Turns
-from avest.policy.throttle import LogLimiter, TokenBucket
+from avest.policy.throttle import LogLimiter
 from avest.state.app import Avest
 from avest.state.pairs import Pair
 from avest_wire import limits, refusal
@@ -22,6 +26,9 @@ from avest_wire.errors import InvalidInput
 from avest_wire.v1 import estimator_pb2 as pb
 
 log = logging.getLogger("avest.grpc")
+#: Seconds a stream that ends waits for its last messages to be applied (so that
+#: the flush after it acknowledges them) before it closes anyway.
+SETTLE_S = 5.0
 #: Steps taken for duplicates on a stream that never told their worker its watermark.
 _stale = LogLimiter("avest.grpc")
 #: The fields of an ObserveRequest that carry a step: an opening request sets none.
@@ -41,18 +48,8 @@ class StreamHost(Protocol):
     on_refused: Callable[[str, str], None]
     #: (pair_id, worker_id) -> the open stream sending as that worker.
     owners: dict[tuple[str, str], ObserveStream]
-    #: Who applies the next step (fair turns between streams).
-    turns: Turns
-    #: The cap on each stream's steps per second while the loop is saturated.
-    pacing: Pacing
-
-    def step_rate(self) -> TokenBucket | None: ...
 
     def malformed(self, method: str) -> None: ...
-
-    def shed(self) -> None: ...
-
-    def paced(self) -> None: ...
 
     def validate_observe(self, req: pb.ObserveRequest) -> tuple[Pair, Any]: ...
 
@@ -84,9 +81,8 @@ class ObserveStream:
         #: Workers opened on this stream (told their watermark before any step).
         self.opened: set[tuple[str, str]] = set()
         self.error: Refused | None = None
-        #: Its place in the turns (:class:`Turns`) and its pacing (:class:`Pacing`).
-        self.place = Place()
-        self.pace = Pace()
+        #: Per pair, the last message handed to its owner (resolved once applied).
+        self.last: dict[str, asyncio.Future[bool]] = {}
 
     def coefficients(self, pair_id: str, msg: pb.Coefficients) -> None:
         if pair_id in self.pairs:
@@ -165,14 +161,36 @@ class ObserveStream:
             )
         )
 
-    def _duplicate(self, pair: Pair, req: pb.ObserveRequest) -> None:
+    def _applied(self, pair: Pair, worker: str, seq: int, done: asyncio.Future[bool]) -> None:
+        """A message's owner is done with it: a duplicate is acknowledged again."""
+        if done.cancelled():
+            return
+        exc = done.exception()
+        if exc is not None:
+            # A fault of the service, not of the message: end the stream saying so;
+            # its client resends every unacknowledged message on its next stream.
+            log.error("applying a message of pair %s failed", pair.id, exc_info=exc)
+            if self.error is None:
+                self.error = Refused(
+                    grpc.StatusCode.INTERNAL,
+                    "avest failed applying a step (see its log); unacknowledged steps are "
+                    "not applied: resend them",
+                )
+                self.out.put_nowait(None)
+            return
+        if done.result():
+            return
+        if self.service.app.registry.pairs.get(pair.id) is pair:
+            self._duplicate(pair, worker, seq)
+
+    def _duplicate(self, pair: Pair, worker: str, seq: int) -> None:
         """A step at or below what the pair applied of its worker: acknowledge it again
         once what covers it is durable, and say so when this stream never told the
         worker its watermark (a restarted sender reusing a worker id loses its steps)."""
-        key = (pair.id, req.worker_id)
-        level = pair.durable.get(req.worker_id, 0)
-        applied = pair.applied.get(req.worker_id, 0)
-        if req.sequence <= applied and key not in self.opened and self.acked.get(key, 0) == 0:
+        key = (pair.id, worker)
+        level = pair.durable.get(worker, 0)
+        applied = pair.applied.get(worker, 0)
+        if seq <= applied and key not in self.opened and self.acked.get(key, 0) == 0:
             _stale.warning(
                 "stale-sequence",
                 "worker %s of pair %s sent sequence %d at or below the %d the pair already "
@@ -180,16 +198,16 @@ class ObserveStream:
                 "duplicate. A resend after a lost acknowledgement, or a restarted sender "
                 "reusing the worker id (its steps are lost: give each sender its own id, or "
                 "a client that opens its worker)",
-                limits.echo(req.worker_id),
+                limits.echo(worker),
                 pair.id,
-                req.sequence,
+                seq,
                 applied,
             )
-        if level >= req.sequence:
+        if level >= seq:
             self.acked[key] = level
             self.out.put_nowait(
                 pb.ObserveResponse(
-                    ack=pb.Ack(pair_id=pair.id, worker_id=req.worker_id, acked_sequence=level)
+                    ack=pb.Ack(pair_id=pair.id, worker_id=worker, acked_sequence=level)
                 )
             )
 
@@ -199,23 +217,8 @@ class ObserveStream:
                 del self.service.owners[key]
         self.claimed.clear()
 
-    async def _turn(self, turns: Turns) -> None:
-        """Wait for a turn; shed while the service is overloaded and this stream
-        presses: it is held back, reading nothing (its client's next steps wait
-        in gRPC's flow control and on the client), then asks again. Nothing is
-        refused or lost, and the stream stays open."""
-        while True:
-            try:
-                await turns.take(self.place)
-                return
-            except Shed as shed:
-                self.service.shed()
-                await asyncio.sleep(shed.retry_s)
-
     async def _consume(self) -> None:
         service = self.service
-        rate = service.step_rate()
-        turns = service.turns
         try:
             async for req in self.requests:
                 if service.draining:
@@ -223,17 +226,6 @@ class ObserveStream:
                 if req is MALFORMED:
                     service.malformed("Observe")
                     self.error = Refused(*malformed_reply())
-                    break
-                # Above the cap while the loop is saturated, the step waits.
-                hold = service.pacing.hold_s(self.pace)
-                if hold > 0:
-                    service.paced()
-                    await asyncio.sleep(hold)
-                    if service.draining:
-                        break
-                # Wait for a turn: streams that sent least recently go first.
-                await self._turn(turns)
-                if service.draining:
                     break
                 if req.open:
                     try:
@@ -262,18 +254,12 @@ class ObserveStream:
                 self.pairs.add(pair.id)
                 self.acked.setdefault(key, 0)
                 summary = req.summary if req.HasField("summary") else None
-                if not await service.app.observe_soon(
-                    pair, req.worker_id, req.sequence, batch, summary
-                ):
-                    self._duplicate(pair, req)
-                # A stream over its step rate waits (backpressure through gRPC
-                # flow control, nothing refused or lost). Without turns, each
-                # stream yields after each step so that health and pushes run
-                # between; with them, the turn's cap does that already.
-                if rate is not None:
-                    await asyncio.sleep(min(rate.wait_s(), 1.0))
-                elif turns.per_turn <= 0:
-                    await asyncio.sleep(0)
+                # Waits while the pair's queue is full: this stream reads no more.
+                done = await service.app.submit(pair, req.worker_id, req.sequence, batch, summary)
+                done.add_done_callback(
+                    functools.partial(self._applied, pair, req.worker_id, req.sequence)
+                )
+                self.last[pair.id] = done
         except Exception:
             # A fault of the service, not of the step: say so (the stream would
             # otherwise end as if the service had closed it), and the client
@@ -291,8 +277,15 @@ class ObserveStream:
             # applied, then its drain closes this stream (within the grace period).
             if self.error is not None or not service.draining:
                 if self.error is None:
+                    await self._settle()
                     await service.app.flush()
                 self.out.put_nowait(None)
+
+    async def _settle(self) -> None:
+        """Wait (a while) for this stream's last messages to be applied."""
+        pending = [f for f in self.last.values() if not f.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=SETTLE_S)
 
     async def run(self) -> AsyncIterator[pb.ObserveResponse]:
         service = self.service

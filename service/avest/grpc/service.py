@@ -30,13 +30,11 @@ from avest.grpc.convert import (
 )
 from avest.grpc.limits import StreamLimits
 from avest.grpc.observe import ObserveStream
-from avest.grpc.pacing import Pacing
 from avest.grpc.pages import page_cap
 from avest.grpc.refusals import Refused, refusals
 from avest.grpc.summaries import summary_from_pb
-from avest.grpc.turns import Shedding, Turns
 from avest.policy.access import Access, may_replace_costs
-from avest.policy.throttle import KeyedRates, LogLimiter, TokenBucket
+from avest.policy.throttle import KeyedRates, LogLimiter
 from avest.state import listing
 from avest.state.app import Avest
 from avest.state.costs import CostCurves
@@ -67,13 +65,11 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         self.on_refused = on_refused or (lambda method, reason: None)
         #: Open Observe streams: each a callback taking pushed responses.
         self.streams: set[ObserveStream] = set()
-        self.watchers: dict[str, set[asyncio.Queue[pb.Coefficients | None]]] = {}
+        #: Per pair, its latest coefficients for WatchCoefficients (latest value only).
+        self.latest: dict[str, Latest] = {}
         self.open_streams = 0
         self.owners: dict[tuple[str, str], ObserveStream] = {}
-        self.turns = Turns(limits.steps_per_turn, Shedding(target_s=limits.shed_after_s))
-        #: The cap on each stream's steps per second while the loop is saturated.
-        self.pacing = Pacing(target_s=limits.pace_after_s)
-        #: Calls and steps per pair, whoever sends them (``pair_rate``).
+        #: Unary calls per pair, whoever sends them (``pair_rate``).
         self.pair_rates = KeyedRates(limits.pair_rate)
         self._logs = LogLimiter("avest.grpc")
         #: Set when the server drains: streams stop applying steps, so the
@@ -86,35 +82,14 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
 
     # -- helpers --------------------------------------------------------------
 
-    def step_rate(self) -> TokenBucket | None:
-        """A new stream's step-rate bucket (``None``: no limit)."""
-        rate = self.limits.stream_step_rate
-        return TokenBucket(rate, rate) if rate > 0 else None
-
-    def shed(self) -> None:
-        self._logs.warning(
-            "shed",
-            "overloaded: Observe steps stand in line past %.0f ms; streams that press are "
-            "held back",
-            self.turns.shedding.target_s * 1000,
-        )
-
-    def paced(self) -> None:
-        self._logs.warning(
-            "paced",
-            "overloaded: the event loop lags past %.0f ms; Observe streams are held to %.2f "
-            "steps per second each",
-            self.pacing.target_s * 1000,
-            self.pacing.cap or 0.0,
-        )
-
     def malformed(self, method: str) -> None:
         self.on_refused(method, "malformed")
         self._logs.warning("malformed", "malformed %s message(s) refused", method)
 
     def _pair(self, pair_id: str, rated: bool = True) -> Pair:
         """The pair named, counted against its rate (``pair_rate``) unless not ``rated``
-        (deleting an abused pair is never refused for its rate)."""
+        (deleting an abused pair is never refused for its rate, and Observe messages
+        wait for room in the pair's queue instead)."""
         if not pair_id:
             raise InvalidInput("pair_id", "must not be empty")
         if len(pair_id) > limits.MAX_PAIR_ID_BYTES:
@@ -124,7 +99,7 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
             self._logs.warning("pair_rate", "pair %s over its call rate", pair.id)
             raise Exhausted(
                 "pair_id",
-                f"more than {self.pair_rates.rate:g} calls and steps per second for pair "
+                f"more than {self.pair_rates.rate:g} calls per second for pair "
                 f"{pair.id}; retry later",
             )
         return pair
@@ -143,14 +118,16 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         msg = coefficients_pb(pair)
         for stream in list(self.streams):
             stream.coefficients(pair.id, msg)
-        for q in self.watchers.get(pair.id, ()):
-            q.put_nowait(msg)
+        latest = self.latest.get(pair.id)
+        if latest is not None:
+            latest.publish(msg)
 
     def _removed(self, pair: Pair, why: str) -> None:
         for stream in list(self.streams):
             stream.pairs.discard(pair.id)
-        for q in self.watchers.pop(pair.id, set()):
-            q.put_nowait(None)
+        latest = self.latest.pop(pair.id, None)
+        if latest is not None:
+            latest.publish(None)
 
     def _durable(self, raised: list[tuple[str, str, int]]) -> None:
         # Each worker's watermark goes to the stream that sends as it (O(workers
@@ -316,6 +293,12 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
     async def DeletePair(
         self, request: pb.DeletePairRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeletePairResponse:
+        if request.pair_id in self.app.quarantined:  # set aside at start: the admin decides
+            try:
+                await self.app.discard(request.pair_id)
+            except Exception as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"pair {request.pair_id}: {exc}")
+            return pb.DeletePairResponse(pair=pb.Pair(pair_id=request.pair_id))
         pair = await self._unary(
             "DeletePair", context, lambda: self._pair(request.pair_id, rated=False)
         )
@@ -335,19 +318,17 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         except Refused as r:
             self.on_refused("WatchCoefficients", r.reason)
             await context.abort(r.code, r.message)
-        queue: asyncio.Queue[pb.Coefficients | None] = asyncio.Queue()
-        self.watchers.setdefault(pair.id, set()).add(queue)
+        latest = self.latest.get(pair.id)
+        if latest is None:
+            latest = self.latest[pair.id] = Latest(coefficients_pb(pair))
         self.open_streams += 1
         try:
-            yield pb.WatchCoefficientsResponse(coefficients=coefficients_pb(pair))
-            while True:
-                msg = await queue.get()
-                if msg is None:
-                    return
+            msg, seen = latest.value, latest.changes
+            while msg is not None:
                 yield pb.WatchCoefficientsResponse(coefficients=msg)
+                msg, seen = await latest.next(seen)
         finally:
             self.open_streams -= 1
-            self.watchers.get(pair.id, set()).discard(queue)
 
     async def Observe(
         self, request_iterator: AsyncIterator[pb.ObserveRequest], context: grpc.aio.ServicerContext
@@ -366,7 +347,7 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
     def validate_observe(self, req: pb.ObserveRequest) -> tuple[Pair, Any]:
         """The pair and validated batch of one Observe message, or a refusal."""
         with refusals():
-            pair = self._pair(req.pair_id)
+            pair = self._pair(req.pair_id, rated=False)
             problem = limits.worker_id_problem(req.worker_id)
             if problem is not None:
                 raise InvalidInput("worker_id", problem)
@@ -404,6 +385,28 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         """Close every stream (after the final snapshot told it what is durable)."""
         for stream in list(self.streams):
             stream.close()
-        for queues in self.watchers.values():
-            for q in queues:
-                q.put_nowait(None)
+        for latest in self.latest.values():
+            latest.publish(None)
+
+
+class Latest:
+    """A pair's latest coefficients for its watchers: one value and a change count,
+    no queue per watcher (a watcher that reads slowly skips to the newest)."""
+
+    def __init__(self, value: pb.Coefficients) -> None:
+        self.value: pb.Coefficients | None = value
+        self.changes = 0
+        self._changed = asyncio.Event()
+
+    def publish(self, value: pb.Coefficients | None) -> None:
+        """A new value (``None``: the pair is gone or the service drains)."""
+        self.value = value
+        self.changes += 1
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def next(self, seen: int) -> tuple[pb.Coefficients | None, int]:
+        """The value after change ``seen``: at once if it moved since, else at the next."""
+        if self.changes == seen:
+            await self._changed.wait()
+        return self.value, self.changes

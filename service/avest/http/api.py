@@ -8,9 +8,10 @@ blocking I/O.
 ==========================================  ==========================================
 ``GET /healthz``                            liveness: 200 while the loop answers (and the
                                             version)
-``GET /readyz``                             200 once started (listing quarantined pairs);
-                                            503 before, while draining, while store
-                                            writes fail (with the reason)
+``GET /readyz``                             200 once started (naming the pairs set
+                                            aside); 503 before, while draining, while
+                                            store writes fail, and when no stored pair
+                                            can be served (with the reason)
 ``GET /metrics``                            Prometheus text exposition
 ``GET /v1/pairs``                           the pairs, a page at a time (see ``PairsOut``)
 ``GET /v1/pairs/{id}``                      one pair: key, rule, coefficients, calibration
@@ -47,7 +48,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.exception_handlers import http_exception_handler
-from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -70,8 +71,7 @@ from avest.http.models import (
     pair_out,
 )
 from avest.http.recording import add_recording_routes
-from avest.metrics.deflate import accepts_gzip
-from avest.metrics.exposition import pieces
+from avest.metrics.registry import accepts_gzip
 from avest.policy.access import Access, http_role
 from avest.state import listing
 from avest.state.errors import NotFound
@@ -267,16 +267,14 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
         responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text"}},
     )
     async def metrics_endpoint(request: Request) -> Response:
-        """Prometheus metrics (text exposition format), rendered in slices that let
-        the RPCs sharing the event loop run in between; gzip when accepted."""
+        """Prometheus metrics (text exposition format), rendered and gzipped (when
+        accepted) off the event loop."""
         gzip = accepts_gzip(request.headers.get("accept-encoding", ""))
-        parts, ctype = await metrics.exposition_async(gzip=gzip)
-        headers = {"Cache-Control": "no-store", "Content-Length": str(sum(map(len, parts)))}
-        headers["Vary"] = "Accept-Encoding"
+        body, ctype = await metrics.exposition_async(gzip=gzip)
+        headers = {"Cache-Control": "no-store", "Vary": "Accept-Encoding"}
         if gzip:
             headers["Content-Encoding"] = "gzip"
-        # Sent in pieces: one write of megabytes would hold the loop while it is copied.
-        return StreamingResponse(pieces(parts), media_type=ctype, headers=headers)
+        return Response(body, media_type=ctype, headers=headers)
 
     @api.get(
         "/v1/pairs",
@@ -461,7 +459,15 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
         """Delete the pair: its state, stored rows, cost curves and metric series; its
         watchers' streams end. Returns the pair as it was. Registering the same key
         again starts a new pair from the cold start. Needs ``Authorization: Bearer
-        <admin token>`` (refused when the service has none)."""
+        <admin token>`` (refused when the service has none). A pair set aside at
+        start (see ``/readyz``) is deleted from the store too; the answer then names
+        it and why it was set aside."""
+        if pair_id in app.quarantined:
+            try:
+                why = await app.discard(pair_id)
+            except Exception as exc:
+                raise HTTPException(503, detail=f"pair {pair_id} not deleted: {exc}") from None
+            return JSONResponse({"pair_id": pair_id, "set_aside": why, "deleted": True})
         pair = get_pair(pair_id)
         last = pair_out(pair, metrics)
         try:

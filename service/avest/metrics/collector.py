@@ -28,7 +28,6 @@ class PairSource(Protocol):
 
     app: Any
     open_streams: Callable[[], int]
-    load: Callable[[], tuple[bool, float, int]]
 
     def summary(self, pair: Any) -> CalibrationSummary: ...
 
@@ -70,11 +69,8 @@ COLLECTED = (
     names.PENDING_DROPPED,
     names.OPEN_STREAMS,
     names.OVERLOADED,
-    names.TURN_WAIT,
-    names.SHED_TURNS,
-    names.LOOP_LAG,
-    names.STREAM_STEP_CAP,
-    names.PACED_STEPS,
+    names.ADMISSION_QUEUED,
+    names.BACKPRESSURE_WAITS,
     names.QUEUE_DEPTH,
     names.STORE_ERRORS,
     names.STORE_WRITABLE,
@@ -94,17 +90,13 @@ Families = dict[str, GaugeMetricFamily | CounterMetricFamily]
 class PairCollector:
     """Reads the registry on each scrape: every pair's gauges and totals.
 
-    ``collect()`` renders every pair at once (prometheus_client's path, and
-    ``registry.get_sample_value``); :mod:`avest.metrics.exposition` renders the
-    same families a few pairs at a time through :meth:`families`,
-    :meth:`add_globals` and :meth:`add_pair`, with ``collect()`` paused, and
-    keeps each pair's text until its :meth:`stamp` moves.
+    ``collect()`` runs on the event loop (it reads the live state) and returns
+    families whose samples are copies: the exposition renders them on a thread
+    (:meth:`avest.metrics.registry.Metrics.exposition_async`).
     """
 
     def __init__(self, metrics: PairSource) -> None:
         self._metrics = metrics
-        #: While set, ``collect()`` yields nothing (the sliced exposition renders the pairs).
-        self.paused = False
 
     def families(self) -> Families:
         out: Families = {}
@@ -125,8 +117,6 @@ class PairCollector:
         return exported(self._metrics.app)
 
     def collect(self) -> Iterable[Metric]:
-        if self.paused:
-            return []
         f = self.families()
         pairs = self.pairs()
         self.add_globals(f, pairs, sum(map(self.tally, pairs)))
@@ -144,15 +134,11 @@ class PairCollector:
         m = self._metrics
         f[names.INFO].add_metric([__version__], 1.0)
         f[names.OPEN_STREAMS].add_metric([], float(m.open_streams()))
-        overloaded, wait, shed = m.load()
-        f[names.OVERLOADED].add_metric([], 1.0 if overloaded else 0.0)
-        f[names.TURN_WAIT].add_metric([], wait)
-        f[names.SHED_TURNS].add_metric([], float(shed))
-        cap, lag, paced = m.pacing()
-        f[names.STREAM_STEP_CAP].add_metric([], cap)
-        f[names.LOOP_LAG].add_metric([], lag)
-        f[names.PACED_STEPS].add_metric([], float(paced))
         app = m.app
+        admission = app.admission
+        f[names.OVERLOADED].add_metric([], 1.0 if admission.full else 0.0)
+        f[names.ADMISSION_QUEUED].add_metric([], float(admission.waiting))
+        f[names.BACKPRESSURE_WAITS].add_metric([], float(admission.waited))
         for operation, count in getattr(app, "store_errors", {}).items():
             f[names.STORE_ERRORS].add_metric([operation], float(count))
         f[names.STORE_WRITABLE].add_metric([], 0.0 if getattr(app, "store_error", "") else 1.0)
@@ -168,23 +154,6 @@ class PairCollector:
         if replication is not None:  # a refitter folds rows already stored: none wait there
             tallied = float(replication.backlog)
         f[names.QUEUE_DEPTH].add_metric([], tallied)
-
-    def stamp(self, pair: Any) -> tuple[Any, ...]:
-        """What moves whenever anything :meth:`add_pair` reads changes: a step or
-        summary applied (steps, drafts, last update, the calibration layer's
-        losses), a refit (round, version, refit counts), a reset (version)."""
-        est = pair.estimator
-        refits = sum(self._metrics.refit_counts(pair.id).values())
-        return (
-            id(est),
-            est.version,
-            est.round,
-            est.steps,
-            est.drafts,
-            pair.updated,
-            pair.rule_name,
-            refits,
-        )
 
     def add_pair(self, f: Families, pair: Any) -> None:
         """One pair's samples."""

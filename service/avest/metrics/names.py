@@ -88,11 +88,8 @@ REFIT_DURATION = "avest_refit_duration_seconds"
 RPC_DURATION = "avest_rpc_duration_seconds"
 OPEN_STREAMS = "avest_open_streams"
 OVERLOADED = "avest_overloaded"
-TURN_WAIT = "avest_turn_wait_seconds"
-SHED_TURNS = "avest_shed_turns_total"
-LOOP_LAG = "avest_loop_lag_seconds"
-STREAM_STEP_CAP = "avest_stream_step_cap"
-PACED_STEPS = "avest_paced_steps_total"
+ADMISSION_QUEUED = "avest_admission_queued"
+BACKPRESSURE_WAITS = "avest_backpressure_waits_total"
 QUEUE_DEPTH = "avest_queue_depth"
 REFUSED_BATCHES = "avest_refused_batches_total"
 STORE_ERRORS = "avest_store_errors_total"
@@ -345,44 +342,22 @@ METRICS: tuple[MetricSpec, ...] = (
         OVERLOADED,
         "gauge",
         (),
-        "1 while Observe steps stand in line past the shedding target (--shed-after-ms) "
-        "and streams that press are shed, else 0.",
+        "1 while Observe streams wait for room in some pair's full queue (--pair-queue): "
+        "they are read no further until there is room, else 0.",
     ),
     MetricSpec(
-        SHED_TURNS,
+        ADMISSION_QUEUED,
+        "gauge",
+        (),
+        "Observe messages checked and waiting in their pairs' queues to be applied.",
+    ),
+    MetricSpec(
+        BACKPRESSURE_WAITS,
         "counter",
         (),
-        "Turns refused to Observe streams that press while the service is overloaded: each "
-        "such stream is held back (reads nothing) for 1-2 s, its later steps waiting in gRPC "
-        "flow control and on its client; nothing is refused or lost.",
-    ),
-    MetricSpec(
-        TURN_WAIT,
-        "gauge",
-        (),
-        "How long the last Observe step granted a turn had waited in line for it, seconds.",
-    ),
-    MetricSpec(
-        LOOP_LAG,
-        "gauge",
-        (),
-        "How late the event loop came round to its last lag probe (every 0.1 s), seconds: "
-        "the wait of everything on the loop.",
-    ),
-    MetricSpec(
-        STREAM_STEP_CAP,
-        "gauge",
-        (),
-        "Steps per second each Observe stream may send while the event loop is saturated "
-        "(past --pace-after-ms for half a second, with at least 16 streams sending); 0: no "
-        "cap. Streams under it are never held.",
-    ),
-    MetricSpec(
-        PACED_STEPS,
-        "counter",
-        (),
-        "Observe steps held back because their stream sent above the cap: each waited, read "
-        "but not folded, until its stream was under the cap again; nothing is refused or lost.",
+        "Observe messages that found their pair's queue full: their stream read nothing more "
+        "until there was room (HTTP/2 flow control held the sender back); nothing is "
+        "refused or lost.",
     ),
     MetricSpec(
         QUEUE_DEPTH,

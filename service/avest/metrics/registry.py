@@ -13,8 +13,11 @@ The pieces live in their own modules, and their users import them from there:
 
 from __future__ import annotations
 
+import asyncio
+import gzip as _gzip
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prometheus_client import (
@@ -23,13 +26,14 @@ from prometheus_client import (
     Counter,
     Histogram,
     ProcessCollector,
+    generate_latest,
 )
+from prometheus_client.metrics_core import Metric
 
 from avest.core.metrics import CalibrationState, CalibrationSummary, Reliability
 from avest.core.rules import Refit
 from avest.metrics.buckets import REFIT_BUCKETS, RPC_BUCKETS
 from avest.metrics.collector import PairCollector
-from avest.metrics.exposition import Exposition
 from avest.metrics.names import (
     REFIT_DURATION,
     REFUSAL_REASONS,
@@ -58,12 +62,6 @@ class Metrics:
         self.app = app
         self.registry = registry if registry is not None else CollectorRegistry()
         self.open_streams: Callable[[], int] = lambda: 0
-        #: (overloaded, the last granted step's wait in line in seconds, turns shed so
-        #: far) of the Observe turns, read at scrape time.
-        self.load: Callable[[], tuple[bool, float, int]] = lambda: (False, 0.0, 0)
-        #: (the cap on each stream's steps per second or 0, the event loop's lag in
-        #: seconds, steps held back so far) of the Observe pacing, read at scrape time.
-        self.pacing: Callable[[], tuple[float, float, int]] = lambda: (0.0, 0.0, 0)
         self._refits: dict[str, dict[str, int]] = {}
         #: (pair id, "all" | "recent") -> (stamp, summary)
         self._summaries: dict[tuple[str, str], tuple[_Stamp, CalibrationSummary]] = {}
@@ -80,8 +78,8 @@ class Metrics:
         self.registry.register(self._workers)
         self._pairs = PairCollector(self)
         self.registry.register(self._pairs)
-        #: Each pair's rendered text, kept until the pair changes (scrapes join it).
-        self.text = Exposition(self.registry, [self._pairs, self._workers])
+        #: One render on a thread at a time (a scrape storm queues, it does not pile up).
+        self._render = ThreadPoolExecutor(max_workers=1, thread_name_prefix="avest-metrics")
         try:
             ProcessCollector(registry=self.registry)
         except Exception:  # pragma: no cover - platforms without /proc
@@ -102,12 +100,6 @@ class Metrics:
     def set_open_streams(self, fn: Callable[[], int]) -> None:
         self.open_streams = fn
 
-    def set_load(self, fn: Callable[[], tuple[bool, float, int]]) -> None:
-        self.load = fn
-
-    def set_pacing(self, fn: Callable[[], tuple[float, float, int]]) -> None:
-        self.pacing = fn
-
     def refused(self, method: str, reason: str) -> None:
         """Count one refused request (``reason`` outside REFUSAL_REASONS -> ``other``)."""
         if reason not in REFUSAL_REASONS:
@@ -116,14 +108,20 @@ class Metrics:
 
     def exposition(self) -> tuple[bytes, str]:
         """The text exposition of every metric, and its content type, in one go."""
-        return self.text.render_now(), CONTENT_TYPE_LATEST
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    async def exposition_async(self, gzip: bool = False) -> tuple[list[bytes], str]:
-        """The same exposition as parts (joined, the text), rendered in slices that
-        give the event loop back (:mod:`avest.metrics.exposition`): RPCs are served
-        during a scrape, and a pair that did not change since the last scrape is
-        not rendered again; ``gzip``: the parts of its gzip encoding."""
-        return await self.text.render_async(gzip=gzip), CONTENT_TYPE_LATEST
+    async def exposition_async(self, gzip: bool = False) -> tuple[bytes, str]:
+        """The same exposition, its families collected on the event loop (a consistent
+        picture of the state, samples copied) and rendered by prometheus_client, then
+        gzipped when ``gzip``, on a thread of their own, off the loop."""
+        collected = _Collected(list(self.registry.collect()))
+
+        def render() -> bytes:
+            text = generate_latest(collected)  # type: ignore[arg-type]
+            return _gzip.compress(text, compresslevel=6) if gzip else text
+
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._render, render), CONTENT_TYPE_LATEST
 
     # -- state shared with the HTTP API -------------------------------------
 
@@ -171,7 +169,6 @@ class Metrics:
     def _on_removed(self, pair: Any, why: str) -> None:
         """A deleted pair's series go with it (the collector reads the registry)."""
         self._refits.pop(pair.id, None)
-        self.text.forget(pair.id)
         for kind in ("all", "recent"):
             self._summaries.pop((pair.id, kind), None)
 
@@ -188,3 +185,29 @@ def _estimator_methods() -> Iterator[str]:
     from avest_wire.v1 import estimator_pb2 as pb
 
     yield from pb.DESCRIPTOR.services_by_name["EstimatorService"].methods_by_name
+
+
+class _Collected:
+    """Families collected once, as prometheus_client's exposition reads a registry."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families
+
+
+def accepts_gzip(accept_encoding: str) -> bool:
+    """Whether an ``Accept-Encoding`` header allows gzip (``gzip;q=0`` does not)."""
+    for item in accept_encoding.split(","):
+        name, _, params = item.strip().partition(";")
+        if name.strip().lower() not in ("gzip", "*"):
+            continue
+        q = params.strip()
+        if q.startswith("q="):
+            try:
+                return float(q[2:]) > 0.0
+            except ValueError:
+                return False
+        return True
+    return False

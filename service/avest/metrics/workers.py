@@ -35,15 +35,10 @@ from avest.metrics.names import (
 
 
 class WorkerCollector:
-    """Reads every pair's :class:`~avest.state.workers.WorkerTable` on a scrape.
-
-    Sliced and cached per pair by :mod:`avest.metrics.exposition` like the pair
-    collector (``collect()`` paused meanwhile).
-    """
+    """Reads every pair's :class:`~avest.state.workers.WorkerTable` on a scrape."""
 
     def __init__(self, app: Any) -> None:
         self._app = app
-        self.paused = False
 
     def families(self) -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
         out: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
@@ -70,27 +65,6 @@ class WorkerCollector:
         table is exported by its refitter, which judges its workers)."""
         return exported(self._app)
 
-    def tally(self, pair: Any) -> float:
-        return 0.0
-
-    def add_globals(self, f: Any, pairs: list[Any], tallied: float) -> None:
-        """No series that are not per pair."""
-
-    def stamp(self, pair: Any) -> tuple[Any, ...]:
-        """Moves whenever the pair's table can have changed: a worker's step or
-        summary applied (steps, last update), a worker forgotten, quarantined or
-        released, a step not folded."""
-        table = pair.workers
-        return (
-            id(table),
-            pair.updated,
-            pair.estimator.steps,
-            len(table),
-            table.forgotten,
-            table.changes,
-            table.quarantined_steps,
-        )
-
     def add_pair(self, f: Any, pair: Any) -> None:
         pid = pair.id
         table = pair.workers
@@ -107,8 +81,6 @@ class WorkerCollector:
             f[WORKER_LAST_SEEN].add_metric(labels, float(row.last_seen))
 
     def collect(self) -> Iterable[Metric]:
-        if self.paused:
-            return []
         f = self.families()
         for pair in self.pairs():
             self.add_pair(f, pair)

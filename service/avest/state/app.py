@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from avest.core.estimator import Batch
 from avest.core.rules import Refit
+from avest.state.admission import Admission, Message
 from avest.state.config import StateConfig
 from avest.state.folds import Folded, Folds
 from avest.state.pairs import Pair, Registry, RuleConfig
@@ -93,6 +94,8 @@ class Avest:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="avest-store")
         #: Heavy steps, folded on worker threads.
         self.folds = Folds(config.fold_thread_cells)
+        #: Each pair's bounded queue and its owner, which applies what streams send.
+        self.admission = Admission(config.pair_queue, config.min_refit_s)
         self._flush_now = asyncio.Event()
         #: One write at a time: a caller waiting on flush() also waits for the
         #: write already under way, so "after flush" means "durable".
@@ -222,6 +225,7 @@ class Avest:
         await asyncio.get_running_loop().run_in_executor(self._writer, self.store.close)
         self._writer.shutdown(wait=True)
         self.folds.close()
+        self.admission.close()
 
     # -- operations ---------------------------------------------------------
 
@@ -256,41 +260,51 @@ class Avest:
             self._flush_now.set()
         return pair, created
 
-    async def observe_soon(
+    async def submit(
         self,
         pair: Pair,
         worker: str,
         seq: int,
         batch: Batch | RoundSummary,
         message: pb.RoundSummary | None = None,
-    ) -> bool:
-        """:meth:`observe`, with a heavy step folded off the event loop
-        (:mod:`avest.state.folds`). A step folded while its pair was reset is
-        folded again; one folded while the pair was deleted or the service began
-        draining is dropped (never acknowledged: its worker resends it).
+    ) -> asyncio.Future[bool]:
+        """Hand a checked step or round summary to its pair's owner
+        (:mod:`avest.state.admission`); waits while the pair's queue is full. The
+        future resolves with whether it was new, once applied."""
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        queue = self.admission.queue(
+            pair.id, lambda m: self._apply(pair, m), lambda: self._refit_held(pair)
+        )
+        await queue.submit(Message(worker, seq, batch, message, done))
+        return done
+
+    async def _apply(self, pair: Pair, m: Message) -> bool:
+        """What the pair's owner does with one message: :meth:`observe`, with a heavy
+        step folded off the event loop (:mod:`avest.state.folds`). A step folded
+        while its pair was reset is folded again; one whose pair was deleted, or
+        that comes while the service drains, is dropped (never acknowledged: its
+        worker resends it).
 
         Replicas: the step goes to the pending log, folded by the pair's refitter
-        (``message``: a summary as received, stored as it came)."""
+        (``m.received``: a summary as received, stored as it came)."""
+        worker, seq, batch = m.worker, m.sequence, m.batch
+        if self.draining or self.registry.pairs.get(pair.id) is not pair:
+            return False
         if self.replication is not None:
             await self.replication.room()
-            return self.replication.offer(pair, worker, seq, batch, message)
+            return self.replication.offer(pair, worker, seq, batch, m.received)
         if not self.folds.heavy(batch):
-            busy = self.folds.busy(pair.id)
-            if busy is None:
-                return self.observe(pair, worker, seq, batch)
-            async with busy:
-                return self.observe(pair, worker, seq, batch)
-        async with self.folds.lock(pair.id):
-            if seq <= pair.applied.get(worker, -1) or not isinstance(batch, Batch):
-                return self.observe(pair, worker, seq, batch)  # a duplicate
-            before = pair.estimator
-            mark = (before.version, before.steps)
-            folded = await self.folds.fold(before, batch)
-            if self.draining or self.registry.pairs.get(pair.id) is not pair:
-                return False
-            if pair.estimator is not before or (before.version, before.steps) != mark:
-                return self.observe(pair, worker, seq, batch)  # reset meanwhile: fold again
-            return self.observe(pair, worker, seq, batch, folded)
+            return self.observe(pair, worker, seq, batch)
+        if seq <= pair.applied.get(worker, -1) or not isinstance(batch, Batch):
+            return self.observe(pair, worker, seq, batch)  # a duplicate
+        before = pair.estimator
+        mark = (before.version, before.steps)
+        folded = await self.folds.fold(before, batch, self.admission.may_refit(pair.id))
+        if self.draining or self.registry.pairs.get(pair.id) is not pair:
+            return False
+        if pair.estimator is not before or (before.version, before.steps) != mark:
+            return self.observe(pair, worker, seq, batch)  # reset meanwhile: fold again
+        return self.observe(pair, worker, seq, batch, folded)
 
     def observe(
         self,
@@ -300,9 +314,12 @@ class Avest:
         batch: Batch | RoundSummary,
         folded: Folded | None = None,
     ) -> bool:
-        """Apply one validated step or round summary; returns whether it was new."""
+        """Apply one validated step or round summary; returns whether it was new.
+        A round it fills refits now unless the pair refitted less than
+        ``min_refit_s`` ago (replicas' refitters refit at once)."""
         t0 = time.perf_counter()
-        applied, refit = pair.observe(worker, seq, batch, folded)
+        may_refit = self.replication is not None or self.admission.may_refit(pair.id)
+        applied, refit = pair.observe(worker, seq, batch, folded, may_refit)
         if not applied:
             return False
         if isinstance(batch, Batch):
@@ -313,11 +330,25 @@ class Avest:
             for hook in self.hooks.observed:
                 hook(pair, rows, batch.labelled)
         if refit is not None:
-            elapsed = time.perf_counter() - t0
-            for refit_hook in self.hooks.refit:
-                refit_hook(pair, refit, elapsed)
-            self._flush_now.set()
+            self._refitted(pair, refit, time.perf_counter() - t0)
         return True
+
+    def _refit_held(self, pair: Pair) -> bool:
+        """Refit the pair's round held open by the refit interval, if any."""
+        if self.draining or self.registry.pairs.get(pair.id) is not pair:
+            return False
+        t0 = time.perf_counter()
+        refit = pair.refit_held()
+        if refit is None:
+            return False
+        self._refitted(pair, refit, time.perf_counter() - t0)
+        return True
+
+    def _refitted(self, pair: Pair, refit: Refit, elapsed: float) -> None:
+        self.admission.refitted(pair.id)
+        for refit_hook in self.hooks.refit:
+            refit_hook(pair, refit, elapsed)
+        self._flush_now.set()
 
     def reset(self, pair: Pair) -> None:
         if self.replication is not None:
@@ -357,7 +388,7 @@ class Avest:
         if self.registry.pairs.get(pair.id) is not pair:
             return
         self.registry.remove(pair)
-        self.folds.forget(pair.id)
+        self.admission.forget(pair.id)
         if self.replication is not None:
             self.replication.forget(pair.id)
         pair.watchers.clear()
@@ -371,6 +402,24 @@ class Avest:
     async def in_store(self, call: Callable[..., T], *args: Any) -> T:
         """Run a store call on the store's thread."""
         return await asyncio.get_running_loop().run_in_executor(self._writer, call, *args)
+
+    async def discard(self, pair_id: str) -> str | None:
+        """Delete what the store keeps of a pair set aside at start (an admin's
+        decision): its id registers afresh afterwards. Returns why it was set aside,
+        or None when it was not; when the store refuses, nothing changes and the
+        error rises."""
+        why = self.quarantined.get(pair_id)
+        if why is None:
+            return None
+        async with self._flush_lock:
+            try:
+                await self.in_store(self.store.delete, pair_id)
+            except Exception as exc:
+                self.store_failed("delete", exc)
+                raise
+            del self.quarantined[pair_id]
+        log.warning("pair %s, set aside at start (%s), deleted by an admin", pair_id, why)
+        return why
 
     async def remove(self, pair: Pair, why: str = "deleted") -> None:
         """Delete a pair: its stored rows, then the registry entry, its streams and

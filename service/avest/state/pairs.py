@@ -126,12 +126,15 @@ class Pair:
         seq: int,
         batch: Batch | RoundSummary,
         folded: Folded | None = None,
+        may_refit: bool = True,
     ) -> tuple[bool, Refit | None]:
         """Apply a validated batch or round summary unless ``(worker, seq)`` was applied already.
 
         ``folded``: the batch was already folded into a copy of this pair's
         estimator (on a worker thread), which takes the estimator's place, with
-        the batch's round statistics it folded. Returns ``(applied, refit)``.
+        the batch's round statistics it folded. ``may_refit``: a round this fills may
+        refit now (else it stays open until :meth:`refit_held`). Returns
+        ``(applied, refit)``.
 
         The worker's table judges the data first (:meth:`WorkerTable.judge`): a
         quarantined worker's data is counted and scored, never folded; a worker in
@@ -150,13 +153,13 @@ class Pair:
         if isinstance(batch, RoundSummary):
             lag = est.version - batch.version
             if kept is not None:
-                refit = est.apply_summary(batch, kept)
+                refit = est.apply_summary(batch, kept, may_refit)
             self.workers.summary(worker, batch, lag)
         else:
             if kept is stats and folded is not None:
                 self.estimator, refit, _ = folded
             elif kept is not None:
-                refit = est.apply(batch, kept)
+                refit = est.apply(batch, kept, may_refit)
             self.workers.raw(worker, batch.labelled)
         if refit is not None:
             self.workers.tick()
@@ -168,6 +171,17 @@ class Pair:
         if refit is not None:
             self._record(refit.outcome)
         return True, refit
+
+    def refit_held(self) -> Refit | None:
+        """Refit a round held open past its length (:meth:`observe` with
+        ``may_refit`` false); ``None`` when none is."""
+        if not self.estimator.round_full:
+            return None
+        refit = self.estimator.refit()
+        self.workers.tick()
+        self.dirty = True
+        self._record(refit.outcome)
+        return refit
 
     def saved(self, record: dict[str, Any]) -> list[tuple[str, str, int]]:
         """``record`` (from :meth:`Registry.snapshot`) is durable: its history and

@@ -1,13 +1,11 @@
-"""Load shedding on a real server: an overloaded service holds back the streams
-that press (turns) and paces a crowd on a saturated loop (pacing), a light worker
-next to them goes on being acknowledged, nothing is refused or lost, and /metrics
-shows it.
+"""Backpressure on a real server: a pair whose owner cannot keep up fills its bounded
+queue, the streams sending to it are read no further until there is room (their
+senders wait in HTTP/2 flow control), a light worker next to them goes on being
+acknowledged, nothing is refused or lost, and /metrics shows it.
 
 The overload is made, not hoped for: every fold sleeps 5 ms (the service folds
 at most 200 steps a second, however fast the machine), and 24 streams each send
-20 steps a second, so a step waits about 24 x 5 ms for its turn, past a 20 ms
-target, and the loop comes round to its lag probe tens of milliseconds late. Each
-mechanism is tested with the other off."""
+20 steps a second into one pair, 2.4 times what it folds."""
 
 from __future__ import annotations
 
@@ -24,7 +22,6 @@ import numpy as np
 import pytest
 
 from avest.core.estimator import Batch, OnlineEstimator
-from avest.grpc import pacing
 from avest_client import Forwarder
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
@@ -114,8 +111,8 @@ class _Floods:
 @pytest.fixture
 def overloaded(open_server, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Live, str]]:  # noqa: ANN001
     _slow_folds(monkeypatch)
-    live = open_server(steps_per_turn=2, shed_after_ms=20, pace_after_ms=0)
-    pid = register_named(live.stub, "shed", K, refit_interval=50)
+    live = open_server(pair_queue=4)
+    pid = register_named(live.stub, "busy", K, refit_interval=50)
     yield live, pid
 
 
@@ -128,104 +125,75 @@ def _wait(cond, timeout: float = 60.0) -> bool:  # noqa: ANN001
     return cond()
 
 
-def test_an_overloaded_service_holds_back_streams_that_press_and_loses_nothing(
+def test_a_pair_that_cannot_keep_up_holds_its_streams_back_and_loses_nothing(
     overloaded,  # noqa: ANN001
 ) -> None:
     live, pid = overloaded
     rng = np.random.default_rng(0)
     light_pid = register_named(live.stub, "light", K, refit_interval=50)
     light = Forwarder(live.grpc_address, light_pid, worker_id="light", k=K).start()
-    busy = Forwarder(live.grpc_address, pid, worker_id="busy", k=K).start()
+    # A light worker of the busy pair itself: it takes its place in the same line.
+    beside = Forwarder(live.grpc_address, pid, worker_id="beside", k=K).start()
+    busy = Forwarder(live.grpc_address, pid, worker_id="backlog", k=K).start()
     busy_steps = 100
-    try:
-        with _Floods(live.grpc_address, pid, FLOOD_S) as floods:
-            # The floods build a standing line: the service sheds (the overloaded
-            # gauge is 1 only until the held-back streams have shortened the line).
-            assert _wait(lambda: value(scrape(live), "avest_shed_turns_total") > 0)
-            # A worker with a backlog joins them.
-            for _ in range(busy_steps):
-                busy.submit(rng.uniform(-3, 3, (2, K)), np.full(2, K), rng.integers(0, K + 1, 2))
-            # The light worker: one step, then its acknowledgement, ten times.
-            for i in range(10):
-                light.submit(rng.uniform(-3, 3, (1, K)), [K], [i % (K + 1)])
-                assert light.flush(timeout=60), light.last_error
-        # The floods are gone: the line empties and the service is no longer overloaded.
-        assert _wait(lambda: value(scrape(live), "avest_overloaded") == 0.0)
-        assert busy.flush(timeout=120), busy.last_error
-        busy_reconnects = busy.stats.reconnects
-    finally:
-        light.close()
-        busy.close()
-    # Held back, never refused: every flood stream ran to its end, the busy worker's
-    # stream was never ended, and all of its steps and the light worker's were applied.
-    assert floods.ends == ["OK"] * FLOODS
-    assert busy_reconnects == 0
-    workers = live.http.get(f"/v1/pairs/{pid}/workers").json()["workers"]
-    assert next(w for w in workers if w["worker_id"] == "busy")["steps"] == busy_steps
-    light_pair = live.stub.GetPair(pb.GetPairRequest(pair_id=light_pid)).pair
-    assert light_pair.steps_observed == 10
-    samples = scrape(live)
-    assert value(samples, "avest_refused_batches_total", method="Observe", reason="other") == 0
-
-
-def test_without_a_target_nothing_is_shed(open_server, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
-    _slow_folds(monkeypatch)
-    live = open_server(steps_per_turn=2, shed_after_ms=0, pace_after_ms=0)
-    pid = register_named(live.stub, "shed", K, refit_interval=50)
-    with _Floods(live.grpc_address, pid, 3.0) as floods:
-        pass
-    assert floods.ends == ["OK"] * FLOODS
-    samples = scrape(live)
-    assert value(samples, "avest_shed_turns_total") == 0
-    assert value(samples, "avest_overloaded") == 0
-    assert value(samples, "avest_paced_steps_total") == 0
-    assert value(samples, "avest_stream_step_cap") == 0
-
-
-def test_a_crowd_on_a_saturated_loop_is_paced_and_loses_nothing(
-    open_server,  # noqa: ANN001
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Turns' shedding off: the loop lags, each flood stream is held to a cap of
-    steps per second and stays open, nothing is refused, and the light worker's
-    steps are all applied and acknowledged. The floods are then killed: a paced
-    stream drains its client's backlog at the cap, which would take minutes."""
-    _slow_folds(monkeypatch)
-    # The folds sleep, so the loop's thread is off the CPU while the loop lags: the
-    # guard against a machine's lag (tested in test_pacing) is set aside here.
-    monkeypatch.setattr(pacing, "BUSY", 0.0)
-    live = open_server(steps_per_turn=8, shed_after_ms=0, pace_after_ms=5)
-    pid = register_named(live.stub, "paced", K, refit_interval=50)
-    light_pid = register_named(live.stub, "light", K, refit_interval=50)
-    light = Forwarder(live.grpc_address, light_pid, worker_id="light", k=K).start()
-    rng = np.random.default_rng(1)
     seen: list[dict[str, float]] = []
 
-    def paced() -> bool:
+    def held() -> bool:
         samples = scrape(live)
         seen.append(
             {
-                "cap": value(samples, "avest_stream_step_cap"),
-                "paced": value(samples, "avest_paced_steps_total"),
-                "open": value(samples, "avest_open_streams"),
+                "overloaded": value(samples, "avest_overloaded"),
+                "waits": value(samples, "avest_backpressure_waits_total"),
+                "queued": value(samples, "avest_admission_queued"),
             }
         )
-        return seen[-1]["cap"] > 0 and seen[-1]["paced"] > 0 and seen[-1]["open"] >= FLOODS
+        return seen[-1]["overloaded"] == 1.0 and seen[-1]["waits"] > 0
 
     try:
-        with _Floods(live.grpc_address, pid, FLOOD_S * 6) as floods:
-            assert _wait(paced), seen[-3:]
-            # The cap is a share of what the streams sent: below 20 steps a second each.
-            assert 0 < seen[-1]["cap"] < 20, seen[-1]
-            for i in range(3):
+        with _Floods(live.grpc_address, pid, FLOOD_S) as floods:
+            # The floods fill the pair's queue: its senders wait for room.
+            assert _wait(held), seen[-3:]
+            # The queue never holds more than its bound.
+            assert max(s["queued"] for s in seen) <= 4, seen
+            # A worker with a backlog joins them.
+            for _ in range(busy_steps):
+                busy.submit(rng.uniform(-3, 3, (2, K)), np.full(2, K), rng.integers(0, K + 1, 2))
+            # The light workers: one step, then its acknowledgement, five times each.
+            for i in range(5):
                 light.submit(rng.uniform(-3, 3, (1, K)), [K], [i % (K + 1)])
+                beside.submit(rng.uniform(-3, 3, (1, K)), [K], [i % (K + 1)])
                 assert light.flush(timeout=60), light.last_error
-            # Held, not ended: paced all this time, every flood stream is still open.
-            assert paced(), seen[-1]
-            floods.kill()
+                assert beside.flush(timeout=60), beside.last_error
+        # The floods are gone: the queue empties and the service is no longer overloaded.
+        assert _wait(lambda: value(scrape(live), "avest_overloaded") == 0.0)
+        assert busy.flush(timeout=120), busy.last_error
+        reconnects = busy.stats.reconnects + beside.stats.reconnects
     finally:
         light.close()
+        beside.close()
+        busy.close()
+    # Held back, never refused: every flood stream ran to its end, the other workers'
+    # streams were never ended, and all of their steps were applied.
+    assert floods.ends == ["OK"] * FLOODS
+    assert reconnects == 0
+    workers = {
+        w["worker_id"]: w for w in live.http.get(f"/v1/pairs/{pid}/workers").json()["workers"]
+    }
+    assert workers["backlog"]["steps"] == busy_steps
+    assert workers["beside"]["steps"] == 5
+    light_pair = live.stub.GetPair(pb.GetPairRequest(pair_id=light_pid)).pair
+    assert light_pair.steps_observed == 5
     samples = scrape(live)
-    assert value(samples, "avest_shed_turns_total") == 0
-    assert live.stub.GetPair(pb.GetPairRequest(pair_id=light_pid)).pair.steps_observed == 3
     assert value(samples, "avest_refused_batches_total", method="Observe", reason="other") == 0
+    assert value(samples, "avest_admission_queued") == 0
+
+
+def test_a_pair_that_keeps_up_holds_nobody_back(open_server) -> None:  # noqa: ANN001
+    live = open_server()
+    pid = register_named(live.stub, "calm", K, refit_interval=50)
+    with _Floods(live.grpc_address, pid, 2.0) as floods:
+        pass
+    assert floods.ends == ["OK"] * FLOODS
+    samples = scrape(live)
+    assert value(samples, "avest_overloaded") == 0
+    assert value(samples, "avest_backpressure_waits_total") == 0

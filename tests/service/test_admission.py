@@ -1,0 +1,86 @@
+"""The refit interval: at the default, a pair refits at most once a second, however many
+workers send and however fast; a round that fills sooner stays open, pooling what comes,
+and its owner refits it once the interval is over, with no further message needed.
+Pushes follow the refits, the latest version per stream."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from avest.settings import Settings
+from avest_wire.v1 import estimator_pb2 as pb
+from tests.support.rpc import observe_all, register_named, stub_for, synthetic_steps
+
+K = 4
+WORKERS = 4
+STEPS = 100
+#: The default refit interval, in seconds.
+DEFAULT_S = Settings.model_fields["min_refit_interval_ms"].default / 1000.0
+
+
+def _burst(address: str, pid: str) -> tuple[list[int], list[list[int]], float]:
+    """Every worker sends its steps on a stream of its own, all at once: the acked
+    sequences, the coefficient versions each stream was pushed, and how long it took."""
+    acked = [0] * WORKERS
+    pushed: list[list[int]] = [[] for _ in range(WORKERS)]
+
+    def one(w: int) -> None:
+        channel, stub = stub_for(address)
+        with channel:
+            msgs = synthetic_steps(pid, f"w{w}", K, STEPS, seed=w)
+            acked[w], pushed[w] = observe_all(stub, msgs)
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=one, args=(w,)) for w in range(WORKERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return acked, pushed, time.monotonic() - started
+
+
+def _version(stub, pid: str) -> int:  # noqa: ANN001
+    return stub.GetCoefficients(pb.GetCoefficientsRequest(pair_id=pid)).coefficients.version
+
+
+def test_refits_do_not_grow_with_the_workers(start_server, tmp_path) -> None:  # noqa: ANN001
+    """400 steps pooled at 10 steps a round would be 40 refits; at most one a second
+    is a few. The last full round is refitted by its owner once the interval is over."""
+    assert DEFAULT_S >= 0.5
+    handle = start_server(tmp_path / "d", min_refit_interval_ms=DEFAULT_S * 1000)
+    channel, stub = stub_for(handle.grpc_address)
+    with channel:
+        pid = register_named(stub, "pooled", K, refit_interval=10)
+        start = _version(stub, pid)
+        acked, pushed, took = _burst(handle.grpc_address, pid)
+        assert acked == [STEPS] * WORKERS  # nothing refused or lost
+        after = _version(stub, pid)
+        # At most one refit at once, then one per interval.
+        assert after - start <= 2 + took / DEFAULT_S, (after, start, took)
+        # Each stream was pushed the versions in order, none twice.
+        for versions in pushed:
+            assert versions == sorted(set(versions))
+        # No further message: the held round is refitted once the interval is over.
+        deadline = time.monotonic() + 10 * DEFAULT_S
+        while _version(stub, pid) == after and time.monotonic() < deadline:
+            time.sleep(0.05)
+        held = _version(stub, pid)
+        assert held == after + 1
+        pair = stub.GetPair(pb.GetPairRequest(pair_id=pid)).pair
+        assert pair.steps_observed == WORKERS * STEPS
+        # Nothing left to refit: the version stays.
+        time.sleep(2 * DEFAULT_S)
+        assert _version(stub, pid) == held
+
+
+def test_at_zero_every_full_round_refits_at_once(start_server, tmp_path) -> None:  # noqa: ANN001
+    handle = start_server(tmp_path / "d", min_refit_interval_ms=0)
+    channel, stub = stub_for(handle.grpc_address)
+    with channel:
+        pid = register_named(stub, "pooled", K, refit_interval=10)
+        start = _version(stub, pid)
+        acked, _, _ = _burst(handle.grpc_address, pid)
+        assert acked == [STEPS] * WORKERS
+        # The recursive and tracking rules warm up on short rounds: 40 rounds or more.
+        assert _version(stub, pid) - start >= WORKERS * STEPS // 10
