@@ -44,7 +44,7 @@ def test_many_clients_hammering_one_pair_are_bounded(start_server, tmp_path) -> 
                 codes.append(grpc.StatusCode.OK)
             except grpc.RpcError as exc:
                 codes.append(exc.code())
-                assert "calls and steps per second for pair" in (exc.details() or "")
+                assert "calls per second for pair" in (exc.details() or "")
         elapsed = time.monotonic() - t0
         assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
         # A burst of one second's worth, then the rate: however many clients.
@@ -54,16 +54,13 @@ def test_many_clients_hammering_one_pair_are_bounded(start_server, tmp_path) -> 
         # Another pair is untouched by the hot one's limit.
         stubs[1].GetCoefficients(pb.GetCoefficientsRequest(pair_id=quiet), timeout=10)
 
-        # Observe steps count too: the step over the rate ends the stream with
-        # RESOURCE_EXHAUSTED and is not applied.
-        before = stubs[0].GetPair(pb.GetPairRequest(pair_id=quiet)).pair.steps_observed
-        assert before == 0
-        with pytest.raises(grpc.RpcError) as err:
-            list(stubs[2].Observe(iter([_step(quiet, "w", s) for s in range(1, 201)]), timeout=30))
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        time.sleep(1.5)  # the bucket refills
-        applied = stubs[0].GetPair(pb.GetPairRequest(pair_id=quiet)).pair.steps_observed
-        assert 0 < applied < 200
+        # Observe messages are not counted against the rate: a stream faster than the
+        # pair's owner waits for room in its queue (backpressure), and is not refused.
+        acks = list(
+            stubs[2].Observe(iter([_step(quiet, "w", s) for s in range(1, 201)]), timeout=60)
+        )
+        assert acks[-1].ack.acked_sequence == 200
+        assert stubs[0].GetPair(pb.GetPairRequest(pair_id=quiet)).pair.steps_observed == 200
     finally:
         for c in channels:
             c.close()

@@ -24,6 +24,7 @@ from avest.metrics import collector
 from avest.metrics import names as N
 from avest.metrics import registry as M
 from avest.metrics.buckets import RPC_BUCKETS
+from avest.state.admission import Admission
 from avest.state.pairs import Pair
 from avest_wire.pair import PairKey
 from avest_wire.v1 import estimator_pb2 as pb
@@ -369,6 +370,7 @@ class _App:
     def __init__(self) -> None:
         self.hooks = self._Hooks()
         self.registry = self._Registry()
+        self.admission = Admission()  # no pair's queue made: nothing waits
 
 
 def test_injected_registries_are_independent() -> None:

@@ -140,5 +140,14 @@ def spawn(
 
 
 def serve_subprocess(data_dir: str | Path, port: int = 0) -> tuple[subprocess.Popen[bytes], str]:
-    """:func:`spawn` flushing every 20 ms on gRPC port ``port`` (``0``: any free one)."""
-    return spawn(data_dir, "--flush-interval-ms", "20", grpc_address=f"127.0.0.1:{port}")
+    """:func:`spawn` flushing every 20 ms on gRPC port ``port`` (``0``: any free one),
+    refitting each round as it fills (``--min-refit-interval-ms 0``), so its refits
+    match a replay of the same steps through the core, whatever the machine's speed."""
+    return spawn(
+        data_dir,
+        "--flush-interval-ms",
+        "20",
+        "--min-refit-interval-ms",
+        "0",
+        grpc_address=f"127.0.0.1:{port}",
+    )

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
+    CONTENT_TYPE_PLAIN_0_0_4,
     CollectorRegistry,
     Counter,
     Histogram,
@@ -107,8 +107,10 @@ class Metrics:
         self._refused_child(method, reason).inc()
 
     def exposition(self) -> tuple[bytes, str]:
-        """The text exposition of every metric, and its content type, in one go."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        """The text exposition of every metric, and its content type, in one go.
+        (``generate_latest`` writes the 0.0.4 text format; prometheus_client's
+        ``CONTENT_TYPE_LATEST`` names 1.0.0, which Prometheus 2.x does not store.)"""
+        return generate_latest(self.registry), CONTENT_TYPE_PLAIN_0_0_4
 
     async def exposition_async(self, gzip: bool = False) -> tuple[bytes, str]:
         """The same exposition, its families collected on the event loop (a consistent
@@ -121,7 +123,7 @@ class Metrics:
             return _gzip.compress(text, compresslevel=6) if gzip else text
 
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._render, render), CONTENT_TYPE_LATEST
+        return await loop.run_in_executor(self._render, render), CONTENT_TYPE_PLAIN_0_0_4
 
     # -- state shared with the HTTP API -------------------------------------
 
