@@ -179,6 +179,9 @@ def serve(data: Path, grpc_port: int | None = None, http_port: int | None = None
     return start_avest(
         data,
         *("--refit-interval", str(REFIT), "--flush-interval-ms", "20", "--default-rule", "vllm"),
+        # Each round of REFIT steps refits as it fills: a short CPU run pools few
+        # rounds, and the default (at most one refit a second) would merge them.
+        *("--min-refit-interval-ms", "0"),
         grpc_address=f"127.0.0.1:{grpc_port or 0}",
         http_address=f"127.0.0.1:{http_port or 0}",
     )
