@@ -1,7 +1,8 @@
 """What a data directory must hold for the service to start on it: a database of
 someone else's is refused untouched; a new file or a store of any format opens; a
-directory emptied whole (the state file gone with it) warns, and is refused with
-``--refuse-empty-store``. Real servers on real SQLite files."""
+directory emptied whole (the state file gone with it) looks like a first start: one
+INFO line, refused with ``--refuse-empty-store``; a store the state file says held
+pairs is refused, or with ``--allow-empty-store`` started with a warning. Real servers on real SQLite files."""
 
 from __future__ import annotations
 
@@ -186,9 +187,29 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     ]
 
 
-def test_a_data_directory_emptied_whole_starts_with_a_warning(tmp_path, caplog):
+def _said(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "avest" and r.levelno == level]
+
+
+def test_a_first_start_on_a_new_directory_is_one_info_line_and_no_warning(tmp_path, caplog):
     data = tmp_path / "data"
-    _one_pair(data)  # its first start is warned too: the records start after it
+    data.mkdir()
+    caplog.set_level(logging.INFO, logger="avest")
+    launch(data).stop()
+    assert _warnings(caplog) == []
+    said = [m for m in _said(caplog, logging.INFO) if STATE_FILE in m]
+    assert len(said) == 1, _said(caplog, logging.INFO)
+    assert str(data / DATABASE) in said[0] and "--refuse-empty-store" in said[0]
+    # The state file now records the empty store: the next start says nothing of it.
+    caplog.clear()
+    launch(data).stop()
+    assert not [m for m in _said(caplog, logging.INFO) if STATE_FILE in m]
+
+
+def test_a_data_directory_emptied_whole_starts_as_a_first_start(tmp_path, caplog):
+    # Nothing left in it tells it from a first start: the same one INFO line.
+    data = tmp_path / "data"
+    _one_pair(data)
     _empty(data)
     caplog.set_level(logging.INFO, logger="avest")
     caplog.clear()
@@ -197,13 +218,22 @@ def test_a_data_directory_emptied_whole_starts_with_a_warning(tmp_path, caplog):
         assert _pair_ids(srv) == set()
     finally:
         srv.stop()
-    said = [w for w in _warnings(caplog) if "not mounted" in w]
-    assert len(said) == 1, _warnings(caplog)
-    assert str(data / DATABASE) in said[0] and "--refuse-empty-store" in said[0]
-    # The state file now records the empty store: the next start is not warned again.
+    assert _warnings(caplog) == []
+    said = [m for m in _said(caplog, logging.INFO) if STATE_FILE in m]
+    assert len(said) == 1 and "emptied whole" in said[0], _said(caplog, logging.INFO)
+
+
+def test_a_directory_that_held_pairs_and_is_now_empty_warns_when_allowed(tmp_path, caplog):
+    data = tmp_path / "data"
+    _one_pair(data)
+    for f in data.glob(DATABASE + "*"):  # the state file stays: it says a pair was held
+        f.unlink()
+    caplog.set_level(logging.INFO, logger="avest")
     caplog.clear()
-    launch(data).stop()
-    assert not [w for w in _warnings(caplog) if "not mounted" in w]
+    launch(data, allow_empty_store=True).stop()
+    said = _warnings(caplog)
+    assert len(said) == 1, said
+    assert "records 1 pair(s)" in said[0] and "--allow-empty-store" in said[0]
 
 
 def test_refuse_empty_store_refuses_an_emptied_directory_and_writes_nothing(tmp_path):

@@ -9,7 +9,9 @@ READY with every pair gone.
 The state file lives in the data directory, so a directory emptied whole (a
 volume not mounted, a new empty volume) loses it too: a store with no pairs and
 no state file is a first start or such a directory, and nothing in it tells
-which. That start logs a warning; with ``--refuse-empty-store`` it is refused.
+which. That start logs one INFO line; with ``--refuse-empty-store`` it is
+refused. A store that the state file says held pairs and that is now empty is
+refused, or with ``--allow-empty-store`` started with a warning.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ class StateFile:
         """Before opening: refuse a missing or 0-byte database that held pairs, and
         with ``refuse_unrecorded`` one that no state file is beside (nothing written)."""
         new = not self.database.exists() or self.database.stat().st_size == 0
-        if refuse_unrecorded and new:
+        if refuse_unrecorded and new and not allow_empty:
             self.check_unrecorded(0, refuse=True, allow_empty=allow_empty)
         held = self.recorded_pairs()
         if held == 0 or allow_empty:
@@ -66,32 +68,39 @@ class StateFile:
     def check_loaded(self, loaded_pairs: int, allow_empty: bool) -> None:
         """After loading: refuse a store with no pairs where pairs were recorded."""
         held = self.recorded_pairs()
-        if held and loaded_pairs == 0 and not allow_empty:
+        if not held or loaded_pairs:
+            return
+        if not allow_empty:
             raise StoreEmptied(self._message(held, "holds no pairs"))
+        log.warning(
+            "%s holds no pairs, but %s records %d pair(s) stored: beginning afresh "
+            "(--allow-empty-store).",
+            self.database,
+            self.path,
+            held,
+        )
 
     def check_unrecorded(self, loaded_pairs: int, refuse: bool, allow_empty: bool) -> None:
         """After loading, before the first :meth:`record`: an empty store with no
-        state file is a first start or a data directory emptied whole. Warn, or
-        refuse when ``refuse`` (``--refuse-empty-store``) and not ``allow_empty``."""
+        state file is a first start or a data directory emptied whole (nothing tells
+        which). One INFO line, or refused when ``refuse`` (``--refuse-empty-store``)
+        and not ``allow_empty``."""
         if loaded_pairs or self.path.exists():
             return
-        what = (
-            f"{self.database} holds no pairs and {self.path.name} is not beside it: either "
-            "this is the first start on this data directory, or the directory was emptied "
-            "or its volume is not mounted (the state file that would say it held pairs is "
-            "gone with it)."
-        )
         if refuse and not allow_empty:
             raise StoreEmptied(
-                f"{what} Refusing to start with no pairs (--refuse-empty-store, "
-                "AVEST_REFUSE_EMPTY_STORE). Mount or restore the data volume; to begin "
-                "afresh on purpose, start once with --allow-empty-store."
+                f"{self.database} holds no pairs and {self.path.name} is not beside it: "
+                "either this is the first start on this data directory, or the directory "
+                "was emptied or its volume is not mounted (the state file that would say it "
+                "held pairs is gone with it). Refusing to start with no pairs "
+                "(--refuse-empty-store, AVEST_REFUSE_EMPTY_STORE). Mount or restore the data "
+                "volume; to begin afresh on purpose, start once with --allow-empty-store."
             )
-        log.warning(
-            "%s Starting with no pairs. If the directory should hold pairs, stop and mount "
-            "or restore it; --refuse-empty-store (AVEST_REFUSE_EMPTY_STORE=1) refuses such "
-            "a start.",
-            what,
+        log.info(
+            "starting with no pairs in %s, no %s beside it: a first start, or a data "
+            "directory emptied whole (--refuse-empty-store refuses such a start)",
+            self.database,
+            self.path.name,
         )
 
     def record(self, pairs: int) -> None:
