@@ -46,7 +46,7 @@ class Settings(BaseSettings):
         description="this replica's name in logs and metrics (with a PostgreSQL store), "
         "unique among the replicas; empty for the host name and the process id",
     )
-    #: Update rule for pairs that do not ask for one (see README: measured).
+    #: Update rule for pairs that do not ask for one (see docs/estimator.md: measured).
     default_rule: str = Field(
         "tracking",
         description="update rule for pairs that do not name one: tracking, vllm or recursive",
@@ -249,6 +249,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )
 
 
+def settings_table() -> str:
+    """The Markdown table of every setting (flag, variable, default, meaning), as
+    docs/settings.md holds it: ``python -m avest.settings`` prints it."""
+    rows = ["| flag | environment | default | meaning |", "|---|---|---|---|"]
+    for name, f in Settings.model_fields.items():
+        flag, env = "--" + name.replace("_", "-"), env_name(name)
+        if isinstance(f.default, bool):
+            env, default = env + "=1", "off"
+        else:
+            default = f"`{f.default}`" if f.default != "" else "empty"
+        meaning = str(f.description).replace("|", "\\|")
+        rows.append(f"| `{flag}` | `{env}` | {default} | {meaning} |")
+    return "\n".join(rows) + "\n"
+
+
 def from_sources(
     args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None
 ) -> Settings:
@@ -280,3 +295,7 @@ def split_address(address: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise ValueError(f"address must be HOST:PORT, got {address!r}")
     return host.strip("[]") or "0.0.0.0", int(port)
+
+
+if __name__ == "__main__":
+    print(settings_table(), end="")
