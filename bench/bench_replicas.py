@@ -11,7 +11,7 @@ pending log), summaries folded per second (until the log is empty, every pair
 refitted), both as ratios to one replica measured in the same run, and the CPU
 spent per summary by the replicas, by PostgreSQL and by the load generator (the
 three share this machine's cores: the per-summary CPU, not the rate, is what
-sizes a deployment; see README "Sizing replicas").
+sizes a deployment; see docs/replicas.md, "Sizing replicas").
 
     python bench/bench_replicas.py [--replicas 1,2,3] [--pairs 6] [--workers 40] [--k 8]
                                    [--refit-interval 100] [--json]

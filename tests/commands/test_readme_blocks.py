@@ -1,5 +1,5 @@
-"""Every command and code block in README.md and deploy/README.md is accounted
-for: run here as a user would run it (:data:`RUN`), checked statically where it
+"""Every command and code block in README.md, the pages of docs/ and
+deploy/README.md is accounted for: run here as a user would run it (:data:`RUN`), checked statically where it
 needs what this machine has not got (:data:`CHECKED`: a Docker engine, a
 cluster, a GPU), or listed with the reason it is not run (:data:`NOT_RUN`).
 A command or block that is in none of the three fails
@@ -35,7 +35,11 @@ import yaml
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-READMES = (REPO / "README.md", REPO / "deploy" / "README.md")
+READMES = (
+    REPO / "README.md",
+    *sorted((REPO / "docs").glob("*.md")),
+    REPO / "deploy" / "README.md",
+)
 VENV_BIN = Path(sys.executable).parent
 ANNOUNCE = re.compile(r"avest serving grpc=(\S+) http=(https?://\S+)")
 SHARED_TRACES = REPO.parent / "shared" / "traces"
@@ -93,7 +97,8 @@ BUF_REGISTER = (
 )
 FLEET = (
     "avest fleet ../shared/traces/chat-rtn4g32-t1.0-k5.npz ../shared/traces/code-rtn4g128-t0.7-k6.npz "
-    "../shared/traces/greedy-shift-story-chat-rtn4g64-t0-k5.npz"
+    "../shared/traces/greedy-shift-story-chat-rtn4g64-t0-k5.npz --workers 8 --restart-every 0,200 "
+    "--no-goodput"
 )
 KUSTOMIZE = "kubectl kustomize deploy/kubernetes/base | less"
 
@@ -107,6 +112,7 @@ RUN = {
     "cd deploy": "test_demo_compose_commands (the .env copy made in a copy of deploy/)",
     "cp .env.example .env": "test_demo_compose_commands",
     KUSTOMIZE: "test_kubectl_kustomize_renders_the_base (without the pager)",
+    FLEET: "test_fleet_table_is_what_its_command_prints (with --json)",
 }
 
 #: Not runnable here; a static equivalent is run instead (test named).
@@ -138,8 +144,6 @@ _CLUSTER = "needs a Kubernetes cluster; the manifests are validated offline in t
 
 #: Not run, and why.
 NOT_RUN = {
-    FLEET: "takes minutes on the three shared traces (every W and S, a goodput simulation "
-    "each); `avest fleet` is tested on slices in tests/offline/test_fleet.py",
     "python3 -m venv .venv": "makes the environment these tests already run in",
     ".venv/bin/pip install -e '.[server]'": "installs from the package registry; scripts/check "
     "installs the same extra (with the test tools) before these tests run",
@@ -432,6 +436,54 @@ def test_buf_curl_commands_against_a_live_server(served: Background) -> None:
         )
     )
     assert [p["pairId"] for p in listed["pairs"]] == [reg["pairId"]], listed
+
+
+#: The fleet table's rows: the traces as the README names them.
+FLEET_TRACES = {
+    "chat-rtn4g32-t1.0-k5.npz": "chat (K=5, T=1.0)",
+    "code-rtn4g128-t0.7-k6.npz": "code (K=6, T=0.7)",
+    "greedy-shift-story-chat-rtn4g64-t0-k5.npz": "story/chat shift (K=5, T=0)",
+}
+FLEET_TABLE = re.compile(r"<!-- fleet table:[^\n]*-->\n(.*?)<!-- end of the fleet table -->", re.S)
+
+
+def fleet_table(report: dict[str, object]) -> str:
+    """The README's fleet table from ``avest fleet ... --json``: in-worker against
+    pooled (served through the calibration layer), overall and early ECE, log loss."""
+    rows = [
+        "| trace | restarts | ECE in-worker | ECE pooled | ECE in the 100 steps after a "
+        "(re)start: in-worker / pooled | log loss in-worker / pooled |",
+        "|---|---|---|---|---|---|",
+    ]
+    fleets = report["fleets"]
+    assert isinstance(fleets, list)
+    for f in fleets:
+        assert f["workers"] == 8 and f["early_steps"] == 100, f
+        mine, pooled = f["estimators"]["in-worker"], f["estimators"]["pooled+calibration"]
+        every = f["restart_every"]
+        restarts = f"every {every} steps" if every else "none"
+        rows.append(
+            f"| {FLEET_TRACES[Path(f['trace']).name]} | {restarts} "
+            f"| {mine['overall']['ece']:.3f} | {pooled['overall']['ece']:.3f} "
+            f"| {mine['early']['ece']:.3f} / {pooled['early']['ece']:.3f} "
+            f"| {mine['overall']['logloss']:.3f} / {pooled['overall']['logloss']:.3f} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def test_fleet_table_is_what_its_command_prints() -> None:
+    """The README's headline table, regenerated: its own command, run from the
+    repository root (where ``../shared/traces`` is) with ``--json``."""
+    if not all((SHARED_TRACES / name).is_file() for name in FLEET_TRACES):
+        pytest.skip(f"the shared traces are not in {SHARED_TRACES}")
+    assert FLEET.startswith("avest ")
+    command = shlex.quote(str(VENV_BIN / "avest")) + FLEET.removeprefix("avest") + " --json"
+    report = json.loads(shell(command, REPO, user_env(), timeout=600))
+    m = FLEET_TABLE.search((REPO / "README.md").read_text())
+    assert m, "README.md has no fleet table between its markers"
+    assert m.group(1) == fleet_table(report), "README's fleet table; the command prints:\n" + (
+        fleet_table(report)
+    )
 
 
 def test_vllm_serve_command_is_well_formed() -> None:

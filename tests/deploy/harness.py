@@ -338,11 +338,10 @@ def substitute_grafana(expr: str, values: dict[str, str]) -> str:
 
 
 def readmes() -> str:
-    """deploy/README.md and the root README.md together (the deploy section may
-    live in either)."""
-    return "\n".join(
-        p.read_text() for p in (DEPLOY / "README.md", REPO / "README.md") if p.is_file()
-    )
+    """deploy/README.md, the root README.md and the pages of docs/ together (what
+    a deployment needs explained may live in any of them)."""
+    pages = (DEPLOY / "README.md", REPO / "README.md", *sorted((REPO / "docs").glob("*.md")))
+    return "\n".join(p.read_text() for p in pages if p.is_file())
 
 
 def load_dashboards() -> dict[Path, dict[str, Any]]:

@@ -12,7 +12,7 @@ from avest.core.rules import RecursiveRule, UpdateRule, VllmRule
 from avest.core.tracking import DEFAULT_TRACKING, TrackingConfig, TrackingRule
 
 RULE_NAMES = ("vllm", "recursive", "tracking")
-#: The rule a pair gets when it names none (README: measured on traces).
+#: The rule a pair gets when it names none (docs/estimator.md: measured on traces).
 DEFAULT_RULE = "tracking"
 
 
