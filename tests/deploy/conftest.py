@@ -77,7 +77,9 @@ def live_prometheus(
     try:
         # Once Prometheus has scraped the service, stream the trace again as
         # other workers, so the counters move between scrapes (rates above 0).
-        deadline = time.monotonic() + 30
+        # A wait, not a timing claim: a busy machine may take long to start Prometheus
+        # and for three scrapes to follow.
+        deadline = time.monotonic() + 120
         while not prom.query('up{job="avest"} == 1')["data"]["result"]:
             if time.monotonic() > deadline:
                 raise RuntimeError(
