@@ -120,6 +120,14 @@ def budget_result(msg: pb.BudgetResponse) -> BudgetResult:
     )
 
 
+def whole(value: Any, name: str) -> int:
+    """``value`` as an int; a float (``k=2.5``, even ``2.0``) or a string is refused, where
+    ``int()`` would silently truncate it."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
 def register_request(
     target: str,
     draft: str,
@@ -134,11 +142,11 @@ def register_request(
             target_model=target,
             draft_model=draft,
             method=method,
-            num_speculative_tokens=int(k),
+            num_speculative_tokens=whole(k, "k (num_speculative_tokens)"),
             labels={str(a): str(b) for a, b in (labels or {}).items()},
         ),
         update_rule=update_rule(rule),
-        refit_interval=int(refit_interval),
+        refit_interval=whole(refit_interval, "refit_interval"),
     )
 
 

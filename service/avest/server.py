@@ -235,7 +235,7 @@ class Server:
             if self._http_task.done():
                 self._http_task.result()
             await asyncio.sleep(0.01)
-        log.info(
+        log.debug(  # `avest serve` and `avest demo` print their own "avest serving" line
             "avest serving grpc=%s http=%s data=%s",
             self.grpc_address,
             self.http_address,
@@ -341,7 +341,8 @@ async def serve(settings: Settings, announce: bool = True, exit_when_stopped: bo
     if announce:
         print(
             f"avest serving grpc={server.grpc_address} "
-            f"http={'https' if settings.tls_cert else 'http'}://{server.http_address}",
+            f"http={'https' if settings.tls_cert else 'http'}://{server.http_address} "
+            f"data={server.app.store.location}",
             flush=True,
         )
     loop = asyncio.get_running_loop()

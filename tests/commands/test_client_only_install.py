@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from avest.commands.cli import SERVER_COMMANDS
 from avest.offline.trace import write_trace
 from tests.support.server import ServerHandle
 from tests.support.traces import REPO_ROOT, make_synthetic_trace
@@ -93,11 +94,14 @@ def test_the_environment_is_client_only(client_venv: Path) -> None:
 
 
 def test_help_lists_every_command(client_venv: Path) -> None:
-    proc = avest(client_venv, "--help")
+    proc = avest(client_venv, "--help", env={"COLUMNS": "300"})  # one line per command
     assert proc.returncode == 0, proc.stderr
     for name in ("serve", "pairs", "replay", "health", "record"):
         assert name in proc.stdout
-    assert "avest[server]" in proc.stdout  # beside the commands that need it
+    # Beside every command that needs it, with the install that works from a checkout.
+    marked = [line.split()[0] for line in proc.stdout.splitlines() if "server extra" in line]
+    assert marked == list(SERVER_COMMANDS), proc.stdout
+    assert "pip install -e '.[server]'" in proc.stdout and "avest[server]" not in proc.stdout
     assert avest(client_venv, "pairs", "--help").returncode == 0
 
 
@@ -119,9 +123,20 @@ def test_client_commands_against_a_live_server(
     assert '"status":"ok"' in health.stdout.replace(" ", "")
 
 
-@pytest.mark.parametrize("argv", [["serve"], ["serve", "--grpc-address", "127.0.0.1:0"], ["demo"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve"],
+        ["serve", "--grpc-address", "127.0.0.1:0"],
+        ["demo"],
+        ["evaluate"],
+        ["simulate", "--json"],
+    ],
+)
 def test_server_commands_name_the_extra(client_venv: Path, argv: list[str]) -> None:
     proc = avest(client_venv, *argv)
     assert proc.returncode == 2
-    assert "Traceback" not in proc.stderr
-    assert "pip install 'avest[server]'" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) == 1
+    # avest is not on PyPI: the hint is the install from a checkout.
+    assert "pip install -e '.[server]'" in proc.stderr
+    assert "avest[server]" not in proc.stderr

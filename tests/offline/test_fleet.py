@@ -129,4 +129,4 @@ def test_cli_prints_the_fleet_table_and_json(stationary, tmp_path: Path, capsys)
     assert out["goodput"]["profile"] == "a100-llama8b-parallel"
     assert "fixed-0" in out["goodput"]["policies"]
     assert main(["fleet", str(path), "--workers", "0"]) == 2
-    assert "workers must be >= 1" in capsys.readouterr().err
+    assert "--workers: must be integers >= 1" in capsys.readouterr().err

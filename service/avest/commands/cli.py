@@ -5,9 +5,15 @@ Each module defines ``register(subparsers)``, which adds its parser and sets
 when their command runs... except for their parsers, which are cheap; heavy
 imports (grpc, numpy work, matplotlib) live inside each ``run``.
 
-A client-only install (``pip install avest``: numpy, grpcio, protobuf) runs
-the commands that only talk to a service (``pairs``, ``replay``, ``health``,
-``record``); the others exit 2 naming the server extra to install.
+A client-only install (``pip install .``: numpy, grpcio, protobuf) runs the
+commands that only talk to a service (``pairs``, ``replay``, ``health``,
+``record``) and the offline ones on numpy alone; the others exit 2 naming the
+server extra to install, and ``avest --help`` marks them.
+
+Every failure is one line on stderr, never a traceback: exit status 2 for a
+usage error (a flag's value out of its domain, a file that is not a trace), 1
+for a runtime one (no service, a busy port). ``AVEST_DEBUG=1`` shows the
+traceback of an unexpected error.
 """
 
 from __future__ import annotations
@@ -15,12 +21,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import importlib.util
 import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from avest import __version__
+from avest.commands.options import TokenFileError
 
 #: Packages of the ``server`` extra, absent from a client-only install.
 SERVER_DEPENDENCIES = {
@@ -54,8 +63,32 @@ COMMANDS = (
 )
 
 
-#: What a client-only install says when a command needs the server's stack.
-SERVER_EXTRA = "pip install 'avest[server]'"
+#: Commands that need the server extra whatever their arguments (``avest --help``
+#: marks them in a client-only install).
+SERVER_COMMANDS = ("serve", "demo", "evaluate", "simulate")
+
+#: What a client-only install says when a command needs the server's stack (avest
+#: is not on PyPI: it installs from a checkout).
+SERVER_EXTRA = "run `pip install -e '.[server]'` in the avest checkout"
+
+#: Set to show the traceback of an unexpected error.
+DEBUG_ENV = "AVEST_DEBUG"
+
+
+class Parser(argparse.ArgumentParser):
+    """A parser whose usage error is one line: what was wrong, and where to look
+    (argparse's own prints the whole usage, 20 lines for ``serve``)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
+def _server_extra_missing() -> str | None:
+    """The first server dependency not installed, or ``None`` with the extra in place."""
+    for name in ("fastapi", "uvicorn", "pydantic_settings", "tqdm"):
+        if importlib.util.find_spec(name) is None:
+            return name
+    return None
 
 
 def _needs_server(exc: ModuleNotFoundError) -> bool:
@@ -63,13 +96,17 @@ def _needs_server(exc: ModuleNotFoundError) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="avest",
         description="Acceptance-estimator sidecar for speculative decoding in vLLM.",
     )
     parser.add_argument("--version", action="version", version=f"avest {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    missing = _server_extra_missing()
     for name in COMMANDS:
+        if missing and name in SERVER_COMMANDS:
+            _add_unavailable(sub, name, missing)
+            continue
         try:
             module = importlib.import_module(f"avest.commands.{name}")
             module.register(sub)
@@ -79,11 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
             # it is run (with whatever arguments).
             if not _needs_server(exc):
                 raise
-            stub = sub.add_parser(
-                name, add_help=False, help=f"(needs the server extra: {SERVER_EXTRA})"
-            )
-            stub.set_defaults(func=_unavailable(name, exc.name or "a dependency"))
+            _add_unavailable(sub, name, exc.name or "a dependency")
     return parser
+
+
+def _add_unavailable(sub: argparse._SubParsersAction, name: str, missing: str) -> None:  # type: ignore[type-arg]
+    stub = sub.add_parser(name, add_help=False, help=f"(needs the server extra: {SERVER_EXTRA})")
+    stub.set_defaults(func=_unavailable(name, missing))
 
 
 def _unavailable(name: str, missing: str):  # type: ignore[no-untyped-def]
@@ -100,13 +139,16 @@ def _unavailable(name: str, missing: str):  # type: ignore[no-untyped-def]
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    func = getattr(args, "func", None)
-    if not func:
-        parser.print_help()
-        return 2
-    if extra and not getattr(func, "unavailable", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        args, extra = parser.parse_known_args(argv)
+        func = getattr(args, "func", None)
+        if not func:
+            parser.print_help()
+            return 2
+        if extra and not getattr(func, "unavailable", False):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as exc:  # a usage error (2), or --help / --version (0)
+        return exc.code if isinstance(exc.code, int) else 2
     try:
         status = int(func(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
@@ -127,7 +169,29 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        raise
+        return _unexpected(args.command, exc)
+    except TokenFileError as exc:
+        print(f"avest {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"avest {args.command}: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except Exception as exc:
+        return _unexpected(args.command, exc)
+
+
+def _unexpected(command: str, exc: BaseException) -> int:
+    """An error no command foresaw: one line naming it, exit 1 (the traceback with
+    ``AVEST_DEBUG=1``)."""
+    if os.environ.get(DEBUG_ENV):
+        raise exc
+    what = str(exc).strip().splitlines()
+    print(
+        f"avest {command}: {type(exc).__name__}: {what[0] if what else 'no details'} "
+        f"(unexpected; {DEBUG_ENV}=1 shows the traceback)",
+        file=sys.stderr,
+    )
+    return 1
 
 
 if __name__ == "__main__":

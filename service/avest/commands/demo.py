@@ -11,7 +11,14 @@ import tempfile
 import uuid
 from typing import Any
 
-from avest.commands.traces import add_trace_argument
+from avest.commands.options import integer
+from avest.commands.serve import busy
+from avest.commands.traces import add_trace_argument, load_trace
+
+#: What to do when an address is taken.
+FREE_ADDRESSES = (
+    "stop what holds it, or give free addresses (--grpc-address, --http-address; port 0 picks one)"
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -27,8 +34,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--grpc-address", default="127.0.0.1:50051")
     p.add_argument("--http-address", default="127.0.0.1:8000")
     p.add_argument("--data-dir", default="", help="default: a fresh temporary directory")
-    p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--refit-interval", type=int, default=20, help="refit every N steps (pooled)")
+    p.add_argument("--workers", type=integer(1), default=4, help="simulated workers (default 4)")
+    p.add_argument(
+        "--refit-interval", type=integer(1), default=20, help="refit every N steps (pooled)"
+    )
     p.add_argument(
         "--exit", action="store_true", help="stop after the replay instead of serving on"
     )
@@ -36,11 +45,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 async def _demo(args: argparse.Namespace) -> int:
-    from avest.offline.trace import bundled_sample_path, read_trace
+    from avest import settings
     from avest.server import Server
-    from avest.settings import Settings
 
-    trace = read_trace(args.trace or bundled_sample_path())
+    loaded = load_trace("demo", args.trace)
+    if loaded is None:
+        return 2
+    trace = loaded[1]
+    flags = argparse.Namespace(grpc_address=args.grpc_address, http_address=args.http_address)
+    try:
+        settings.from_sources(flags)  # the addresses, checked before anything is made
+    except ValueError as exc:
+        print(f"avest demo: {exc}", file=sys.stderr)
+        return 2
+    why = busy(args.grpc_address)
+    if why:
+        print(f"avest demo: {why}; {FREE_ADDRESSES}", file=sys.stderr)
+        return 1
     # SIGTERM (docker stop, kill) ends the demo as Ctrl-C does: the server stops
     # and the temporary data directory goes.
     loop = asyncio.get_running_loop()
@@ -51,11 +72,8 @@ async def _demo(args: argparse.Namespace) -> int:
         data_dir = args.data_dir
         if not data_dir:
             data_dir = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="avest-demo-"))
-        server = Server(
-            Settings(
-                grpc_address=args.grpc_address, http_address=args.http_address, data_dir=data_dir
-            )
-        )
+        flags.data_dir = data_dir
+        server = Server(settings.from_sources(flags))
         return await _serve(args, trace, server, data_dir)
 
 
@@ -63,6 +81,7 @@ async def _serve(args: argparse.Namespace, trace: Any, server: Any, data_dir: st
     import grpc
 
     from avest.offline.replay import pair_key, replay
+    from avest.server import BindError
     from avest_wire.v1 import estimator_pb2 as pb
     from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 
@@ -71,6 +90,9 @@ async def _serve(args: argparse.Namespace, trace: Any, server: Any, data_dir: st
     except asyncio.CancelledError:
         await server.stop()
         return 0
+    except BindError as exc:
+        print(f"avest demo: {exc}; {FREE_ADDRESSES}", file=sys.stderr)
+        return 1
     print(
         f"avest serving grpc={server.grpc_address} http=http://{server.http_address} data={data_dir}"
     )

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from avest.commands.options import dumps, integer, number
 from avest.commands.traces import add_trace_argument, load_trace
 
 
@@ -20,7 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     add_trace_argument(p)
     p.add_argument(
         "--refit-interval",
-        type=int,
+        type=integer(1),
         default=100,
         metavar="N",
         help="refit every N steps (default 100, as vLLM)",
@@ -28,15 +28,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--from",
         dest="from_fraction",
-        type=float,
+        type=number(0, 1, high_open=True),
         default=0.0,
         metavar="FRACTION",
         help="score only steps from this fraction of the trace on (e.g. 0.5: steady state)",
     )
     p.add_argument(
-        "--forgetting", type=float, default=0.95, help="recursive rule: forgetting per round"
+        "--forgetting",
+        type=number(0, 1, low_open=True),
+        default=0.95,
+        help="recursive rule: forgetting per round, in (0, 1]",
     )
-    p.add_argument("--prior", type=float, default=1.0, help="recursive rule: prior precision")
+    p.add_argument(
+        "--prior",
+        type=number(0, low_open=True),
+        default=1.0,
+        help="recursive rule: prior precision",
+    )
     p.add_argument(
         "--method",
         action="append",
@@ -79,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"avest evaluate: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(report.as_json(), allow_nan=False))
+        print(dumps(report.as_json()))
     else:
         print(format_table(report))
     if args.plot:

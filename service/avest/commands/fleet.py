@@ -9,9 +9,9 @@ under a cost profile; ``evaluate``'s table and JSON stay as they are.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from avest.commands.options import dumps, integer
 from avest.commands.simulate import _ints
 
 #: The profile and per-worker concurrency of the goodput columns by default.
@@ -37,16 +37,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "traces", nargs="*", metavar="TRACE", help="trace files (.npz); default: the bundled sample"
     )
     p.add_argument(
-        "--workers", type=_ints, default=[1, 4, 8], metavar="LIST", help="W (default 1,4,8)"
+        "--workers", type=_ints(1), default=[1, 4, 8], metavar="LIST", help="W (default 1,4,8)"
     )
     p.add_argument(
         "--restart-every",
-        type=_ints,
+        type=_ints(0),
         default=[0, 200],
         metavar="LIST",
         help="restart each worker every S of its own steps; 0 = never (default 0,200)",
     )
-    p.add_argument("--refit-interval", type=int, default=100, metavar="N", help="default 100")
+    p.add_argument(
+        "--refit-interval", type=integer(1), default=100, metavar="N", help="default 100"
+    )
     p.add_argument(
         "--rule",
         choices=RULE_NAMES,
@@ -54,7 +56,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help=f"the pooled estimator's update rule (default {DEFAULT_RULE}, the core's)",
     )
     p.add_argument(
-        "--early", type=int, default=100, metavar="N", help="steps after each (re)start scored"
+        "--early",
+        type=integer(1),
+        default=100,
+        metavar="N",
+        help="steps after each (re)start scored",
     )
     p.add_argument(
         "--no-calibration", action="store_true", help="leave out the calibration-layer row"
@@ -67,14 +73,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument(
         "--concurrency",
-        type=int,
+        type=integer(1),
         default=DEFAULT_CONCURRENCY,
         metavar="C",
         help=f"requests per worker step in the goodput simulation (default {DEFAULT_CONCURRENCY})",
     )
     p.add_argument(
         "--steps",
-        type=int,
+        type=integer(1),
         default=None,
         metavar="N",
         help="goodput: steps per worker (default: the worker's whole share, at least 2000 "
@@ -125,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         return fail(exc)
     if args.json:
         out = [{**r.as_json(), "goodput": None if g is None else g.as_json()} for r, g in rows]
-        print(json.dumps({"fleets": out}, allow_nan=False))
+        print(dumps({"fleets": out}))
     else:
         print(format_headline(rows))
     return 0

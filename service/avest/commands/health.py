@@ -17,6 +17,8 @@ import argparse
 import os
 import sys
 
+from avest.commands.options import add_token_arguments, number, token
+
 HEALTH_CERT_ENV = "AVEST_HEALTH_CERT"
 HEALTH_KEY_ENV = "AVEST_HEALTH_KEY"
 
@@ -38,7 +40,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "service's own --tls-cert]",
     )
     p.add_argument("--client-key", default=None, help=f"its key [env {HEALTH_KEY_ENV}]")
-    p.add_argument("--timeout", type=float, default=4.0, help="seconds (default 4)")
+    p.add_argument(
+        "--timeout", type=number(0, low_open=True), default=4.0, help="seconds (default 4)"
+    )
+    add_token_arguments(p)  # the probes are open: a token is sent, and ignored there
     p.set_defaults(func=run)
 
 
@@ -110,8 +115,12 @@ def run(args: argparse.Namespace) -> int:
             except (OSError, ssl.SSLError) as exc:
                 print(f"avest health: client certificate {cert}: {exc}", file=sys.stderr)
                 return 2
+    request = urllib.request.Request(url)
+    bearer = token(args)
+    if bearer:
+        request.add_header("Authorization", f"Bearer {bearer}")
     try:
-        with urllib.request.urlopen(url, timeout=args.timeout, context=context) as resp:
+        with urllib.request.urlopen(request, timeout=args.timeout, context=context) as resp:
             status = resp.status
             body = resp.read(200).decode(errors="replace")
     except urllib.error.HTTPError as exc:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
 
+from avest.commands.options import add_token_arguments, dumps, token
 from avest_wire.rules import UPDATE_RULE_NAMES
 
 #: The service's gRPC address: what ``avest serve`` listens on, and the default
@@ -37,10 +37,22 @@ def grpc_address(flag: str | None) -> str:
     return address
 
 
+def rpc_failure(command: str, address: str, code: str, details: str) -> str:
+    """The line a failed call prints: the status, and what to do about it."""
+    hint = ""
+    if code == "UNAVAILABLE":
+        hint = (
+            "; is a service running there? Start one with `avest serve`, or give its "
+            f"address (--address or {GRPC_ADDRESS_ENV})"
+        )
+    return f"avest {command}: {address}: {code}: {details}{hint}"
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = subparsers.add_parser("pairs", help="list the pairs of a running service")
     add_address_argument(p)
-    p.add_argument("--json", action="store_true", help="print a JSON list")
+    add_token_arguments(p)
+    p.add_argument("--json", action="store_true", help="print a JSON list (NaN as null)")
     p.set_defaults(func=run)
 
 
@@ -99,22 +111,23 @@ def run(args: argparse.Namespace) -> int:
     from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 
     address = grpc_address(args.address)
+    credentials = Credentials.resolve(token=token(args))
     pairs: list[Any] = []
     try:
-        with sync_channel(address, (), Credentials.resolve()) as channel:
+        with sync_channel(address, (), credentials) as channel:
             stub = pb_grpc.EstimatorServiceStub(channel)
-            token = ""
+            page_token = ""
             while True:  # every page, each as large as the service allows
-                page = stub.ListPairs(pb.ListPairsRequest(page_token=token), timeout=10)
+                page = stub.ListPairs(pb.ListPairsRequest(page_token=page_token), timeout=10)
                 pairs.extend(page.pairs)
-                if not page.next_page_token or page.next_page_token == token:
+                if not page.next_page_token or page.next_page_token == page_token:
                     break
-                token = page.next_page_token
+                page_token = page.next_page_token
     except grpc.RpcError as exc:
-        print(f"avest pairs: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        print(rpc_failure("pairs", address, exc.code().name, exc.details()), file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps([pair_json(p) for p in pairs]))
+        print(dumps([pair_json(p) for p in pairs]))
     elif not pairs:
         print("no pairs")
     for p in [] if args.json else pairs:

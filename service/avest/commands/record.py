@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
+
+from avest.commands.options import add_token_arguments, integer, number, token
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -20,14 +21,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("pair", help="pair id (see `avest pairs`)")
     p.add_argument("out", help="trace file to write (.npz)")
     p.add_argument("--http", default="http://127.0.0.1:8000", help="the service's admin HTTP URL")
-    p.add_argument("--fraction", type=float, default=1.0, help="share of raw steps to keep")
-    p.add_argument("--steps", type=int, default=1000, help="steps to record")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait at most")
     p.add_argument(
-        "--token",
-        default=os.environ.get("AVEST_ADMIN_TOKEN", ""),
-        help="admin bearer token (default: $AVEST_ADMIN_TOKEN)",
+        "--fraction",
+        type=number(0, 1, low_open=True),
+        default=1.0,
+        help="share of raw steps to keep, in (0, 1]",
     )
+    p.add_argument("--steps", type=integer(1), default=1000, help="steps to record")
+    p.add_argument(
+        "--timeout", type=number(0, low_open=True), default=600.0, help="seconds to wait at most"
+    )
+    add_token_arguments(p, admin=True)
     p.set_defaults(func=run)
 
 
@@ -53,8 +57,9 @@ def run(args: argparse.Namespace) -> int:
 
     base = f"{args.http.rstrip('/')}/v1/pairs/{urllib.parse.quote(args.pair)}/recording"
     query = urllib.parse.urlencode({"fraction": args.fraction, "steps": args.steps})
+    bearer = token(args, admin=True)
     try:
-        code, body = _call("POST", f"{base}?{query}", args.token)
+        code, body = _call("POST", f"{base}?{query}", bearer)
         if code != 200:
             print(f"avest record: {code}: {body.decode(errors='replace')}", file=sys.stderr)
             return 1
@@ -62,13 +67,13 @@ def run(args: argparse.Namespace) -> int:
         deadline = time.monotonic() + args.timeout
         while not status["done"] and time.monotonic() < deadline:
             time.sleep(0.2)
-            status = json.loads(_call("GET", base, args.token)[1])
-        code, data = _call("GET", f"{base}.npz", args.token)
+            status = json.loads(_call("GET", base, bearer)[1])
+        code, data = _call("GET", f"{base}.npz", bearer)
         if code != 200:
             print(f"avest record: {code}: {data.decode(errors='replace')}", file=sys.stderr)
             return 1
-        _call("DELETE", base, args.token)
-    except OSError as exc:
+        _call("DELETE", base, bearer)
+    except (OSError, ValueError) as exc:  # ValueError: not a URL
         print(f"avest record: cannot reach {args.http}: {exc}", file=sys.stderr)
         return 1
     with open(args.out, "wb") as f:

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 from typing import Any
 
-from avest.commands.pairs import add_address_argument, grpc_address, pair_json, print_pair
+from avest.commands.options import add_token_arguments, dumps, integer, number, token
+from avest.commands.pairs import (
+    add_address_argument,
+    grpc_address,
+    pair_json,
+    print_pair,
+    rpc_failure,
+)
 from avest.commands.traces import add_trace_argument, load_trace
 from avest_wire.rules import UPDATE_RULES
 
@@ -26,8 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     add_trace_argument(p)
     add_address_argument(p)
+    add_token_arguments(p)
     p.add_argument(
-        "--workers", type=int, default=1, metavar="W", help="concurrent simulated workers"
+        "--workers", type=integer(1), default=1, metavar="W", help="concurrent simulated workers"
     )
     p.add_argument(
         "--rule",
@@ -37,15 +44,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument(
         "--refit-interval",
-        type=int,
+        type=integer(0),
         default=0,
         metavar="N",
         help="refit every N steps (0: service default)",
     )
-    p.add_argument("--repeat", type=int, default=1, help="replay the trace this many times")
+    p.add_argument("--repeat", type=integer(1), default=1, help="replay the trace this many times")
     p.add_argument(
         "--rate",
-        type=float,
+        type=number(0),
         default=0.0,
         help="messages per second per worker (0: as fast as possible)",
     )
@@ -58,14 +65,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument(
         "--retry-s",
-        type=float,
+        type=number(0, low_open=True),
         default=60.0,
         help="keep reconnecting (and resending what is unacknowledged) this long when the "
         "service goes away",
     )
     p.add_argument(
         "--connect-timeout",
-        type=float,
+        type=number(0, low_open=True),
         default=CONNECT_TIMEOUT_S,
         metavar="S",
         help=f"give up when no service answers within S seconds at the start (default "
@@ -79,7 +86,7 @@ async def reachable(address: str, timeout: float) -> bool:
     """Whether a service answers at ``address`` within ``timeout`` seconds."""
     from avest_client.credentials import Credentials, aio_channel
 
-    async with aio_channel(address, (), Credentials.resolve()) as channel:
+    async with aio_channel(address, (), Credentials.resolve(token="")) as channel:
         try:
             await asyncio.wait_for(channel.channel_ready(), timeout)
         except asyncio.TimeoutError:
@@ -106,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     if loaded is None:
         return 2
     path, trace = loaded
+    bearer = token(args)
     address = grpc_address(args.address)
     if not asyncio.run(reachable(address, args.connect_timeout)):
         print(
@@ -136,10 +144,11 @@ def run(args: argparse.Namespace) -> int:
                 rate=args.rate,
                 run_id=args.run_id,
                 retry_s=args.retry_s,
+                token=bearer,
             )
         )
     except grpc.aio.AioRpcError as exc:
-        print(f"avest replay: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        print(rpc_failure("replay", address, exc.code().name, exc.details()), file=sys.stderr)
         return 1
     except TimeoutError as exc:
         print(f"avest replay: {exc}; rerun the same command to resume", file=sys.stderr)
@@ -149,9 +158,21 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         bar.close()
+    duplicates = max(0, result.messages - result.applied)
     if args.json:
-        print(json.dumps({"messages": result.messages, **pair_json(result.pair)}))
+        counts = {"messages": result.messages, "new": result.applied, "duplicates": duplicates}
+        print(dumps({**counts, **pair_json(result.pair)}))
     else:
-        print(f"replayed {result.messages} messages from {path} as {args.workers} worker(s)")
+        print(
+            f"replayed {result.messages} messages from {path} as {args.workers} worker(s): "
+            f"{result.applied} new, {duplicates} duplicates"
+        )
+        if duplicates and not result.applied:
+            print(
+                "  the service already held every step (the same replay ran before) and "
+                "ignored them; --run-id NEW replays them again as new workers",
+            )
+        elif duplicates:
+            print("  the service already held some steps (an earlier, interrupted run?)")
         print_pair(result.pair)
     return 0

@@ -7,6 +7,9 @@ import asyncio
 import logging
 import sys
 
+#: What ``--log-level`` takes (any case).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from avest import settings
@@ -21,6 +24,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.set_defaults(func=run)
 
 
+def busy(grpc_address: str) -> str | None:
+    """Why the gRPC address cannot be bound, or ``None``: asked before the service
+    starts, so that a busy port is one line (grpcio logs its own error otherwise)."""
+    import socket
+
+    host, _, port = grpc_address.rpartition(":")
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, int(port), type=socket.SOCK_STREAM)
+    except (OSError, ValueError):
+        return None  # the service says what is wrong with it
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        # As gRPC binds: a port whose last connections linger in TIME_WAIT is free.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(sockaddr)
+        except OSError as exc:
+            return f"cannot listen on {grpc_address} (gRPC, --grpc-address): {exc.strerror or exc}"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from avest import settings
     from avest.policy.throttle import install_storm_filter
@@ -29,11 +53,22 @@ def run(args: argparse.Namespace) -> int:
     try:
         s = settings.from_sources(args)
     except ValueError as exc:
-        print(f"avest serve: {exc}")
+        print(f"avest serve: {exc}", file=sys.stderr)
+        return 2
+    if s.log_level.upper() not in LOG_LEVELS:
+        print(
+            f"avest serve: --log-level (AVEST_LOG_LEVEL) must be one of "
+            f"{', '.join(n.lower() for n in LOG_LEVELS)}, got {s.log_level!r}",
+            file=sys.stderr,
+        )
         return 2
     logging.basicConfig(
         level=s.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    why = busy(s.grpc_address)
+    if why:
+        print(f"avest serve: {why}", file=sys.stderr)
+        return 1
     install_storm_filter()
     from avest.state.guard import StoreEmptied
     from avest.state.store import StoreTooNew, StoreUnreadable

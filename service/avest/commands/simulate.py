@@ -3,33 +3,41 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+from collections.abc import Callable
+from fnmatch import fnmatchcase
 from typing import Any
 
+from avest.commands.options import dumps, integer, number
 
-def _ints(text: str) -> list[int]:
-    """``"8,16,32"`` or ranges ``"1-5"``, comma-separated."""
-    out: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        lo, sep, hi = part.partition("-")
-        try:
-            out += list(range(int(lo), int(hi) + 1)) if sep else [int(part)]
-        except ValueError:
+
+def _ints(low: int) -> Callable[[str], list[int]]:
+    """An argparse type: ``"8,16,32"`` or ranges ``"1-5"``, comma-separated, each >= ``low``."""
+
+    def parse(text: str) -> list[int]:
+        out: list[int] = []
+        for part in text.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            lo, sep, hi = part.partition("-")
+            try:
+                out += list(range(int(lo), int(hi) + 1)) if sep and lo else [int(part)]
+            except ValueError:
+                out = []
+                break
+        if not out or min(out) < low:
             raise argparse.ArgumentTypeError(
-                f"expected integers like 8,16 or 1-5, got {text!r}"
-            ) from None
-    if not out:
-        raise argparse.ArgumentTypeError("expected at least one integer")
-    return out
+                f"must be integers >= {low} like 8,16 or 1-5, got {text!r}"
+            )
+        return out
+
+    return parse
 
 
 def _lengths(text: str) -> list[int] | str:
     """``"all"`` (1..K of each trace) or a list as ``_ints`` reads it."""
-    return "all" if text.strip() == "all" else _ints(text)
+    return "all" if text.strip() == "all" else _ints(1)(text)
 
 
 #: Simulated steps per concurrency at least: shorter traces are cycled.
@@ -66,14 +74,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument(
         "--concurrency",
-        type=_ints,
+        type=_ints(1),
         default=[8, 16, 32, 64, 128],
         metavar="LIST",
         help="requests per step (default 8,16,32,64,128)",
     )
     p.add_argument(
         "--refit-interval",
-        type=int,
+        type=integer(1),
         default=defaults.refit_interval,
         metavar="N",
         help=f"estimator refits every N simulated steps (default {defaults.refit_interval})",
@@ -86,13 +94,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument(
         "--forgetting",
-        type=float,
+        type=number(0, 1, low_open=True),
         default=None,
-        help="forgetting per round (default: the rule's own)",
+        help="forgetting per round, in (0, 1] (default: the rule's own)",
     )
     p.add_argument(
         "--min-steps",
-        type=int,
+        type=integer(0),
         default=MIN_STEPS,
         metavar="N",
         help=f"cycle the trace to at least N steps per concurrency (default {MIN_STEPS}; 0: "
@@ -105,7 +113,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "the recommended num_speculative_tokens per concurrency",
     )
     p.add_argument(
-        "--prior", type=float, default=defaults.prior, help="recursive rule: prior precision"
+        "--prior",
+        type=number(0, low_open=True),
+        default=defaults.prior,
+        help="recursive rule: prior precision",
     )
     p.add_argument(
         "--rule",
@@ -133,14 +144,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument(
         "--warmup-passes",
-        type=int,
+        type=integer(0),
         default=0,
         metavar="N",
         help="learn on N unmeasured passes of the trace first (a warm start; default 0: cold)",
     )
     p.add_argument(
         "--min-per-request",
-        type=int,
+        type=integer(0),
         default=0,
         metavar="M",
         help="adaptive policies always verify the first M drafts of every request (default 0)",
@@ -198,8 +209,6 @@ def run(args: argparse.Namespace) -> int:
     except (TraceError, ProfileError, OSError) as exc:
         return fail(exc)
     baseline_rule = args.baseline_rule or DEFAULT_RULE
-    if args.min_steps < 0:
-        return fail(f"--min-steps must be >= 0, got {args.min_steps}")
     options = {
         "min_steps": args.min_steps,
         "refit_interval": args.refit_interval,
@@ -223,6 +232,16 @@ def run(args: argparse.Namespace) -> int:
             policies = make_policies(
                 trace.k, trace.accept_rate_dist is not None, baseline_rule, lengths, select
             )
+            if args.select:
+                every = make_policies(
+                    trace.k, trace.accept_rate_dist is not None, baseline_rule, lengths
+                )
+                unmatched = [
+                    pat for pat in args.select if not any(fnmatchcase(q.name, pat) for q in every)
+                ]
+                if unmatched:
+                    names = ", ".join(q.name for q in every if q.kind != "fixed")
+                    return fail(f"--policy {unmatched[0]!r} matches no policy; they are {names}")
             plans.append((path, trace, policies))
         total = sum(
             planned_steps(t, args.concurrency, pol, args.warmup_passes, args.min_steps)
@@ -261,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
         if args.recommend:
             for block, rec in zip(blocks, recs, strict=True):
                 block["recommendation"] = [r.as_json() for r in rec]
-        print(json.dumps({"simulations": blocks}, allow_nan=False))
+        print(dumps({"simulations": blocks}))
     elif args.table or len(sims) == 1 or sys.stdout.isatty():
         tables = [format_table(s) for s in sims]
         if args.recommend:

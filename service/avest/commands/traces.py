@@ -26,6 +26,12 @@ def load_trace(command: str, path: str | None) -> tuple[str, Trace] | None:
     path = path or str(bundled_sample_path())
     try:
         return path, read_trace(path)
+    except FileNotFoundError:
+        print(
+            f"avest {command}: {path}: no such file; give an avest trace (.npz), or no "
+            "argument for the bundled sample",
+            file=sys.stderr,
+        )
     except (TraceError, OSError) as exc:
         print(f"avest {command}: {exc}", file=sys.stderr)
-        return None
+    return None

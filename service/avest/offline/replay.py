@@ -38,6 +38,9 @@ class ReplayResult:
     messages: int
     acked: int
     pair: pb.Pair
+    #: Steps the pair counted during the replay: the rest were duplicates of steps
+    #: already applied (a rerun of the same replay), which the service ignores.
+    applied: int = 0
 
 
 def pair_key(trace: Trace) -> pb.PairKey:
@@ -103,6 +106,7 @@ async def replay(
     rate: float = 0.0,
     run_id: str = "",
     retry_s: float = 60.0,
+    token: str | None = None,
 ) -> ReplayResult:
     """Replay ``trace``; ``rate`` caps messages per second per worker (0: no cap).
 
@@ -114,7 +118,7 @@ async def replay(
     recognises. When the service restarts, each forwarder reconnects and resends
     every step above the last acknowledged one; a replay gives up when no worker's
     acknowledgements move for ``retry_s`` seconds, or after ``timeout`` in all (0: no
-    limit).
+    limit). ``token``: the bearer token (default ``AVEST_TOKEN``).
     """
     if workers < 1:
         raise ValueError("workers must be >= 1")
@@ -123,10 +127,12 @@ async def replay(
         key=pair_key(trace), update_rule=UPDATE_RULES[rule], refit_interval=refit_interval
     )
     # AVEST_TOKEN / AVEST_TLS_CA from the environment, as every client reads them.
-    credentials = Credentials.resolve()
+    credentials = Credentials.resolve(token=token)
     async with aio_channel(address, (), credentials) as channel:
         stub = pb_grpc.EstimatorServiceStub(channel)
         reg = await _retry(lambda: stub.RegisterPair(request, timeout=30), retry_s)
+        get = pb.GetPairRequest(pair_id=reg.pair_id)
+        before = (await _retry(lambda: stub.GetPair(get, timeout=30), retry_s)).pair
         plans = [steps_for(trace, w, workers, repeat) for w in range(workers)]
         forwarders = [
             AsyncForwarder(
@@ -153,8 +159,9 @@ async def replay(
         finally:
             await asyncio.gather(*(f.close(1.0) for f in forwarders))
         acked = sum(f.stats.acked for f in forwarders)
-        pair = (await stub.GetPair(pb.GetPairRequest(pair_id=reg.pair_id), timeout=30)).pair
-    return ReplayResult(reg.pair_id, sum(len(p) for p in plans), acked, pair)
+        pair = (await stub.GetPair(get, timeout=30)).pair
+    applied = pair.steps_observed - before.steps_observed
+    return ReplayResult(reg.pair_id, sum(len(p) for p in plans), acked, pair, applied)
 
 
 async def _send(

@@ -302,6 +302,13 @@ def _from_arrays(arrays: Mapping[str, Any]) -> Trace:
     )
 
 
+#: What a file that is no avest trace is told (numpy's message would advise pickle).
+NOT_A_TRACE = (
+    "is not an avest trace (an avest-trace/1 .npz archive of numeric arrays, as "
+    "`avest record` writes)"
+)
+
+
 def read_trace(path: str | os.PathLike[str]) -> Trace:
     """Load and validate an ``avest-trace/1`` archive; raises :class:`TraceError`."""
     try:
@@ -309,7 +316,8 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
     except (ValueError, OSError, zipfile.BadZipFile) as exc:
         if isinstance(exc, FileNotFoundError):
             raise
-        raise TraceError("file", f"is not a readable .npz archive: {exc}", path) from None
+        # numpy's own words would advise allow_pickle, which no trace needs.
+        raise TraceError("file", NOT_A_TRACE, path) from None
     if not isinstance(loaded, np.lib.npyio.NpzFile):
         raise TraceError("file", "is a single array, not an .npz archive", path)
     with loaded:
@@ -319,8 +327,8 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
                 continue  # unknown arrays are ignored, so later versions stay readable
             try:
                 arrays[name] = loaded[name]
-            except ValueError as exc:
-                raise TraceError(name, f"cannot be loaded without pickle: {exc}", path) from None
+            except ValueError:
+                raise TraceError(name, f"holds Python objects; {NOT_A_TRACE}", path) from None
     try:
         return _from_arrays(arrays)
     except TraceError as exc:

@@ -105,6 +105,14 @@ def _same(a: str, b: str) -> bool:
     return hmac.compare_digest(a.encode(), b.encode())
 
 
+#: How a refused caller passes a token, in the UNAUTHENTICATED (401) message.
+HOW_TO_SEND = (
+    "send authorization: Bearer <token> (avest commands: --token, --token-file or "
+    "AVEST_TOKEN / AVEST_ADMIN_TOKEN; the Python client: AVEST_TOKEN or "
+    "Credentials(token=...))"
+)
+
+
 class Access:
     """The configured tokens and the decision for one call."""
 
@@ -135,16 +143,14 @@ class Access:
             if held is not None or not self.worker_token:
                 return None
             if token is None:
-                return Denied(
-                    True, "a worker or admin token is required: authorization: Bearer <token>"
-                )
+                return Denied(True, f"a worker or admin token is required: {HOW_TO_SEND}")
             return Denied(True, "unknown token")
         if not self.admin_token:
             return Denied(False, "admin actions are disabled: the service has no admin token")
         if held == Role.ADMIN:
             return None
         if token is None:
-            return Denied(True, "the admin token is required: authorization: Bearer <token>")
+            return Denied(True, f"the admin token is required: {HOW_TO_SEND}")
         if held == Role.WORKER:
             return Denied(False, "the worker token does not allow this; it needs the admin token")
         return Denied(True, "unknown token")
