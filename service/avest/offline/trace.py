@@ -328,7 +328,9 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
             try:
                 arrays[name] = loaded[name]
             except ValueError:
-                raise TraceError(name, f"holds Python objects; {NOT_A_TRACE}", path) from None
+                raise TraceError(
+                    name, f"holds pickled Python objects; {NOT_A_TRACE}", path
+                ) from None
     try:
         return _from_arrays(arrays)
     except TraceError as exc:
