@@ -58,14 +58,20 @@ class Settings(BaseSettings):
         0.95, gt=0.0, le=1.0, description="recursive rule: information kept per round, in (0, 1]"
     )
     prior: float = Field(
-        1.0, description="recursive rule: precision of the pull toward the starting coefficients"
+        1.0,
+        gt=0,
+        description="recursive rule: precision of the pull toward the starting coefficients",
     )
     flush_interval_ms: int = Field(
-        100, description="make applied batches durable (and acknowledge them) this often"
+        100, ge=0, description="make applied batches durable (and acknowledge them) this often"
     )
-    max_pairs: int = Field(1024, description="refuse to register more pairs than this")
-    max_message_bytes: int = Field(4 * 1024 * 1024, description="largest gRPC message accepted")
-    max_rows: int = Field(8192, description="largest number of requests (rows) in one message")
+    max_pairs: int = Field(1024, ge=1, description="refuse to register more pairs than this")
+    max_message_bytes: int = Field(
+        4 * 1024 * 1024, ge=1, description="largest gRPC message accepted"
+    )
+    max_rows: int = Field(
+        8192, ge=1, description="largest number of requests (rows) in one message"
+    )
     admin_token: str = Field(
         "",
         description="bearer token of admin actions: reset, delete, cost curves "
