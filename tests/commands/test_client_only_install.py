@@ -99,7 +99,8 @@ def test_help_lists_every_command(client_venv: Path) -> None:
     for name in ("serve", "pairs", "replay", "health", "record"):
         assert name in proc.stdout
     # Beside every command that needs it, with the install that works from a checkout.
-    marked = [line.split()[0] for line in proc.stdout.splitlines() if "server extra" in line]
+    listing = [line.split() for line in proc.stdout.splitlines() if line.startswith("    ")]
+    marked = [words[0] for words in listing if "[server" in words[1:2]]
     assert marked == list(SERVER_COMMANDS), proc.stdout
     assert "pip install -e '.[server]'" in proc.stdout and "avest[server]" not in proc.stdout
     assert avest(client_venv, "pairs", "--help").returncode == 0

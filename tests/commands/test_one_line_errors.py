@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from avest.commands.cli import build_parser, main
+from avest.commands.cli import SERVER_COMMANDS, build_parser, main
 from avest.offline.trace import write_trace
 from tests.support.helpers import free_port
 from tests.support.traces import make_synthetic_trace
@@ -200,3 +200,15 @@ def test_garbage_fails_in_one_line(
         # Refused at parse time, naming the flag and what it takes.
         assert code == 2, (argv, err)
         assert where in err, err
+
+
+def test_help_marks_the_commands_that_need_the_server_extra(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "300")  # one line per command
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    listing = [line.split() for line in out.splitlines() if line.startswith("    ")]
+    marked = [words[0] for words in listing if "[server" in words[1:2]]
+    assert marked == list(SERVER_COMMANDS), out
+    assert "pip install -e '.[server]'" in out and "avest[server]" not in out

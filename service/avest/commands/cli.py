@@ -99,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="avest",
         description="Acceptance-estimator sidecar for speculative decoding in vLLM.",
+        epilog=f"[server extra]: the command needs the server extra ({SERVER_EXTRA}); "
+        "the others run on a client-only install.",
     )
     parser.add_argument("--version", action="version", version=f"avest {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -117,11 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
             if not _needs_server(exc):
                 raise
             _add_unavailable(sub, name, exc.name or "a dependency")
+    for listed in sub._choices_actions:
+        if listed.dest in SERVER_COMMANDS and "server extra" not in (listed.help or ""):
+            listed.help = f"[server extra] {listed.help}"
     return parser
 
 
 def _add_unavailable(sub: argparse._SubParsersAction, name: str, missing: str) -> None:  # type: ignore[type-arg]
-    stub = sub.add_parser(name, add_help=False, help=f"(needs the server extra: {SERVER_EXTRA})")
+    stub = sub.add_parser(
+        name, add_help=False, help=f"[server extra] not installed: {SERVER_EXTRA}"
+    )
     stub.set_defaults(func=_unavailable(name, missing))
 
 
