@@ -108,8 +108,8 @@ def _same(a: str, b: str) -> bool:
 #: How a refused caller passes a token, in the UNAUTHENTICATED (401) message.
 HOW_TO_SEND = (
     "send authorization: Bearer <token> (avest commands: --token, --token-file or "
-    "AVEST_TOKEN / AVEST_ADMIN_TOKEN; the Python client: AVEST_TOKEN or "
-    "Credentials(token=...))"
+    "AVEST_TOKEN / AVEST_ADMIN_TOKEN; the Python client: EstimatorClient(..., token=...) "
+    "or AVEST_TOKEN)"
 )
 
 
