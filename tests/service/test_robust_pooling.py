@@ -51,6 +51,39 @@ def test_a_fleet_through_a_workload_shift_is_never_quarantined():
     check_honest(F.honest(load_trace("greedy-shift-story-chat-rtn4g64-t0-k5.npz"), 8), "raw", 5)
 
 
+def test_a_fleet_joining_late_while_rounds_are_held_open_is_never_quarantined():
+    """Rounds held open by the refit interval through a whole fleet's run, refitted once
+    it ends, then a second fleet replaying the trace: its workers are judged on recent
+    evidence (aged per round's worth of steps, as refits would have), not on the first
+    fleet's, scored at the cold model since refitted."""
+    trace = load_trace("chat")
+    pair = F.new_pair(5, refit_interval=10)
+    F.feed(pair, F.honest(trace, 2, "first"), "raw", refit_every=10_000)
+    pair.refit_held()
+    steps = pair.estimator.steps
+    F.feed(pair, F.honest(trace, 2, "again"), "raw", refit_every=10_000)
+    assert quarantined(pair) == []
+    assert all(r.held == 0 for r in pair.workers.rows())
+    assert pair.estimator.steps == 2 * steps
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("poison", ["all-accepted", "flipped"])
+def test_a_poisoner_is_quarantined_while_rounds_are_held_open(mode, poison):
+    """Rounds held open (a full round refits only every 50th message): a poisoner's
+    evidence ages per round's worth of steps, its share of a round is bounded per refit."""
+    corrupt, burst = POISONS[poison]
+    senders = F.honest(load_trace("chat"), 8)
+    fleet = [*senders[1:], F.poisoner(senders[0], "bad", corrupt, burst=burst)]
+    honest_only = F.feed(F.new_pair(5), senders[1:], mode, refit_every=50)
+    pair = F.feed(F.new_pair(5), fleet, mode, refit_every=50)
+    moved = F.honest_acceptance(pair.coefficients, fleet) - F.honest_acceptance(
+        honest_only.coefficients, fleet
+    )
+    assert quarantined(pair) == ["bad"]
+    assert abs(moved) <= TARGET
+
+
 @pytest.fixture(scope="module")
 def baselines() -> dict[str, float]:
     """The honest acceptance with the seven honest workers alone, per mode."""

@@ -27,6 +27,7 @@ from avest.offline.fleet import worker_steps
 from avest.offline.trace import Trace
 from avest.state.pairs import Pair, Registry
 from avest_wire.pair import PairKey
+from avest_wire.summary import RoundSummary
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -127,30 +128,45 @@ def new_pair(k: int, refit_interval: int = 100) -> Pair:
     return pair
 
 
-def feed(pair: Pair, senders: list[Sender], mode: str = "raw") -> Pair:
-    """Feed every sender's steps into ``pair`` as raw steps or round summaries."""
+def feed(pair: Pair, senders: list[Sender], mode: str = "raw", refit_every: int = 0) -> Pair:
+    """Feed every sender's steps into ``pair`` as raw steps or round summaries.
+
+    ``refit_every``: a full round may refit only at every this many messages (the
+    service's refit interval holding rounds open while messages come faster); 0: at once.
+    """
     seq: dict[str, int] = {}
     holds: dict[str, tuple[Coefficients, int]] = {}
+    sent = 0
+
+    def send(worker: str, s: int, batch: Batch | RoundSummary) -> None:
+        nonlocal sent
+        sent += 1
+        may_refit = refit_every == 0 or sent % refit_every == 0
+        pair.observe(worker, s, batch, may_refit=may_refit)
+        if may_refit:
+            pair.refit_held()
+
     for s, b in interleave(senders):
         seq[s.worker] = seq.get(s.worker, 0) + 1
         if mode == "raw":
-            pair.observe(s.worker, seq[s.worker], b)
+            send(s.worker, seq[s.worker], b)
             continue
         if not s._pending:
             holds[s.worker] = (pair.coefficients, pair.estimator.version)
         s._pending.append((b.features, b.observed, b.accepted))
         if len(s._pending) >= SUMMARY_STEPS:
-            _send(pair, s, holds[s.worker], seq[s.worker])
+            send(s.worker, seq[s.worker], _summary(s, holds[s.worker]))
     for s in senders:
         if s._pending:
-            _send(pair, s, holds[s.worker], seq[s.worker] + 1)
+            send(s.worker, seq[s.worker] + 1, _summary(s, holds[s.worker]))
     return pair
 
 
-def _send(pair: Pair, s: Sender, hold: tuple[Coefficients, int], seq: int) -> None:
+def _summary(s: Sender, hold: tuple[Coefficients, int]) -> RoundSummary:
     at, version = hold
-    pair.observe(s.worker, seq, summarise(s._pending, at, version))
+    summary = summarise(s._pending, at, version)
     s._pending = []
+    return summary
 
 
 def honest_acceptance(coefficients: Coefficients, senders: list[Sender]) -> float:

@@ -71,7 +71,13 @@ class ServerHandle:
         async def run() -> T:
             return await coro_fn(*args)
 
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout)
+        future = asyncio.run_coroutine_threadsafe(run(), self.loop)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            # Name what hung (a bare TimeoutError says nothing in a CI summary).
+            name = getattr(coro_fn, "__qualname__", repr(coro_fn))
+            raise TimeoutError(f"{name} did not finish within {timeout:g} s") from None
 
     def kill_streams(self) -> None:
         """Cancel every RPC now (no grace): open streams end without their pending acks."""

@@ -78,6 +78,10 @@ class Pair:
     #: curves, are not in the store yet (a snapshot writes only those).
     unsaved_history: int = 0
     unsaved_costs: set[str] = field(default_factory=set)
+    #: A round held open by the refit interval: the refits it stands for (the rounds
+    #: that filled in it, had each refitted at once), and the steps since the last.
+    held_refits: int = 0
+    held_steps: int = 0
     watchers: list[Callable[[Pair], None]] = field(default_factory=list)
     #: The workers seen sending to this pair (bounded; not persisted).
     workers: WorkerTable = field(default_factory=WorkerTable)
@@ -162,7 +166,9 @@ class Pair:
                 refit = est.apply(batch, kept, may_refit)
             self.workers.raw(worker, batch.labelled)
         if refit is not None:
-            self.workers.tick()
+            self._tick()
+        elif kept is not None:
+            self._age_held_round(steps)
         self.applied[worker] = seq
         self.updated = self.seen[worker] = time.time()
         self.changed_workers.add(worker)
@@ -172,13 +178,32 @@ class Pair:
             self._record(refit.outcome)
         return True, refit
 
+    def _tick(self) -> None:
+        self.workers.tick()
+        self.held_refits = self.held_steps = 0
+
+    def _age_held_round(self, steps: int) -> None:
+        """A round held open ages the workers' evidence as the refits it stands for
+        would have (one per round that filled in it, after the first: that one is
+        the refit to come), so workers are judged on the same stretch of recent data
+        whatever the refit interval: a worker that joins late is not scored against
+        evidence from a model since refitted (which quarantined honest workers while
+        rounds were held), and a poisoner's evidence is not diluted either."""
+        self.held_steps += steps
+        if self.held_steps < self.estimator.round_length:
+            return
+        self.held_steps = 0
+        self.held_refits += 1
+        if self.held_refits > 1:
+            self.workers.age()
+
     def refit_held(self) -> Refit | None:
         """Refit a round held open past its length (:meth:`observe` with
         ``may_refit`` false); ``None`` when none is."""
         if not self.estimator.round_full:
             return None
         refit = self.estimator.refit()
-        self.workers.tick()
+        self._tick()
         self.dirty = True
         self._record(refit.outcome)
         return refit
@@ -201,7 +226,7 @@ class Pair:
 
     def reset(self) -> None:
         self.estimator.reset()
-        self.workers.tick()
+        self._tick()
         self.history.clear()
         self.history_cleared = time.time()
         self.unsaved_history = 0

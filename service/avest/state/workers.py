@@ -106,8 +106,11 @@ class WorkerTable:
         self.capacity = capacity
         self._rows: OrderedDict[str, WorkerSeen] = OrderedDict()
         self.forgotten = 0
-        #: Refits (and resets) of the pair seen: the clock evidence decays by.
+        #: Refits (and resets) of the pair seen, and rounds' worth of steps a round
+        #: held open pooled past its length: the clock evidence decays by.
         self.clock = 0
+        #: Refits (and resets) alone: a worker's share of a round is bounded per refit.
+        self.rounds = 0
         #: Each worker's recent evidence and its share of the open round.
         self._evidence: dict[str, Evidence] = {}
         self._shares: dict[str, RoundShare] = {}
@@ -165,7 +168,14 @@ class WorkerTable:
     def tick(self) -> None:
         """The pair refitted or was reset: evidence ages by one refit, a new round opens."""
         self.clock += 1
+        self.rounds += 1
         self._last_round_info, self._round_info = self._round_info, None
+
+    def age(self) -> None:
+        """A round held open by the refit interval pooled another round's worth of
+        steps: evidence ages as by a refit, the round (and each worker's share of
+        it) stays open."""
+        self.clock += 1
 
     def judge(
         self,
@@ -223,7 +233,7 @@ class WorkerTable:
         shape = (2, stats.k)
         last = self._last_round_info
         pooled = last if last is not None and last.shape == shape else np.zeros(shape)
-        kept = share.bound(stats, (self.clock, round_key), pooled)
+        kept = share.bound(stats, (self.rounds, round_key), pooled)
         if self._round_info is None or self._round_info.shape != shape:
             self._round_info = np.zeros(shape)
         self._round_info[0] += kept.a
