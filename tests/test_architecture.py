@@ -33,7 +33,13 @@ PARTS = {
     "client": ("avest_client",),
 }
 #: The wire's modules without protobuf or grpc: the only ones the core may import.
-PURE_WIRE = {"avest_wire.bins", "avest_wire.errors", "avest_wire.limits", "avest_wire.summary"}
+PURE_WIRE = {
+    "avest_wire.bins",
+    "avest_wire.errors",
+    "avest_wire.limits",
+    "avest_wire.strata",
+    "avest_wire.summary",
+}
 
 
 def modules() -> Iterator[tuple[str, Path]]:

@@ -10,10 +10,11 @@
   :mod:`avest_wire.messages`: both to and from their messages;
 - :mod:`avest_wire.pair`: the pair key and its stable id;
 - :mod:`avest_wire.rules`: the update and budget rule names and their enum values;
+- :mod:`avest_wire.strata`: a request's stratum and the bound on strata per pair;
 - :mod:`avest_wire.refusal`: the refused step's sequence number in trailing metadata;
 - :mod:`avest_wire.errors`: the error for input outside the contract.
 
-``limits``, ``bins``, ``summary`` and ``errors`` need numpy only (the service's core
+``limits``, ``bins``, ``summary``, ``strata`` and ``errors`` need numpy only (the service's core
 imports them); the rest need protobuf or grpc. Nothing here imports the service or the
 client.
 """
