@@ -24,7 +24,9 @@ import numpy as np
 import numpy.typing as npt
 
 from avest.core.labels import labels
+from avest_wire.errors import InvalidInput
 from avest_wire.limits import MAX_LOG_ODDS
+from avest_wire.strata import check_stratum, stratum_of
 
 FORMAT = "avest-trace/1"
 #: Meta keys every trace carries (TRACE.md); anything else is free-form.
@@ -41,6 +43,9 @@ REQUIRED_ARRAYS = ("meta", "features", "num_verified", "num_accepted", "step", "
 #: Optional per-draft arrays: oracles and comparisons, never estimator inputs.
 OPTIONAL_ARRAYS = ("logit_q_sampled", "accept_prob_token", "accept_rate_dist")
 _PROBABILITY_ARRAYS = ("accept_prob_token", "accept_rate_dist")
+#: Optional per-row array: each row's stratum (a string, see avest_wire.strata);
+#: without it every row is in the stratum of the meta's temperature.
+STRATUM_ARRAY = "stratum"
 #: The bundled sample trace, inside the ``avest`` package.
 SAMPLE_NAME = "sample-chat-k5.npz"
 
@@ -79,6 +84,7 @@ class Trace:
     logit_q_sampled: npt.NDArray[np.float32] | None = None
     accept_prob_token: npt.NDArray[np.float32] | None = None
     accept_rate_dist: npt.NDArray[np.float32] | None = None
+    stratum: npt.NDArray[np.str_] | None = None
 
     @property
     def k(self) -> int:
@@ -107,6 +113,13 @@ class Trace:
         """Number of accepted drafts: ``sum(num_accepted)``."""
         return int(self.num_accepted.astype(np.int64).sum())
 
+    def strata(self) -> npt.NDArray[np.str_]:
+        """Each row's stratum: the ``stratum`` array, or (a trace without one) the
+        stratum of the meta's temperature for every row."""
+        if self.stratum is not None:
+            return self.stratum
+        return np.full(self.rows, stratum_of(float(self.meta.get("temperature", 1.0))))
+
     def optional_arrays(self) -> dict[str, npt.NDArray[np.float32]]:
         """The optional arrays this trace has, by name."""
         out = {}
@@ -128,6 +141,7 @@ class Trace:
             step=self.step[sl],
             request=self.request[sl],
             meta=dict(self.meta),
+            stratum=None if self.stratum is None else self.stratum[sl],
             **extra,
         )
 
@@ -169,11 +183,15 @@ class Trace:
             "meta": np.array(json.dumps(self.meta)),
         }
         out.update(self.optional_arrays())
+        if self.stratum is not None:
+            out[STRATUM_ARRAY] = self.stratum
         return out
 
     def validate(self) -> Trace:
         """Validate and return a copy with the format's dtypes; raises :class:`TraceError`."""
         arrays: dict[str, Any] = dict(self.optional_arrays())
+        if self.stratum is not None:
+            arrays[STRATUM_ARRAY] = self.stratum
         arrays.update(
             features=self.features,
             num_verified=self.num_verified,
@@ -292,6 +310,7 @@ def _from_arrays(arrays: Mapping[str, Any]) -> Trace:
         extra[name] = a.astype(np.float32)
 
     return Trace(
+        stratum=_check_stratum(arrays.get(STRATUM_ARRAY), rows),
         features=x.astype(np.float32),
         num_verified=d.astype(np.int32),
         num_accepted=acc.astype(np.int32),
@@ -300,6 +319,24 @@ def _from_arrays(arrays: Mapping[str, Any]) -> Trace:
         meta=meta,
         **extra,
     )
+
+
+def _check_stratum(raw: Any, rows: int) -> npt.NDArray[np.str_] | None:
+    """The ``stratum`` array checked: a string per row, each a stratum name."""
+    if raw is None:
+        return None
+    a = np.asarray(raw)
+    _check_kind(STRATUM_ARRAY, a, "U", "a string (numpy unicode)")
+    if a.shape != (rows,):
+        raise TraceError(
+            STRATUM_ARRAY, f"must have shape [{rows}] (rows of features), got {list(a.shape)}"
+        )
+    for name in np.unique(a):
+        try:
+            check_stratum(str(name))
+        except InvalidInput as exc:
+            raise TraceError(STRATUM_ARRAY, exc.problem) from None
+    return a
 
 
 #: What a file that is no avest trace is told (numpy's message would advise pickle).
@@ -323,7 +360,7 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
     with loaded:
         arrays: dict[str, np.ndarray] = {}
         for name in loaded.files:
-            if name not in REQUIRED_ARRAYS and name not in OPTIONAL_ARRAYS:
+            if name not in (*REQUIRED_ARRAYS, *OPTIONAL_ARRAYS, STRATUM_ARRAY):
                 continue  # unknown arrays are ignored, so later versions stay readable
             try:
                 arrays[name] = loaded[name]
