@@ -202,3 +202,17 @@ def test_shrink_is_the_posterior_mode_of_the_fit_and_the_prior() -> None:
     assert got.intercepts[1] == pytest.approx(-1.0 - 2.0 * 0.0 + 0.0, abs=1e-12)
     near = shrink(fit, centre, information, drafts=400.0).as_vector()
     assert np.linalg.norm(near - centre.as_vector()) < np.linalg.norm(want - centre.as_vector())
+
+
+def test_a_stratum_left_alone_serves_the_pairs_refits() -> None:
+    """Once the other kind of request is gone, the remaining stratum is the whole
+    pair: it takes the pair's refit, whatever its own history."""
+    steps = mixed_steps(200, {"greedy": 16, "t0.5-1": 16}, seed=7)
+    est = run(steps)
+    assert est.coefficients_for("greedy") != est.pooled.coefficients
+    refits = 0
+    for batch, names in mixed_steps(60, {"greedy": 16, "t0.5-1": 0}, seed=8):
+        refits += est.apply(batch, names) is not None
+    assert refits >= 2
+    assert est.coefficients_for("greedy") == est.pooled.coefficients
+    assert est.coefficients_for("t0.5-1") != est.pooled.coefficients
