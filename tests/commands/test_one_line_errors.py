@@ -155,6 +155,7 @@ def base_args(words: tuple[str, ...], busy_port: int, trace: Path) -> list[str]:
         ("fleet",): [str(trace), "--workers", "1", "--restart-every", "0", "--steps", "20"],
         ("simulate",): [str(trace), "--concurrency", "2", "--min-steps", "0"],
         ("audit",): ["--trials", "20"],
+        ("completion",): ["bash"],
     }[words]
 
 
@@ -199,7 +200,8 @@ def test_garbage_fails_in_one_line(
     if has_domain:
         # Refused at parse time, naming the flag and what it takes.
         assert code == 2, (argv, err)
-        assert where in err, err
+        # A flag by its name; a positional (completion's shell) by argparse's "argument".
+        assert (where if isinstance(where, str) else "argument ") in err, err
 
 
 def test_help_marks_the_commands_that_need_the_server_extra(
@@ -212,3 +214,23 @@ def test_help_marks_the_commands_that_need_the_server_extra(
     marked = [words[0] for words in listing if "[server" in words[1:2]]
     assert marked == list(SERVER_COMMANDS), out
     assert "pip install -e '.[server]'" in out and "avest[server]" not in out
+
+
+@pytest.mark.parametrize("flag", ["--grpc-address", "--http-address"])
+def test_serve_on_a_busy_port_is_one_line_saying_what_to_do(
+    flag: str, busy_port: int, tmp_path: Path
+) -> None:
+    """Nothing of the service's start or stop around it: the address, the listener, the
+    reason and what to do, on one line (before, a busy HTTP port logged the start and
+    the stop too)."""
+    address = f"127.0.0.1:{busy_port}"
+    other = "--http-address" if flag == "--grpc-address" else "--grpc-address"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AVEST_")}
+    argv = [AVEST, "serve", flag, address, other, "127.0.0.1:0", "--data-dir", "data"]
+    proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"avest serve: cannot listen on {address} ("), proc.stderr
+    assert flag in proc.stderr and "in use" in proc.stderr
+    assert "stop what holds it, or give free addresses" in proc.stderr
+    assert not (tmp_path / "data").exists()  # refused before anything was made

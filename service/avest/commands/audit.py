@@ -81,20 +81,36 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_table(results: list[Any], alpha: float) -> None:
-    head = (
-        f"{'rule':<14} {'lossless':<8} {'drafter':<14} {'costs':<9} "
-        f"{'P(t0=0) emitted/target':<23} {'chi2 first':>10} {'chi2 pair':>10} "
-        f"{'p':>9} {'verdict':<7} {'tok/ms':>6}"
+    from avest.offline.table import Column, format_columns
+
+    columns = (
+        Column("rule", "<", width=14),
+        Column("lossless", "<"),
+        Column("drafter", "<", width=14),
+        Column("costs", "<", width=9),
+        Column("P(t0=0) emitted/target", "<"),
+        Column("chi2 first", width=10),
+        Column("chi2 pair", width=10),
+        Column("p", width=9),
+        Column("verdict", "<", width=7),
+        Column("tok/ms", width=6),
     )
-    print(head)
-    print("-" * len(head))
-    for r in results:
-        freq = f"{r.emitted_first[0]:.4f} / {r.target_first[0]:.4f}"
-        print(
-            f"{r.rule:<14} {'yes' if r.lossless_claim else 'no':<8} {r.drafter:<14} "
-            f"{r.costs:<9} {freq:<23} {r.chi2_first:>10.2f} {r.chi2_pair:>10.2f} "
-            f"{r.p_value:>9.3g} {r.verdict(alpha):<7} {r.tokens_per_ms:>6.3f}"
-        )
+    rows = [
+        [
+            r.rule,
+            "yes" if r.lossless_claim else "no",
+            r.drafter,
+            r.costs,
+            f"{r.emitted_first[0]:.4f} / {r.target_first[0]:.4f}",
+            f"{r.chi2_first:.2f}",
+            f"{r.chi2_pair:.2f}",
+            f"{r.p_value:.3g}",
+            r.verdict(alpha),
+            f"{r.tokens_per_ms:.3f}",
+        ]
+        for r in results
+    ]
+    print("\n".join(format_columns(columns, rows)))
     trials = results[0].trials if results else 0
     print(f"\n{trials} trials per row; p = Bonferroni of first-token and first-two-token χ²;")
     print(f"BIASED when p < {alpha:g}. tok/ms: realised tokens of all requests per modelled ms.")

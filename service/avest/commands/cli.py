@@ -60,6 +60,7 @@ COMMANDS = (
     "fleet",
     "simulate",
     "audit",
+    "completion",
 )
 
 

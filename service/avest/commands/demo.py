@@ -12,13 +12,8 @@ import uuid
 from typing import Any
 
 from avest.commands.options import integer
-from avest.commands.serve import busy
+from avest.commands.serve import FREE_ADDRESSES, busy
 from avest.commands.traces import add_trace_argument, load_trace
-
-#: What to do when an address is taken.
-FREE_ADDRESSES = (
-    "stop what holds it, or give free addresses (--grpc-address, --http-address; port 0 picks one)"
-)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -58,7 +53,7 @@ async def _demo(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"avest demo: {exc}", file=sys.stderr)
         return 2
-    why = busy(args.grpc_address)
+    why = busy(args.grpc_address, args.http_address)
     if why:
         print(f"avest demo: {why}; {FREE_ADDRESSES}", file=sys.stderr)
         return 1

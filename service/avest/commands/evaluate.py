@@ -60,29 +60,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+    import numpy as np
 
-    from avest.offline.evaluate import evaluate, format_table
+    from avest.commands.progress import Progress
+    from avest.offline.evaluate import METHODS, ONLINE_METHODS, evaluate, format_table
 
     loaded = load_trace("evaluate", args.trace)
     if loaded is None:
         return 2
     path, trace = loaded
 
-    def progress(it):  # type: ignore[no-untyped-def]
-        return tqdm(it, desc="replay", unit="step", leave=False, disable=None, file=sys.stderr)
-
+    # One bar over every method replayed step by step (on a terminal; else quiet).
+    online = [m for m in (args.methods or METHODS) if m in ONLINE_METHODS]
+    steps = int(np.count_nonzero(np.diff(trace.step))) + 1 if trace.rows else 0
     try:
-        report = evaluate(
-            trace,
-            name=path,
-            refit_interval=args.refit_interval,
-            from_fraction=args.from_fraction,
-            forgetting=args.forgetting,
-            prior=args.prior,
-            methods=args.methods,
-            progress=progress,
-        )
+        with Progress("evaluate", steps * len(online)) as bar:
+            report = evaluate(
+                trace,
+                name=path,
+                refit_interval=args.refit_interval,
+                from_fraction=args.from_fraction,
+                forgetting=args.forgetting,
+                prior=args.prior,
+                methods=args.methods,
+                progress=bar.iterate,
+            )
     except ValueError as exc:
         print(f"avest evaluate: {exc}", file=sys.stderr)
         return 2

@@ -92,9 +92,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def run(args: argparse.Namespace) -> int:
-    from avest.offline.fleet import Fleet, evaluate_fleet
+    from avest.commands.progress import Progress
+    from avest.offline.fleet import Fleet, count_worker_steps, evaluate_fleet
     from avest.offline.fleet_report import format_headline
-    from avest.offline.simulate.fleet import simulate_fleet
+    from avest.offline.simulate.fleet import planned_steps, simulate_fleet
     from avest.offline.simulate.profiles import ProfileError, load_profile
     from avest.offline.trace import TraceError, bundled_sample_path, read_trace
 
@@ -115,18 +116,31 @@ def run(args: argparse.Namespace) -> int:
         return fail(exc)
     rows = []
     try:
-        for path, trace in traces:
-            for fleet in fleets:
-                report = evaluate_fleet(trace, fleet, path)
-                goodput = (
-                    None
-                    if profile is None
-                    else simulate_fleet(
-                        trace, fleet, profile, args.concurrency, name=path, steps=args.steps
+        total = sum(
+            count_worker_steps(trace, fleet.workers)
+            + (0 if profile is None else planned_steps(trace, fleet, args.concurrency, args.steps))
+            for _, trace in traces
+            for fleet in fleets
+        )
+        with Progress("fleet", total, stages=len(traces) * len(fleets)) as bar:
+            for path, trace in traces:
+                for fleet in fleets:
+                    bar.stage(f"{path.rsplit('/', 1)[-1]} {fleet.label()}")
+                    report = evaluate_fleet(trace, fleet, path, progress=bar.update)
+                    goodput = (
+                        None
+                        if profile is None
+                        else simulate_fleet(
+                            trace,
+                            fleet,
+                            profile,
+                            args.concurrency,
+                            name=path,
+                            steps=args.steps,
+                            progress=bar.update,
+                        )
                     )
-                )
-                rows.append((report, goodput))
-                print(f"done {path.rsplit('/', 1)[-1]} {fleet.label()}", file=sys.stderr)
+                    rows.append((report, goodput))
     except ValueError as exc:
         return fail(exc)
     if args.json:

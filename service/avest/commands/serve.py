@@ -24,24 +24,36 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.set_defaults(func=run)
 
 
-def busy(grpc_address: str) -> str | None:
-    """Why the gRPC address cannot be bound, or ``None``: asked before the service
-    starts, so that a busy port is one line (grpcio logs its own error otherwise)."""
+#: What to do about a busy address (``avest serve`` and ``avest demo`` say it).
+FREE_ADDRESSES = (
+    "stop what holds it, or give free addresses (--grpc-address, --http-address; port 0 picks one)"
+)
+
+
+def busy(grpc_address: str, http_address: str | None = None) -> str | None:
+    """Why the gRPC (or admin HTTP) address cannot be bound, or ``None``: asked before
+    the service starts, so that a busy port is one line (grpcio logs its own error, and
+    the service its start and stop, otherwise)."""
     import socket
 
-    host, _, port = grpc_address.rpartition(":")
-    try:
-        infos = socket.getaddrinfo(host.strip("[]") or None, int(port), type=socket.SOCK_STREAM)
-    except (OSError, ValueError):
-        return None  # the service says what is wrong with it
-    family, kind, proto, _, sockaddr = infos[0]
-    with socket.socket(family, kind, proto) as probe:
-        # As gRPC binds: a port whose last connections linger in TIME_WAIT is free.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listeners = [(grpc_address, "gRPC, --grpc-address")]
+    if http_address is not None:
+        listeners.append((http_address, "admin HTTP, --http-address"))
+    for address, what in listeners:
+        host, _, port = address.rpartition(":")
         try:
-            probe.bind(sockaddr)
-        except OSError as exc:
-            return f"cannot listen on {grpc_address} (gRPC, --grpc-address): {exc.strerror or exc}"
+            infos = socket.getaddrinfo(host.strip("[]") or None, int(port), type=socket.SOCK_STREAM)
+        except (OSError, ValueError):
+            continue  # the service says what is wrong with it
+        family, kind, proto, _, sockaddr = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            # As gRPC and the HTTP server bind: a port whose last connections linger
+            # in TIME_WAIT is free.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                return f"cannot listen on {address} ({what}): {exc.strerror or exc}"
     return None
 
 
@@ -65,9 +77,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=s.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    why = busy(s.grpc_address)
+    why = busy(s.grpc_address, s.http_address)
     if why:
-        print(f"avest serve: {why}", file=sys.stderr)
+        print(f"avest serve: {why}; {FREE_ADDRESSES}", file=sys.stderr)
         return 1
     install_storm_filter()
     from avest.state.guard import StoreEmptied
@@ -78,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     except (StoreTooNew, StoreEmptied, StoreUnreadable, PermissionError) as exc:
         print(f"avest serve: {exc}", file=sys.stderr)
         return 2
-    except BindError as exc:
-        print(f"avest serve: {exc}", file=sys.stderr)
+    except BindError as exc:  # taken between the check and the start
+        print(f"avest serve: {exc}; {FREE_ADDRESSES}", file=sys.stderr)
         return 1
     return 0

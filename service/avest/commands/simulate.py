@@ -168,29 +168,39 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def format_summary(sim: Any, rule: str) -> str:
-    """One line per concurrency: the best fixed length, avest under ``rule``, the oracle."""
+    """One row per concurrency: the best fixed length, avest under ``rule``, the oracle."""
+    from avest.offline.table import Column, format_columns
+
     p = sim.profile
-    lines = [f"{sim.trace or 'trace'} under {p.name}: K={sim.k}"]
     adaptive = [q for q in sim.policies if q.kind == "avest" and q.rule == rule and q.lossless]
+    rows = []
     for c, res in sim.results.items():
         best = sim.best_fixed(c)
-        line = f"  C={c:<4} best {best} {res[best].throughput:>9,.0f} tok/s"
+        row = [str(c), best, f"{res[best].throughput:,.0f}"]
         runs = [q for q in adaptive if q.name in res]
         if runs:
             top = max(runs, key=lambda q: res[q.name].throughput)
-            line += f"  {top.name} {sim.gain(c, top.name):+.1%}"
+            row += [top.name, f"{sim.gain(c, top.name):+.1%}"]
             oracle = sim.oracle_name(top.drafts)
             if oracle in res:
-                line += f"  (oracle {sim.gain(c, oracle):+.1%})"
-        lines.append(line)
+                row.append(f"{sim.gain(c, oracle):+.1%}")
+        rows.append(row)
+    columns = (
+        Column("C", width=4),
+        Column("best fixed", "<", gap=2),
+        Column("tok/s", width=9),
+        Column("best avest", "<", gap=2),
+        Column("vs best"),
+        Column("oracle", gap=2),
+    )
+    lines = [f"{sim.trace or 'trace'} under {p.name}: K={sim.k}", *format_columns(columns, rows)]
     if sim.skipped:
-        lines.append(f"  skipped C={sim.skipped}: the trace has fewer rows than one step")
+        lines.append(f"skipped C={sim.skipped}: the trace has fewer rows than one step")
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
+    from avest.commands.progress import Progress
     from avest.core.budget import DEFAULT_RULE
     from avest.offline.simulate.engine import make_policies, planned_steps, simulate
     from avest.offline.simulate.profiles import ProfileError, load_profile, shipped_profiles
@@ -248,16 +258,10 @@ def run(args: argparse.Namespace) -> int:
             for _, t, pol in plans
         ) * len(profiles)
         sims = []
-        runs = len(plans) * len(profiles)
-        with tqdm(
-            total=total, desc="simulate", unit="step", leave=False, disable=None, file=sys.stderr
-        ) as bar:
+        with Progress("simulate", total, stages=len(plans) * len(profiles)) as bar:
             for path, trace, policies in plans:
                 for profile in profiles:
-                    label = f"{path.rsplit('/', 1)[-1]} {profile.name}"
-                    bar.set_postfix_str(label)
-                    if bar.disable:  # no terminal for the bar: a line per simulation
-                        print(f"simulate {len(sims) + 1}/{runs}: {label}", file=sys.stderr)
+                    bar.stage(f"{path.rsplit('/', 1)[-1]} {profile.name}")
                     sims.append(
                         simulate(
                             trace,
@@ -296,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
         blocks = [format_summary(s, DEFAULT_RULE) for s in sims]
         if args.recommend:
             blocks = [
-                f"{b}\n{format_recommendations(s, r)}"
+                f"{b}\n\n{format_recommendations(s, r)}"
                 for b, s, r in zip(blocks, sims, recs, strict=True)
             ]
         print("\n\n".join(blocks))

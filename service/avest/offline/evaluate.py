@@ -21,6 +21,7 @@ from avest.core.mle import fit_mle
 from avest.core.model import Coefficients, linear_predictor
 from avest.core.rule_factory import make_rule
 from avest.core.rules import RecursiveRule, VllmRule
+from avest.offline.table import Column, format_columns
 from avest.offline.trace import Trace
 
 FloatArray = npt.NDArray[np.float64]
@@ -46,6 +47,9 @@ METHODS: dict[str, tuple[bool, str]] = {
     "oracle": (True, "true acceptance rate given the distributions (accept_rate_dist)"),
     "lossy-sampled": (False, "online vllm rule on the sampled token's log-odds (biases output)"),
 }
+
+#: The methods replayed step by step (through ``evaluate``'s ``progress``).
+ONLINE_METHODS = ("vllm", "recursive", "tracking", "calibrated")
 
 
 @dataclass
@@ -248,26 +252,33 @@ def format_table(report: Report) -> str:
         )
         + f", refit every {report.refit_interval} steps"
     )
-    cols = f"{'method':<15} {'AUC':>7} {'logloss':>8} {'ECE':>7} {'pred':>6} {'obs':>6}  AUC by position / coefficients"
-    lines = [head, cols, "-" * len(cols)]
+    columns = (
+        Column("method", "<", width=15),
+        Column("AUC", width=7),
+        Column("logloss", width=8),
+        Column("ECE", width=7),
+        Column("pred", width=6),
+        Column("obs", width=6),
+        Column("AUC by position / coefficients", "<", gap=2),
+    )
 
-    def f(v: float, w: int, d: int = 4) -> str:
-        return f"{v:>{w}.{d}f}" if v == v else f"{'-':>{w}}"
+    def f(v: float, d: int = 4) -> str:
+        return f"{v:.{d}f}" if v == v else "-"
 
+    rows: list[list[str]] = []
     for name, m in report.methods.items():
         s = m.summary
         label = name + ("" if m.lossless else " *")
         by_pos = " ".join(f"{p.auc:.3f}" if p.auc == p.auc else "-" for p in s.by_position)
-        lines.append(
-            f"{label:<15} {f(s.auc, 7)} {f(s.logloss, 8)} {f(s.ece, 7)} {f(s.mean_predicted, 6, 3)} "
-            f"{f(s.observed, 6, 3)}  {by_pos}"
+        rows.append(
+            [label, f(s.auc), f(s.logloss), f(s.ece), f(s.mean_predicted, 3), f(s.observed, 3)]
+            + [by_pos]
         )
         if m.coefficients is not None:
             c = m.coefficients
-            lines.append(
-                f"{'':<15} slope {c.slope:.4f}  intercepts "
-                + " ".join(f"{b:+.3f}" for b in c.intercepts)
-            )
+            coefs = " ".join(f"{b:+.3f}" for b in c.intercepts)
+            rows.append([*[""] * 6, f"slope {c.slope:.4f}  intercepts {coefs}"])
+    lines = [head, *format_columns(columns, rows)]
     if any(not m.lossless for m in report.methods.values()):
         lines.append(
             "* not lossless: reads the sampled token; for comparison only, never for trimming"

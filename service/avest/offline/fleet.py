@@ -26,7 +26,7 @@ every restart (when the in-worker estimator is coldest).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,6 +112,14 @@ def worker_steps(trace: Trace, workers: int) -> Iterator[WorkerStep]:
         who = owner[lo:hi]
         for w in np.unique(who):
             yield WorkerStep(int(w), rows[who == w])
+
+
+def count_worker_steps(trace: Trace, workers: int) -> int:
+    """How many steps :func:`worker_steps` yields (what :func:`evaluate_fleet` reports)."""
+    if trace.rows == 0:
+        return 0
+    step = np.concatenate(([0], np.cumsum(np.diff(trace.step) != 0)))
+    return int(np.unique(step * workers + trace.request % workers).size)
 
 
 class Restarts:
@@ -216,8 +224,14 @@ def in_worker_estimator(k: int, fleet: Fleet) -> OnlineEstimator:
     return OnlineEstimator(k, VllmRule(), fleet.refit_interval)
 
 
-def evaluate_fleet(trace: Trace, fleet: Fleet, name: str = "") -> FleetReport:
-    """Replay ``trace`` as ``fleet`` and score every estimator on every labelled draft."""
+def evaluate_fleet(
+    trace: Trace,
+    fleet: Fleet,
+    name: str = "",
+    progress: Callable[[int], object] | None = None,
+) -> FleetReport:
+    """Replay ``trace`` as ``fleet`` and score every estimator on every labelled draft;
+    ``progress(1)`` after each worker step."""
     k = trace.k
     steps = Steps.of(trace)
     workers = [in_worker_estimator(k, fleet) for _ in range(fleet.workers)]
@@ -249,6 +263,8 @@ def evaluate_fleet(trace: Trace, fleet: Fleet, name: str = "") -> FleetReport:
             est.apply(batch)
         clock.done(ws.worker)
         count += 1
+        if progress is not None:
+            progress(1)
     return FleetReport(
         name, fleet, k, count, int(clock.count.sum()), {n: scores[n] for n in fleet.estimators()}
     )

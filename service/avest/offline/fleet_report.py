@@ -6,51 +6,73 @@ from collections.abc import Sequence
 
 from avest.offline.fleet import FleetReport
 from avest.offline.simulate.fleet import ORACLE, FleetGoodput
+from avest.offline.table import Column, format_columns
 
 Row = tuple[FleetReport, FleetGoodput | None]
 
 
-def _f(v: float, width: int = 7, digits: int = 4) -> str:
-    return f"{v:>{width}.{digits}f}" if v == v else f"{'-':>{width}}"
+def _f(v: float, digits: int = 4) -> str:
+    return f"{v:.{digits}f}" if v == v else "-"
+
+
+_COLUMNS = (
+    Column("W", width=3),
+    Column("S", width=4),
+    Column("estimator", "<", gap=2, width=19),
+    Column("AUC", width=7),
+    Column("logloss", width=8),
+    Column("ECE", width=7),
+    Column("early ECE", gap=2),
+    Column("logloss", width=8),
+    Column("tok/s", gap=2, width=9),
+    Column("vs best", width=8),
+)
 
 
 def format_headline(rows: Sequence[Row]) -> str:
     """One block per trace: a line per (W, S, estimator), then goodput baselines."""
-    lines: list[str] = []
+    blocks: list[list[str]] = []
+    table: list[list[str] | str] = []
     trace = None
-    head = (
-        f"{'W':>3} {'S':>4}  {'estimator':<19} {'AUC':>7} {'logloss':>8} {'ECE':>7}  "
-        f"{'early ECE':>9} {'logloss':>8}  {'tok/s':>9} {'vs best':>8}"
-    )
     for report, goodput in rows:
-        if report.trace != trace:
+        if report.trace != trace or not blocks:
             trace = report.trace
-            if lines:
-                lines.append("")
+            if blocks:
+                blocks[-1] += format_columns(_COLUMNS, table)
+            table = []
             f = report.fleet
-            lines.append(
+            head = [
                 f"{trace or 'trace'} (K={report.k}): refit every {f.refit_interval} steps "
                 f"(in-worker: its own, pooled: all workers'), pooled rule {f.pooled_rule}; "
                 f"early = each worker's first {f.early} steps after launch and every restart"
-            )
+            ]
             if goodput is not None:
-                lines.append(
+                head.append(
                     f"goodput: {goodput.profile.name} (draft per {goodput.profile.draft_per}), "
                     f"C={goodput.concurrency} per worker, budget rule {goodput.rule}, each worker's "
                     "estimator driving its own budgets; vs best: against the best fixed length "
                     "(speculation off included)"
                 )
-            lines += [head, "-" * len(head)]
+            blocks.append(head)
         f = report.fleet
         for name, (whole, early) in report.summaries().items():
             tput = gain = ""
             if goodput is not None and name in goodput.results:
-                tput = f"{goodput.results[name].throughput:>9,.0f}"
-                gain = f"{100 * goodput.gain(name):>+7.1f}%"
-            lines.append(
-                f"{f.workers:>3} {f.restart_every:>4}  {name:<19} {_f(whole.auc)} "
-                f"{_f(whole.logloss, 8)} {_f(whole.ece)}  {_f(early.ece, 9)} "
-                f"{_f(early.logloss, 8)}  {tput:>9} {gain:>8}"
+                tput = f"{goodput.results[name].throughput:,.0f}"
+                gain = f"{100 * goodput.gain(name):+.1f}%"
+            table.append(
+                [
+                    str(f.workers),
+                    str(f.restart_every),
+                    name,
+                    _f(whole.auc),
+                    _f(whole.logloss),
+                    _f(whole.ece),
+                    _f(early.ece),
+                    _f(early.logloss),
+                    tput,
+                    gain,
+                ]
             )
         if goodput is not None:
             best = goodput.best_fixed()
@@ -59,13 +81,15 @@ def format_headline(rows: Sequence[Row]) -> str:
                 extra.append((ORACLE, ORACLE))
             for label, key in extra:
                 g = goodput.results[key]
-                lines.append(
-                    f"{'':>3} {'':>4}  {label:<19} {'':>7} {'':>8} {'':>7}  {'':>9} {'':>8}  "
-                    f"{g.throughput:>9,.0f} {100 * goodput.gain(key):>+7.1f}%"
+                table.append(
+                    ["", "", label, *[""] * 5]
+                    + [f"{g.throughput:,.0f}", f"{100 * goodput.gain(key):+.1f}%"]
                 )
-            lines.append(
+            table.append(
                 f"{'':>10}({goodput.steps_per_worker} steps per worker, "
                 f"{report.worker_steps} worker steps scored, {report.restarts} restarts; "
                 f"goodput trace cycled {goodput.cycles:g}x)"
             )
-    return "\n".join(line.rstrip() for line in lines)
+    if blocks:
+        blocks[-1] += format_columns(_COLUMNS, table)
+    return "\n\n".join("\n".join(line.rstrip() for line in b) for b in blocks)

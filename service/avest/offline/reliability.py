@@ -44,15 +44,9 @@ def _fmt(v: float, digits: int = 3) -> str:
     return f"{v:.{digits}f}" if math.isfinite(v) else "n/a"
 
 
-def render(
-    reliability: Reliability,
-    positions: Sequence[PositionSummary],
-    *,
-    title: str,
-    subtitle: str = "",
-    ece: float = math.nan,
-) -> str:
-    """The SVG document (a ``str``) for one pair's calibration."""
+def render(reliability: Reliability, positions: Sequence[PositionSummary], **labels: Any) -> str:
+    """The SVG document (a ``str``) for one pair's calibration; ``labels``: the
+    ``title``, ``subtitle`` and ``ece`` :func:`figure` takes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -60,13 +54,7 @@ def render(
 
     attrs: dict[str, str] = {}
     with _DRAWING, plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": "avest"}):
-        fig, (left, right) = plt.subplots(1, 2, figsize=(9.8, 4.7))
-        fig.suptitle(_clean(title), x=0.02, ha="left", fontweight="bold")
-        if subtitle:
-            fig.text(0.02, 0.90, _clean(subtitle), fontsize=8, color="#555")
-        _reliability_panel(left, reliability, ece, attrs)
-        _positions_panel(right, positions, attrs)
-        fig.subplots_adjust(top=0.80, bottom=0.13, left=0.07, right=0.98, wspace=0.25)
+        fig = figure(reliability, positions, attrs=attrs, **labels)
         buf = io.StringIO()
         fig.savefig(buf, format="svg", metadata={"Date": None})
         plt.close(fig)
@@ -74,6 +62,30 @@ def render(
     for gid, extra in attrs.items():
         svg = svg.replace(f'id="{gid}"', f'id="{gid}" {extra}', 1)
     return svg
+
+
+def figure(
+    reliability: Reliability,
+    positions: Sequence[PositionSummary],
+    *,
+    title: str,
+    subtitle: str = "",
+    ece: float = math.nan,
+    attrs: dict[str, str] | None = None,
+) -> Any:
+    """The matplotlib figure :func:`render` writes (``attrs`` collects the points'
+    SVG attributes); the positions panel's legend sits under its axes, off the data."""
+    import matplotlib.pyplot as plt
+
+    attrs = {} if attrs is None else attrs
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9.8, 5.2))
+    fig.suptitle(_clean(title), x=0.02, ha="left", fontweight="bold")
+    if subtitle:
+        fig.text(0.02, 0.905, _clean(subtitle), fontsize=8, color="#555")
+    _reliability_panel(left, reliability, ece, attrs)
+    _positions_panel(right, positions, attrs)
+    fig.subplots_adjust(top=0.82, bottom=0.22, left=0.07, right=0.98, wspace=0.25)
+    return fig
 
 
 def _reliability_panel(ax: Any, rel: Reliability, ece: float, attrs: dict[str, str]) -> None:
@@ -117,7 +129,8 @@ def _positions_panel(ax: Any, positions: Sequence[PositionSummary], attrs: dict[
             pt.set_gid(gid)
             attrs[gid] = f'class="{kind}" data-position="{i}" data-value="{float(v):.9g}"'
     if shown:
-        ax.legend(fontsize=8)
+        # Under the axes (below the x label), never over the plotted points.
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
         ax.set_xticks(range(len(positions)))
     else:
         ax.text(0.5, 0.5, "no verified drafts yet", ha="center")

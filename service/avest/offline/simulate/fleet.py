@@ -41,7 +41,7 @@ from avest.offline.fleet import (
     in_worker_estimator,
     pooled_estimator,
 )
-from avest.offline.simulate.engine import truncate
+from avest.offline.simulate.engine import Progress, truncate
 from avest.offline.simulate.profiles import CostProfile, StepCosts
 from avest.offline.trace import Trace
 
@@ -136,6 +136,13 @@ def default_steps(trace: Trace, fleet: Fleet, c: int) -> int:
     )
 
 
+def planned_steps(trace: Trace, fleet: Fleet, concurrency: int, steps: int | None = None) -> int:
+    """Worker steps :func:`simulate_fleet` reports to ``progress``."""
+    n = steps if steps is not None else default_steps(trace, fleet, concurrency)
+    policies = len(fleet.estimators()) + (trace.accept_rate_dist is not None)
+    return n * fleet.workers * policies
+
+
 def simulate_fleet(
     trace: Trace,
     fleet: Fleet,
@@ -145,8 +152,10 @@ def simulate_fleet(
     name: str = "",
     steps: int | None = None,
     rule: str = DEFAULT_RULE,
+    progress: Progress | None = None,
 ) -> FleetGoodput:
-    """Every policy on the same fleet; see the module docstring."""
+    """Every policy on the same fleet; see the module docstring. ``progress(W)`` after
+    each fleet step of each adaptive policy."""
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
     k, c = trace.k, concurrency
@@ -162,7 +171,7 @@ def simulate_fleet(
     oracle = None if trace.accept_rate_dist is None else trace.accept_rate_dist.astype(np.float64)
     for policy in fleet.estimators() + ([ORACLE] if oracle is not None else []):
         out.results[policy] = _adaptive(
-            policy, fleet, shares, n, x, accepted, scheduled, costs, rule, oracle
+            policy, fleet, shares, n, x, accepted, scheduled, costs, rule, oracle, progress
         )
     return out
 
@@ -239,6 +248,7 @@ def _adaptive(
     costs: StepCosts,
     rule: str,
     oracle: FloatArray | None,
+    progress: Progress | None = None,
 ) -> Goodput:
     k = costs.k
     workers = fleet.workers
@@ -272,6 +282,8 @@ def _adaptive(
             tokens[w] += c + int(got.sum())
             verified[w, j] = int(decision.verify_lengths.sum())
             clock.done(w)
+        if progress is not None:
+            progress(workers)
     c = shares.rows[0].shape[1]
     time = np.array(
         [

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from avest.offline.simulate.results import Simulation
+from avest.offline.table import Column, format_columns
 
 
 @dataclass(frozen=True)
@@ -74,13 +75,19 @@ def recommend(sim: Simulation, rule: str) -> list[Recommendation]:
     return out
 
 
+_COLUMNS = (
+    Column("C", width=5),
+    Column("best fixed"),
+    Column("tok/s", width=9),
+    Column("AV drafts", gap=3),
+    Column("tok/s", width=9),
+    Column("AV gain", width=8),
+    Column("recommendation", "<", gap=3),
+)
+
+
 def format_recommendations(sim: Simulation, recs: list[Recommendation]) -> str:
-    lines = [
-        f"recommended num_speculative_tokens for {sim.trace or 'trace'} under {sim.profile.name} "
-        f"(draft per {sim.profile.draft_per}):",
-        f"{'C':>5} {'best fixed':>10} {'tok/s':>9}   {'AV drafts':>9} {'tok/s':>9} {'AV gain':>8}"
-        f"   recommendation",
-    ]
+    rows = []
     for r in recs:
         advice = (
             f"num_speculative_tokens={r.num_speculative_tokens}, adaptive verification on"
@@ -91,9 +98,19 @@ def format_recommendations(sim: Simulation, recs: list[Recommendation]) -> str:
                 else "speculation off"
             )
         )
-        lines.append(
-            f"{r.concurrency:>5} {r.best_fixed:>10} {r.best_fixed_throughput:>9,.0f}   "
-            f"{r.adaptive_drafts:>9} {r.adaptive_throughput:>9,.0f} {100 * r.adaptive_gain:>+7.1f}%"
-            f"   {advice}"
+        rows.append(
+            [
+                str(r.concurrency),
+                str(r.best_fixed),
+                f"{r.best_fixed_throughput:,.0f}",
+                str(r.adaptive_drafts),
+                f"{r.adaptive_throughput:,.0f}",
+                f"{100 * r.adaptive_gain:+.1f}%",
+                advice,
+            ]
         )
-    return "\n".join(lines)
+    title = (
+        f"recommended num_speculative_tokens for {sim.trace or 'trace'} under {sim.profile.name} "
+        f"(draft per {sim.profile.draft_per}):"
+    )
+    return "\n".join([title, *format_columns(_COLUMNS, rows)])

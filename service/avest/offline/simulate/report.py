@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from avest.offline.simulate.results import Simulation
+from avest.offline.table import Column, format_columns
 
 _COLUMNS = (
-    f"{'policy':<30} {'tok/s':>9} {'tok/s/req':>9} {'acc.len':>7} {'verif/req':>9} "
-    f"{'vs best':>8} {'vs oracle':>9} {'share':>6} {'refits':>6}"
+    Column("policy", "<", width=30),
+    Column("tok/s", width=9),
+    *(Column(t) for t in ("tok/s/req", "acc.len", "verif/req")),
+    Column("vs best", width=8),
+    *(Column(t, width=6) for t in ("vs oracle", "share", "refits")),
 )
 
 
@@ -40,8 +45,7 @@ def format_table(sim: Simulation) -> str:
             + (f" (trace cycled {cycled:g}x to reach {sim.min_steps})" if cycled > 1.0 else "")
             + f"; best fixed length {best} at {totals[best].throughput:,.0f} tok/s"
         )
-        lines.append(_COLUMNS)
-        lines.append("-" * len(_COLUMNS))
+        rows = []
         for policy in sim.policies:
             t = totals.get(policy.name)
             if t is None:
@@ -53,11 +57,20 @@ def format_table(sim: Simulation) -> str:
             share = sim.oracle_share(c, policy.name)
             shown = "" if share is None else f"{100.0 * share:.0f}%"
             refits = "" if t.refits is None else str(t.refits)
-            lines.append(
-                f"{label:<30} {t.throughput:>9,.0f} {t.per_request:>9.1f} "
-                f"{t.acceptance_length:>7.3f} {t.verified_per_request:>9.3f} "
-                f"{vs_best:>8} {vs_oracle:>9} {shown:>6} {refits:>6}"
+            rows.append(
+                [
+                    label,
+                    f"{t.throughput:,.0f}",
+                    f"{t.per_request:.1f}",
+                    f"{t.acceptance_length:.3f}",
+                    f"{t.verified_per_request:.3f}",
+                    vs_best,
+                    vs_oracle,
+                    shown,
+                    refits,
+                ]
             )
+        lines += format_columns(_COLUMNS, rows)
     if sim.skipped:
         lines.append(f"\nskipped C={sim.skipped}: the trace has fewer rows than one step")
     lines.append(
@@ -81,13 +94,27 @@ def _pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 def write_plot(sim: Simulation, directory: str | Path) -> Path:
     """Throughput vs interactivity: fixed lengths swept over concurrency, AV as points."""
+    fig = pareto_figure(sim)
+    import matplotlib.pyplot as plt
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = Path(sim.trace).stem or "trace"
+    path = out / f"{stem}-{sim.profile.name}-pareto.png"
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def pareto_figure(sim: Simulation) -> Any:
+    """The figure :func:`write_plot` saves."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
+    from avest.offline.plots import legend_outside
+
     stem = Path(sim.trace).stem or "trace"
     cs = list(sim.results)
     fig, ax = plt.subplots(figsize=(8, 5.5))
@@ -127,8 +154,5 @@ def write_plot(sim: Simulation, directory: str | Path) -> Path:
     ax.set_yscale("log")
     ax.set_title(f"{stem} under {sim.profile.name}", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
-    path = out / f"{stem}-{sim.profile.name}-pareto.png"
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    legend_outside(ax, fontsize=7)
+    return fig
