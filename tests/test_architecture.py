@@ -33,13 +33,17 @@ PARTS = {
     "client": ("avest_client",),
 }
 #: The wire's modules without protobuf or grpc: the only ones the core may import.
+#: Read from the core's row of ARCHITECTURE.md: "`wire`'s pure modules (`bins`, ...)".
+_CORE_ROW = next(
+    line
+    for line in (ROOT / "ARCHITECTURE.md").read_text().splitlines()
+    if line.startswith("| `service/avest/core/` |")
+)
 PURE_WIRE = {
-    "avest_wire.bins",
-    "avest_wire.errors",
-    "avest_wire.limits",
-    "avest_wire.strata",
-    "avest_wire.summary",
+    f"avest_wire.{name}"
+    for name in re.findall(r"`(\w+)`", _CORE_ROW.split("pure modules (", 1)[1].split(")", 1)[0])
 }
+assert len(PURE_WIRE) >= 5, PURE_WIRE
 
 
 def modules() -> Iterator[tuple[str, Path]]:

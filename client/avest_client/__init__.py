@@ -15,7 +15,7 @@ Usage::
         # Stream decode steps in the background (never blocks the caller):
         fwd = client.forwarder(reg.pair_id)
         fwd.submit(features, num_verified, num_accepted)            # [R, K], [R], [R]
-        fwd.latest_coefficients()   # Served(version, slope, intercepts) pushed by the server
+        fwd.latest_coefficients()   # Coefficients(slope, intercepts, version=...) pushed
         fwd.close(timeout=5.0)      # flush what it can
         print(fwd.stats)            # sent / acked / dropped / resent / reconnects
 

@@ -315,7 +315,7 @@ class Session:
         latest = self.latest
         if current or latest is None or c.version > latest.version:
             self.latest = Served(
-                int(c.version), float(c.slope), tuple(float(v) for v in c.intercepts)
+                float(c.slope), tuple(float(v) for v in c.intercepts), version=int(c.version)
             )
             self.calibration = (
                 (tuple(c.calibration_knots), tuple(c.calibration_logits), c.calibration_served)

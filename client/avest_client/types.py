@@ -3,41 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
+from avest_wire.coefficients import Coefficients
 from avest_wire.pair import PairKey
 
-
-@dataclass(frozen=True)
-class Coefficients:
-    """A pair's model ``p_i = sigmoid(slope * x + intercepts[i])`` at one version."""
-
-    version: int
-    round: int
-    slope: float
-    intercepts: tuple[float, ...]
-    pair_id: str = ""
-    #: When this version came into force (server clock, seconds since the epoch).
-    update_time: float = 0.0
-
-    @property
-    def k(self) -> int:
-        return len(self.intercepts)
-
-
-class Served(NamedTuple):
-    """The coefficients a pair's stream serves a worker: ``(version, slope, intercepts)``.
-
-    A plain tuple, compared by value and picklable: the shim reads it at every step
-    boundary, re-validates it only when it changes, and broadcasts it to its TP ranks.
-    """
-
-    version: int
-    slope: float
-    intercepts: tuple[float, ...]
+#: The coefficients a pair's stream serves a worker (what ``latest_coefficients()``
+#: returns): the one coefficients type, with its ``version``.
+Served = Coefficients
 
 
 @dataclass(frozen=True)

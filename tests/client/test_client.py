@@ -209,7 +209,13 @@ def test_watch_iterator_gets_an_update_after_a_refit(server, chat_steps):
         fwd.close()
         assert second.version == first.version + 1 and second.round == 1
         assert second == client.coefficients(reg.pair_id)
-        assert fwd.latest_coefficients() == (second.version, second.slope, tuple(second.intercepts))
+        latest = fwd.latest_coefficients()
+        assert latest is not None
+        assert (latest.version, latest.slope, latest.intercepts) == (
+            second.version,
+            second.slope,
+            tuple(second.intercepts),
+        )
 
 
 def test_watch_callback_runs_on_a_thread_and_stops(server, chat_steps):

@@ -403,11 +403,11 @@ def test_python_client_snippet_runs_against_a_live_server(served: Background) ->
         env=user_env(),
     )
     assert r.returncode == 0, r.stdout + r.stderr
-    # It prints what the forwarder last received: Served(version, slope, intercepts).
+    # It prints what the forwarder last received: Coefficients(slope, intercepts, version, ...).
     printed = r.stdout.strip().splitlines()[-1]
-    m = re.fullmatch(r"Served\(version=(\d+), slope=([-\d.e]+), intercepts=\((.*)\)\)", printed)
+    m = re.match(r"Coefficients\(slope=([-\d.e]+), intercepts=\((.*)\), version=(\d+),", printed)
     assert m, printed
-    assert len(m.group(3).split(",")) == 5
+    assert len(m.group(2).split(",")) == 5
 
 
 def buf_binary() -> str:

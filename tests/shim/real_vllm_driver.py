@@ -241,7 +241,7 @@ def main() -> int:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         latest = sink.latest_coefficients()
-        if latest is not None and latest[0] == sink_pair_version(sink):
+        if latest is not None and latest.version == sink_pair_version(sink):
             break
         time.sleep(0.02)
     update = rt.governor.boundary()
@@ -256,7 +256,7 @@ def main() -> int:
         "pair_id": sink.pair_id,
         "stats": {k_: v for k_, v in stats.items() if k_ != "sink"},
         "sink": stats.get("sink"),
-        "latest": sink.latest_coefficients(),
+        "latest": _plain(sink.latest_coefficients()),
         "slope": est.slope.item(),
         "intercepts": est.intercepts.tolist(),
         "same_storage": (est.slope.data_ptr(), est.intercepts.data_ptr()) == ptrs,
@@ -284,6 +284,11 @@ def main() -> int:
     (out / "result.json").write_text(json.dumps(result))
     est.avest_close()
     return 0
+
+
+def _plain(latest) -> list | None:  # noqa: ANN001
+    """The sink's latest coefficients as JSON: ``[version, slope, intercepts]``."""
+    return None if latest is None else [latest.version, latest.slope, list(latest.intercepts)]
 
 
 def sink_pair_version(sink) -> int | None:  # noqa: ANN001

@@ -236,7 +236,7 @@ def prime_served_layer(address: str) -> tuple[str, tuple]:
         assert fwd.flush(30)
         version = client.coefficients(reg.pair_id).version
         deadline = time.monotonic() + 20
-        while (fwd.latest_coefficients() or (0,))[0] != version:
+        while getattr(fwd.latest_coefficients(), "version", 0) != version:
             assert time.monotonic() < deadline, "the primer never saw the latest version"
             time.sleep(0.01)
         table = fwd.latest_calibration()

@@ -157,7 +157,7 @@ def test_a_live_sidecars_served_table_reaches_predict(start_sidecar, tmp_path: P
     pair_id = sink.pair_id
     with EstimatorClient(server.grpc_address) as client:
         version = client.coefficients(pair_id).version
-        wait_until(lambda: sink.latest_coefficients()[0] == version, what="the latest version")
+        wait_until(lambda: sink.latest_coefficients().version == version, what="the latest version")
         boundary(est)
         logits = torch.randn(rows, 64) * 3.0
         conf = torch.zeros(MAX_REQS, K)

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from avest_client.types import Served
 from avest_client.vllm.coefficients import Governor, validate
 from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.estimator import make_sidecar_estimator
@@ -84,7 +85,10 @@ def test_invalid_coefficients_are_ignored():
     assert validate((1, -0.1, [0.0] * 4), 4) is None  # negative slope
     assert validate((1, 0.5, [0.0, float("inf"), 0, 0]), 4) is None
     assert validate("garbage", 4) is None
-    assert validate((2, 0.5, [0, 0, 0, 0]), 4) == (2, 0.5, (0.0, 0.0, 0.0, 0.0))
+    assert validate((2, 0.5, [0, 0, 0, 0]), 4) == Served(0.5, (0.0, 0.0, 0.0, 0.0), version=2)
+    served = Served(0.5, (0.0, 0.0, 0.0, 0.0), version=3)
+    assert validate(served, 4) == served
+    assert validate(Served(-0.5, (0.0,) * 4, version=3), 4) is None
     sink = FakeSink()
     est = _make(sink)
     sink.push(1, 0.7, [0.0] * 3)

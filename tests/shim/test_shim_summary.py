@@ -280,7 +280,9 @@ def test_summaries_reach_the_sidecar_which_pools_and_pushes_back(
         assert pair.steps_observed == est._avest.rounds.steps_closed >= 200
         assert (pair.calibration.count > 0) == sketch
         # the pushed coefficients govern the worker's tensors
-        wait_until(lambda: (sink.latest_coefficients() or (0,))[0] == pair.coefficients.version)
+        wait_until(
+            lambda: getattr(sink.latest_coefficients(), "version", 0) == pair.coefficients.version
+        )
     drive(est, trace[-1])
     assert est.slope.item() == pytest.approx(pair.coefficients.slope, rel=1e-6)
     est.avest_close()

@@ -17,6 +17,7 @@ import torch
 import avest.server
 from avest.grpc.service import EstimatorService
 from avest_client import EstimatorClient
+from avest_wire.coefficients import Coefficients
 from tests.support.helpers import f32, free_port
 from tests.support.sidecar import (
     CPU,
@@ -139,7 +140,7 @@ def test_killed_mid_run_local_refits_then_resume_and_resend(start_sidecar, tmp_p
     assert sink.wait_connected(10)
     run(est, trace[:100])
     wait_until(lambda: sink.stats["acked"] == 100, what="acked")
-    wait_until(lambda: (sink.latest_coefficients() or (0,))[0] == 10, what="version 10")
+    wait_until(lambda: getattr(sink.latest_coefficients(), "version", 0) == 10, what="version 10")
     run(est, trace[100:106])  # version 10 in force; no refit, so no acknowledgement
     assert est.avest_stats()["version"] == 10 and est.avest_stats()["governed"]
     pooled = (est.slope.item(), est.intercepts.tolist())
@@ -184,7 +185,7 @@ def test_killed_mid_run_local_refits_then_resume_and_resend(start_sidecar, tmp_p
     assert pair.steps_observed == 450 and pair.drafts_observed == replay.drafts
     assert pair.coefficients.slope == replay.coefficients.slope
     assert pair.coefficients.intercepts == tuple(replay.coefficients.intercepts)
-    wait_until(lambda: sink.latest_coefficients()[0] == current.version, what="latest pushed")
+    wait_until(lambda: sink.latest_coefficients().version == current.version, what="latest pushed")
     run(est, trace[450:451])
     assert est.avest_stats()["governed"] and est.avest_stats()["version"] == current.version
     assert est.slope.item() == f32(current.slope)
@@ -270,7 +271,7 @@ def test_sidecar_that_lost_its_state(start_sidecar, tmp_path):
     assert sink.wait_connected(10)
     run(est, trace[:200])
     delivered(est)
-    wait_until(lambda: (sink.latest_coefficients() or (0,))[0] == 20, what="version 20")
+    wait_until(lambda: getattr(sink.latest_coefficients(), "version", 0) == 20, what="version 20")
     assert sink.cost_curves_sent == 1
     srv.stop()
     wait_until(lambda: not sink.connected, what="loss noticed")
@@ -281,13 +282,16 @@ def test_sidecar_that_lost_its_state(start_sidecar, tmp_path):
     client = EstimatorClient(srv2.grpc_address)
     assert client.pair(sink.pair_id).cost_curve_hardware == ("hw-1",)
     # the new sidecar counts from version 0 again; the sink follows it down
-    wait_until(lambda: sink.connected and sink.latest_coefficients()[0] < 20, what="follow")
+    wait_until(lambda: sink.connected and sink.latest_coefficients().version < 20, what="follow")
     run(est, trace[200:260])
     assert est._avest.transfer.flush(5) and sink.flush(15), sink.stats
     fresh = client.coefficients(sink.pair_id)
     assert 1 <= fresh.version < 20
     wait_until(
-        lambda: sink.latest_coefficients() == (fresh.version, fresh.slope, tuple(fresh.intercepts)),
+        lambda: (
+            sink.latest_coefficients()
+            == Coefficients(fresh.slope, tuple(fresh.intercepts), version=fresh.version)
+        ),
         timeout=10,
         what="fresh coefficients",
     )

@@ -27,6 +27,7 @@ from avest_client.vllm import costs, plugin
 from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.sidecar import sink as sidecar_sink
 from avest_client.vllm.sidecar.sink import SidecarSink
+from avest_wire.coefficients import Coefficients
 from avest_wire.pair import PairKey
 from tests.support.helpers import f32
 from tests.support.sidecar import (
@@ -101,8 +102,10 @@ def test_pushed_coefficients_land_in_place_at_a_step_boundary(start_sidecar, tmp
         c = client.coefficients(sink.pair_id)
     assert c.version == 4
     # the refit that step 40 caused is pushed to the sink ...
-    wait_until(lambda: (sink.latest_coefficients() or (0,))[0] == 4, what="version 4 pushed")
-    assert sink.latest_coefficients() == (4, c.slope, tuple(c.intercepts))
+    wait_until(
+        lambda: getattr(sink.latest_coefficients(), "version", 0) == 4, what="version 4 pushed"
+    )
+    assert sink.latest_coefficients() == Coefficients(c.slope, tuple(c.intercepts), version=4)
     # ... but nothing touches the tensors between steps
     assert est.avest_stats()["version"] != 4
     assert est.slope.item() != f32(c.slope)
@@ -133,10 +136,8 @@ def test_a_new_worker_starts_from_the_trained_pair(start_sidecar, tmp_path, trac
     sink = sink_of(second)
     assert sink.wait_connected(10)
     # registration handed over the pair's coefficients before any step ...
-    assert sink.latest_coefficients() == (
-        trained_version,
-        trained.slope,
-        tuple(trained.intercepts),
+    assert sink.latest_coefficients() == Coefficients(
+        trained.slope, tuple(trained.intercepts), version=trained_version
     )
     assert second.slope.item() == 0.5  # (tensors change only at a step boundary)
     run(second, trace[100:101])

@@ -6,6 +6,8 @@
   little-endian, row-major, with a shape);
 - :mod:`avest_wire.limits`: every size limit, ``MAX_K`` and the feature clamp;
 - :mod:`avest_wire.bins`: the calibration sketch's bins and the calibration table's size;
+- :mod:`avest_wire.coefficients`: the coefficients (one type for client, shim and
+  service), their one check and the cold-start constants;
 - :mod:`avest_wire.summary`: the round summary and its sketch, and their one check;
   :mod:`avest_wire.messages`: both to and from their messages;
 - :mod:`avest_wire.pair`: the pair key and its stable id;
@@ -14,7 +16,7 @@
 - :mod:`avest_wire.refusal`: the refused step's sequence number in trailing metadata;
 - :mod:`avest_wire.errors`: the error for input outside the contract.
 
-``limits``, ``bins``, ``summary``, ``strata`` and ``errors`` need numpy only (the service's core
+``limits``, ``bins``, ``coefficients``, ``summary``, ``strata`` and ``errors`` need numpy only (the service's core
 imports them); the rest need protobuf or grpc. Nothing here imports the service or the
 client.
 """

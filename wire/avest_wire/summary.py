@@ -38,6 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from avest_wire.bins import AUC_SLOTS, CELLS_PER_POSITION, ECE_BINS
+from avest_wire.coefficients import check_k, slope_ok
 from avest_wire.errors import InvalidInput
 from avest_wire.limits import MAX_K, MAX_LOG_ODDS, MAX_SUMMARY_STEPS
 
@@ -226,11 +227,6 @@ class RoundSummary:
         return len(self.intercepts)
 
 
-def _check_k(k: int) -> None:
-    if not 1 <= k <= MAX_K:
-        raise InvalidInput("k", f"K must be in [1, {MAX_K}], got {k}")
-
-
 def make_summary(
     k: int,
     *,
@@ -248,7 +244,7 @@ def make_summary(
 
     The parts are checked together, in one buffer, with a handful of numpy calls.
     """
-    _check_k(k)
+    check_k(k)
     if version < 0:
         raise InvalidInput("coefficients_version", "must be >= 0")
     sizes = (("intercepts", k), ("info", 3 * k), ("grad", 2 * k), ("counts", k))
@@ -258,7 +254,7 @@ def make_summary(
         if part.size != size:
             raise InvalidInput(name, f"must have {size} entries, got {part.size}")
     w = float(slope)
-    if not (math.isfinite(w) and w >= 0.0):
+    if not slope_ok(w):
         raise InvalidInput("slope", f"must be finite and >= 0, got {w}")
     # one fresh buffer [intercepts | info | grad | counts]: the summary views it
     every = np.concatenate(parts)
@@ -337,7 +333,7 @@ def make_sketch(
     logloss_sum: npt.ArrayLike,
 ) -> Sketch:
     """Check a sketch's parts (``cells``: absolute flat indices) into a :class:`Sketch`."""
-    _check_k(k)
+    check_k(k)
     idx = np.asarray(cells, dtype=np.int64).reshape(-1)
     cnt = np.asarray(cell_counts, dtype=np.float64).reshape(-1)
     if idx.shape != cnt.shape:
@@ -425,7 +421,7 @@ def intake(
     if (len(intercepts), len(info), len(grad), len(counts)) != (k, 3 * k, 2 * k, k):
         return None
     w = float(slope)
-    if not (math.isfinite(w) and w >= 0.0):
+    if not slope_ok(w):
         return None
     # [intercepts | info | grad | counts] in one buffer
     every = np.concatenate(

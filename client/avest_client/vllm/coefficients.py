@@ -22,6 +22,7 @@ import math
 from avest_client.types import Served
 from avest_client.vllm.sink import Sink
 from avest_client.vllm.tp import TPGroup
+from avest_wire.coefficients import slope_ok
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,10 @@ def validate(raw: object, num_positions: int) -> Payload:
     if raw is None:
         return None
     try:
-        version, slope, intercepts = raw  # type: ignore[misc]  # any (version, slope, b) triple
+        if isinstance(raw, Served):
+            version, slope, intercepts = raw.version, raw.slope, raw.intercepts
+        else:
+            version, slope, intercepts = raw  # type: ignore[misc]  # any (version, slope, b) triple
         version = int(version)
         slope = float(slope)
         b = tuple(float(x) for x in intercepts)
@@ -42,9 +46,9 @@ def validate(raw: object, num_positions: int) -> Payload:
         return None
     if len(b) != num_positions:
         return None
-    if not (math.isfinite(slope) and slope >= 0.0 and all(math.isfinite(x) for x in b)):
+    if not (slope_ok(slope) and all(math.isfinite(x) for x in b)):
         return None
-    return Served(version, slope, b)
+    return Served(slope, b, version=version)
 
 
 class Governor:

@@ -42,7 +42,7 @@ FATAL_CODES = frozenset(
 
 
 def _plain(version: int, slope: float, intercepts: Iterable[float]) -> Served:
-    return Served(int(version), float(slope), tuple(float(b) for b in intercepts))
+    return Served(float(slope), tuple(float(b) for b in intercepts), version=int(version))
 
 
 class Registrar:
