@@ -25,6 +25,7 @@ from google.protobuf.message import DecodeError
 
 from avest.grpc.handlers import Wrap, rebuilt
 from avest.grpc.interceptor import method_label
+from avest.grpc.refusals import reason_of
 from avest.policy.access import Access, Role, grpc_role
 from avest.policy.throttle import LogLimiter, TokenBucket
 
@@ -112,7 +113,7 @@ class Gate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 if denied.unauthenticated
                 else grpc.StatusCode.PERMISSION_DENIED
             )
-            self.on_refused(method, code.name.lower())
+            self.on_refused(method, reason_of(code))
             self.logs.warning("denied", "%s refused: %s", method, denied.message)
             return _refusing(handler, code, denied.message)
         if cached is not None:

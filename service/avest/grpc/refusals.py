@@ -12,6 +12,10 @@ from avest_wire.errors import InvalidInput
 from avest_wire.matrix import MatrixError
 
 
+def reason_of(code: grpc.StatusCode) -> str:
+    return str(code.name).lower()
+
+
 class Refused(Exception):
     """A refusal with its gRPC status code (and trailing metadata); raised before any
     state changes."""
@@ -24,14 +28,9 @@ class Refused(Exception):
         self.message = message
         #: Trailing metadata sent with the status (e.g. the refused step's sequence).
         self.metadata = metadata
-        self.reason = {
-            grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument",
-            grpc.StatusCode.NOT_FOUND: "not_found",
-            grpc.StatusCode.RESOURCE_EXHAUSTED: "resource_exhausted",
-            grpc.StatusCode.FAILED_PRECONDITION: "failed_precondition",
-            grpc.StatusCode.ALREADY_EXISTS: "already_exists",
-            grpc.StatusCode.PERMISSION_DENIED: "permission_denied",
-        }.get(code, "other")
+        #: The metrics' ``reason`` label: the code's name in lower case, as every
+        #: refusal counts it (the metrics fold names outside their list into ``other``).
+        self.reason = reason_of(code)
 
 
 @contextlib.contextmanager
