@@ -88,6 +88,10 @@ def test_the_bash_script_parses(scripts: dict[str, str], tmp_path: Path) -> None
         ("avest s", ["serve", "store", "simulate"]),
         ("avest store c", ["copy"]),
         ("avest store copy --f", ["--from", "--force"]),
+        ("avest tr", ["traces"]),
+        ("avest traces ", ["merge"]),
+        ("avest traces merge --l", ["--label", "--longest"]),
+        ("avest evaluate --st", ["--strata"]),
         ("avest completion ", ["bash", "zsh"]),
         ("avest simulate --update-rule tr", ["tracking"]),
         ("avest fleet --rule ", None),  # the rule names, from the parser

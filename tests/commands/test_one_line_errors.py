@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from avest.commands.cli import SERVER_COMMANDS, build_parser, main
+from avest.offline.strata import merge_traces
 from avest.offline.trace import write_trace
 from tests.support.helpers import free_port
 from tests.support.traces import make_synthetic_trace
@@ -54,6 +55,16 @@ def tiny_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def tiny_mixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two strata in every batch (its ``stratum`` array): what ``--strata`` and
+    ``fleet``'s per-stratum report read."""
+    path = tmp_path_factory.mktemp("trace") / "mixed.npz"
+    sources = [make_synthetic_trace(steps=12, requests=4, k=3, seed=s) for s in (0, 1)]
+    write_trace(path, merge_traces(sources, labels=["greedy", "t0.5-1"]))
+    return path
+
+
 def one_line(err: str) -> None:
     assert "Traceback" not in err, err
     lines = [line for line in err.splitlines() if line.strip()]
@@ -75,6 +86,9 @@ def test_the_known_cases_fail_in_one_line(tmp_path: Path, busy_port: int) -> Non
         (["replay", "--rate", "-1"], 2, "--rate: must be a number >= 0, got '-1'"),
         (["pairs", "--address", closed], 1, "is a service running there?"),
         (["evaluate", "/etc/hostname"], 2, "is not an avest trace"),
+        (["traces", "merge", "out.npz", "nope.npz"], 2, "nope.npz: no such file"),
+        (["traces", "merge", "out", "nope.npz"], 2, "give a file name ending in .npz"),
+        (["evaluate", "--strata", "--method", "mle"], 2, "--method mle: not a method of"),
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("AVEST_")}
     procs = [
@@ -119,30 +133,45 @@ def typed(action: argparse.Action) -> bool:
     return action.choices is not None or action.type not in (None, str)
 
 
-def garbage_cases() -> Iterator[tuple[tuple[str, ...], str | int, str, bool]]:
-    """``(command words, flag or positional index, value, typed)`` for every argument."""
+#: Commands whose every argument gets garbage a second time on a trace with strata
+#: (``--strata``: evaluate's per-stratum report; fleet's, which a trace carrying a
+#: ``stratum`` array turns on).
+STRATA_VARIANT = {("evaluate",), ("fleet",)}
+
+
+def garbage_cases() -> Iterator[tuple[tuple[str, ...], str | int, str, bool, str]]:
+    """``(command words, flag or positional index, value, typed, variant)`` for every
+    argument (variant ``strata``: again on a trace with strata, see :data:`STRATA_VARIANT`)."""
     for words, parser in leaves(build_parser()):
-        positional = 0
-        for action in parser._actions:
-            if action.nargs == 0 or isinstance(action, argparse._HelpAction):
-                continue
-            if action.option_strings:
-                where: str | int = action.option_strings[0]
-            else:
-                where, positional = positional, positional + 1
-            for value in ["garbage", "-7"] if typed(action) else ["garbage"]:
-                yield words, where, value, typed(action)
+        for variant in ["", "strata"] if words in STRATA_VARIANT else [""]:
+            positional = 0
+            for action in parser._actions:
+                if action.nargs == 0 or isinstance(action, argparse._HelpAction):
+                    continue
+                if action.option_strings:
+                    where: str | int = action.option_strings[0]
+                else:
+                    where, positional = positional, positional + 1
+                for value in ["garbage", "-7"] if typed(action) else ["garbage"]:
+                    yield words, where, value, typed(action), variant
 
 
 CASES = list(garbage_cases())
 
 
-def base_args(words: tuple[str, ...], busy_port: int, trace: Path) -> list[str]:
+def base_args(
+    words: tuple[str, ...], busy_port: int, trace: Path, mixed: Path, variant: str = ""
+) -> list[str]:
     """Arguments that keep a case fast and local: its positionals first, a busy port
     (so an accepted value ends at the bind check), a closed one to talk to, a tiny
-    trace."""
+    trace (``mixed``, with strata, for the ``strata`` variant)."""
     closed = f"127.0.0.1:{free_port()}"
     busy = f"127.0.0.1:{busy_port}"
+    if variant == "strata":
+        return {
+            ("evaluate",): [str(mixed), "--refit-interval", "4", "--strata"],
+            ("fleet",): [str(mixed), "--workers", "1", "--restart-every", "0", "--steps", "20"],
+        }[words]
     return {
         ("serve",): ["--grpc-address", busy],
         ("demo",): [str(trace), "--grpc-address", busy, "--exit"],
@@ -151,6 +180,7 @@ def base_args(words: tuple[str, ...], busy_port: int, trace: Path) -> list[str]:
         ("pairs",): ["--address", closed],
         ("record",): ["pair", "out.npz", "--http", f"http://{closed}"],
         ("store", "copy"): ["--from", "missing-store", "--to", "target"],
+        ("traces", "merge"): ["out.npz", str(trace), str(mixed)],
         ("evaluate",): [str(trace), "--refit-interval", "4"],
         ("fleet",): [str(trace), "--workers", "1", "--restart-every", "0", "--steps", "20"],
         ("simulate",): [str(trace), "--concurrency", "2", "--min-steps", "0"],
@@ -163,20 +193,25 @@ def test_the_cases_cover_every_command() -> None:
     covered = {words for words, *_ in CASES}
     assert covered == {words for words, _ in leaves(build_parser())}
     assert len(CASES) > 100
+    merge = {where for words, where, *_ in CASES if words == ("traces", "merge")}
+    assert {0, 1, "--label", "--k"} <= merge
+    assert {words for words, *_, variant in CASES if variant == "strata"} == STRATA_VARIANT
 
 
 @pytest.mark.parametrize(
-    ("words", "where", "value", "has_domain"),
+    ("words", "where", "value", "has_domain", "variant"),
     CASES,
-    ids=[f"{' '.join(w)} {f} {v}" for w, f, v, _ in CASES],
+    ids=[f"{' '.join(w)} {f} {v}{' ' + x if x else ''}" for w, f, v, _, x in CASES],
 )
 def test_garbage_fails_in_one_line(
     words: tuple[str, ...],
     where: str | int,
     value: str,
     has_domain: bool,
+    variant: str,
     busy_port: int,
     tiny_trace: Path,
+    tiny_mixed: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
@@ -184,7 +219,7 @@ def test_garbage_fails_in_one_line(
     monkeypatch.chdir(tmp_path)  # whatever a garbage path makes, it makes here
     for name in [n for n in os.environ if n.startswith("AVEST_")]:
         monkeypatch.delenv(name)
-    argv = [*words, *base_args(words, busy_port, tiny_trace)]
+    argv = [*words, *base_args(words, busy_port, tiny_trace, tiny_mixed, variant)]
     if isinstance(where, int):  # a positional: garbage in its place
         argv[len(words) + where] = value
     else:

@@ -159,3 +159,58 @@ def test_one_stratum_scores_as_today_and_a_mix_is_scored_per_stratum(trace_slice
     assert report.coefficients["one-set"]["greedy"] == report.coefficients["one-set"]["t0.5-1"]
     table = format_strata(report)
     assert "greedy" in table and "t0.5-1" in table and OVERALL in table
+
+
+def test_a_merged_trace_round_trips_and_evaluates_as_in_memory(trace_slice, tmp_path) -> None:
+    merged = merge_traces(
+        [trace_slice(GREEDY, 0, 50), trace_slice("code", 0, 50)], labels=[None, "code/t0.5-1"]
+    )
+    back = read_trace(write_trace(tmp_path / "mixed.npz", merged))
+    np.testing.assert_array_equal(back.stratum, merged.stratum)
+    assert back.meta["sources"] == merged.meta["sources"]
+    want = evaluate_strata(merged, "m", refit_interval=10)
+    got = evaluate_strata(back, "m", refit_interval=10)
+    assert got.measures == want.measures and got.coefficients == want.coefficients
+    assert got.strata == ["code/t0.5-1", "greedy"]
+    # The progress callback counts every step of every method.
+    ticks: list[int] = []
+    evaluate_strata(back, refit_interval=10, methods=["one-set", "strata"], progress=ticks.append)
+    assert sum(ticks) == 2 * back.num_steps
+
+
+def test_the_strata_table_lines_up_whatever_a_stratum_is_called(trace_slice) -> None:
+    long_name = "a-lora-adapter-with-a-long-name/t0.5-1"
+    merged = merge_traces(
+        [trace_slice(GREEDY, 0, 40), trace_slice("code", 0, 40)], [None, long_name]
+    )
+    lines = format_strata(evaluate_strata(merged, "m", refit_interval=10)).splitlines()
+    rule = lines[2]
+    assert set(rule) == {"-", " "}
+    starts = [i for i, c in enumerate(rule) if c == "-" and (i == 0 or rule[i - 1] == " ")]
+    for line in lines[3:]:
+        # Every cell starts or ends inside its column: no gap of the rule holds text.
+        for i, c in enumerate(rule):
+            if c == " ":
+                assert line[i : i + 1] in ("", " "), (line, i)
+    assert len(starts) == 10 and lines[3].startswith(f"{long_name} vllm")
+
+
+def test_fleet_with_strata_leaves_the_other_estimators_as_they_were(trace_slice) -> None:
+    from avest.offline.fleet import POOLED_STRATA, Fleet, evaluate_fleet
+
+    merged = merge_traces([trace_slice(GREEDY, 0, 60), trace_slice("code", 0, 60)])
+    fleet = Fleet(workers=3, restart_every=15, refit_interval=10, early=5)
+    plain = evaluate_fleet(merged, fleet, strata=False)
+    with_strata = evaluate_fleet(merged, fleet)  # the trace has a stratum array
+    assert not plain.by_stratum and POOLED_STRATA not in plain.scores
+    assert list(with_strata.scores) == [*plain.scores, POOLED_STRATA]
+    # The wrapper feeds the pooled estimator exactly as before: nothing else moves.
+    assert {n: with_strata.summaries()[n] for n in plain.scores} == plain.summaries()
+    assert with_strata.strata == ["greedy", "t0.5-1"]
+    for name, by in with_strata.by_stratum.items():
+        assert by["greedy"].drafts + by["t0.5-1"].drafts == by[OVERALL].drafts
+        # Overall, the exact measures agree with the running ones up to their binning.
+        assert by[OVERALL].drafts == with_strata.scores[name].overall.count
+        assert by[OVERALL].logloss == pytest.approx(
+            with_strata.scores[name].overall.summary().logloss, rel=1e-6
+        )

@@ -56,6 +56,7 @@ COMMANDS = (
     "record",
     "pairs",
     "store",
+    "traces",
     "evaluate",
     "fleet",
     "simulate",

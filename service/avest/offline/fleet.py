@@ -17,11 +17,18 @@ labelled draft is scored predict-then-learn by each estimator:
                         never changes the round statistics);
 ``pooled-cold``         pooled, but reset to the cold start with the workers
                         (at the first restart of each wave): what pooling
-                        alone gives.
+                        alone gives;
+``pooled+strata``       when the trace carries strata (its ``stratum`` array):
+                        the pooled estimator plus a coefficient set per
+                        stratum (:mod:`avest.core.strata`; the pooled one's
+                        coefficients are unchanged by it).
 
 The measures are the core's :class:`CalibrationState` over every draft, and
 over the drafts of each worker's first ``early`` steps after launch and after
-every restart (when the in-worker estimator is coldest).
+every restart (when the in-worker estimator is coldest). With strata, every
+estimator is also measured per stratum and overall with the exact measures of
+:func:`avest.offline.strata.measures_by_stratum` (a stratum's calibration on its
+own rows: the strata's errors cancel in the overall ECE).
 """
 
 from __future__ import annotations
@@ -38,7 +45,9 @@ from avest.core.metrics import CalibrationState, CalibrationSummary
 from avest.core.model import linear_predictor
 from avest.core.rule_factory import DEFAULT_RULE, make_rule
 from avest.core.rules import VllmRule
+from avest.core.strata import StratifiedEstimator
 from avest.offline.evaluate import Steps
+from avest.offline.strata import Measures, measures_by_stratum
 from avest.offline.trace import Trace
 
 IntArray = npt.NDArray[np.int64]
@@ -47,11 +56,13 @@ IN_WORKER = "in-worker"
 POOLED = "pooled"
 POOLED_CALIBRATED = "pooled+calibration"
 POOLED_COLD = "pooled-cold"
+POOLED_STRATA = "pooled+strata"
 ESTIMATORS: dict[str, str] = {
     IN_WORKER: "vLLM today: vLLM's rule per worker, cold at launch and every restart",
     POOLED: "avest: one estimator fed by every worker, warm across restarts",
     POOLED_CALIBRATED: "avest pooled, served through the calibration layer",
     POOLED_COLD: "avest pooled, reset with the workers: pooling alone",
+    POOLED_STRATA: "avest pooled, plus a coefficient set per stratum (the trace's strata)",
 }
 #: Steps after launch and after each restart scored in the ``early`` window.
 EARLY_STEPS = 100
@@ -171,6 +182,11 @@ class FleetReport:
     worker_steps: int
     restarts: int
     scores: dict[str, Scores] = field(default_factory=dict)
+    #: With strata: their names, sorted.
+    strata: list[str] = field(default_factory=list)
+    #: With strata: each estimator's exact measures per stratum and overall
+    #: (:data:`avest.offline.strata.OVERALL`).
+    by_stratum: dict[str, dict[str, Measures]] = field(default_factory=dict)
 
     def summaries(self) -> dict[str, tuple[CalibrationSummary, CalibrationSummary]]:
         return {n: (s.overall.summary(), s.early.summary()) for n, s in self.scores.items()}
@@ -191,6 +207,15 @@ class FleetReport:
             }
 
         f = self.fleet
+        strata = {
+            "strata": {
+                "names": self.strata,
+                "estimators": {
+                    name: {s: m.as_json() for s, m in by.items()}
+                    for name, by in self.by_stratum.items()
+                },
+            }
+        }
         return {
             "trace": self.trace,
             "k": self.k,
@@ -209,6 +234,7 @@ class FleetReport:
                 }
                 for name, s in self.scores.items()
             },
+            **(strata if self.by_stratum else {}),
         }
 
 
@@ -229,16 +255,27 @@ def evaluate_fleet(
     fleet: Fleet,
     name: str = "",
     progress: Callable[[int], object] | None = None,
+    strata: bool | None = None,
 ) -> FleetReport:
     """Replay ``trace`` as ``fleet`` and score every estimator on every labelled draft;
-    ``progress(1)`` after each worker step."""
+    ``progress(1)`` after each worker step. ``strata`` (by default: when the trace
+    carries a ``stratum`` array): add ``pooled+strata`` and measure every estimator
+    per stratum too."""
     k = trace.k
     steps = Steps.of(trace)
     workers = [in_worker_estimator(k, fleet) for _ in range(fleet.workers)]
     pooled = pooled_estimator(k, fleet)
     cold = OnlineEstimator(k, make_rule(fleet.pooled_rule), fleet.refit_interval)
     clock = Restarts(fleet)
-    scores = {n: Scores.empty(k) for n in fleet.estimators()}
+    names = fleet.estimators()
+    stratified = None
+    row_strata = trace.strata()
+    if trace.stratum is not None if strata is None else strata:  # by default: if it has one
+        # Wraps the pooled estimator, which it feeds exactly as before.
+        stratified = StratifiedEstimator(pooled)
+        names = [*names, POOLED_STRATA]
+    full = {n: np.zeros_like(steps.features) for n in names} if stratified else {}
+    scores = {n: Scores.empty(k) for n in names}
     count = 0
     for ws in worker_steps(trace, fleet.workers):
         restart, wave = clock.tick(ws.worker)
@@ -254,17 +291,33 @@ def evaluate_fleet(
         }
         if fleet.calibrate:
             etas[POOLED_CALIBRATED] = pooled.served_eta(batch.features)
+        rows_strata = [str(s) for s in row_strata[ws.rows]] if stratified is not None else []
+        if stratified is not None:
+            etas[POOLED_STRATA] = stratified.linear_predictor(batch.features, rows_strata)
         early = clock.early(ws.worker)
         for n, eta in etas.items():
             scores[n].overall.update(eta, batch.observed, batch.accepted)
             if early:
                 scores[n].early.update(eta, batch.observed, batch.accepted)
-        for est in (workers[ws.worker], pooled, cold):
+            if n in full:
+                full[n][ws.rows] = eta
+        for est in (workers[ws.worker], cold):
             est.apply(batch)
+        if stratified is None:
+            pooled.apply(batch)
+        else:
+            stratified.apply(batch, rows_strata)
         clock.done(ws.worker)
         count += 1
         if progress is not None:
             progress(1)
-    return FleetReport(
-        name, fleet, k, count, int(clock.count.sum()), {n: scores[n] for n in fleet.estimators()}
+    report = FleetReport(
+        name, fleet, k, count, int(clock.count.sum()), {n: scores[n] for n in names}
     )
+    if stratified is not None:
+        report.strata = sorted({str(s) for s in row_strata})
+        report.by_stratum = {
+            n: measures_by_stratum(eta, steps.observed, steps.accepted, row_strata, report.strata)
+            for n, eta in full.items()
+        }
+    return report

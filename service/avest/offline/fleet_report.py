@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-from avest.offline.fleet import FleetReport
+from avest.offline.fleet import POOLED, FleetReport
 from avest.offline.simulate.fleet import ORACLE, FleetGoodput
+from avest.offline.strata import MEASURE_COLUMNS, OVERALL, cells
 from avest.offline.table import Column, format_columns
 
 Row = tuple[FleetReport, FleetGoodput | None]
@@ -92,4 +93,40 @@ def format_headline(rows: Sequence[Row]) -> str:
             )
     if blocks:
         blocks[-1] += format_columns(_COLUMNS, table)
-    return "\n\n".join("\n".join(line.rstrip() for line in b) for b in blocks)
+    strata = format_strata_table(report for report, _ in rows)
+    return "\n\n".join(["\n".join(line.rstrip() for line in b) for b in blocks] + strata)
+
+
+_STRATA_COLUMNS = (
+    Column("W", width=3),
+    Column("S", width=4),
+    Column("stratum", "<", gap=2),
+    Column("estimator", "<"),
+    *MEASURE_COLUMNS,
+    Column("ECE/pooled"),
+)
+
+
+def format_strata_table(reports: Iterable[FleetReport]) -> list[str]:
+    """Per trace with strata: each fleet shape's estimators per stratum and overall
+    (exact measures; ECE/pooled: against the pooled estimator's one set)."""
+    out: list[str] = []
+    by_trace: dict[str, list[FleetReport]] = {}
+    for report in reports:
+        if report.by_stratum:
+            by_trace.setdefault(report.trace, []).append(report)
+    for trace, shapes in by_trace.items():
+        table: list[list[str]] = []
+        for report in shapes:
+            f = report.fleet
+            for stratum in [*report.strata, OVERALL]:
+                base = report.by_stratum.get(POOLED, {}).get(stratum)
+                for i, (name, by) in enumerate(report.by_stratum.items()):
+                    lead = [str(f.workers), str(f.restart_every), stratum] if i == 0 else [""] * 3
+                    table.append([*lead, name, *cells(by[stratum], base)])
+        head = (
+            f"{trace or 'trace'} per stratum ({', '.join(shapes[0].strata)}) and overall "
+            f"{OVERALL}: each stratum measured on its own rows"
+        )
+        out.append("\n".join([head, *format_columns(_STRATA_COLUMNS, table)]))
+    return out

@@ -21,7 +21,7 @@ rows, since the strata's errors cancel in the overall ECE.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,7 @@ from avest.core.numeric import sigmoid
 from avest.core.rule_factory import make_rule
 from avest.core.strata import StrataConfig, StratifiedEstimator
 from avest.offline.evaluate import Steps
+from avest.offline.table import Column, format_columns
 from avest.offline.trace import OPTIONAL_ARRAYS, Trace
 from avest_wire.strata import check_stratum
 
@@ -252,9 +253,11 @@ def evaluate_strata(
     from_fraction: float = 0.0,
     methods: Sequence[str] = tuple(METHODS),
     config: StrataConfig | None = None,
+    progress: Callable[[int], object] | None = None,
 ) -> StrataReport:
     """Replay ``trace`` online with each method; measure drafts of steps from
-    ``from_fraction`` on, per stratum and overall."""
+    ``from_fraction`` on, per stratum and overall; ``progress(1)`` after each step
+    replayed (``len(methods)`` times the trace's steps in all)."""
     if not 0.0 <= from_fraction < 1.0:
         raise ValueError(f"from_fraction must lie in [0, 1), got {from_fraction}")
     unknown = [m for m in methods if m not in METHODS]
@@ -266,7 +269,7 @@ def evaluate_strata(
     first = int(round(from_fraction * len(steps.bounds)))
     report = StrataReport(name, from_fraction, refit_interval, names)
     for method in methods:
-        eta, final = replay_strata(steps, strata, method, refit_interval, config)
+        eta, final = replay_strata(steps, strata, method, refit_interval, config, progress)
         lo = steps.bounds[first][0] if first < len(steps.bounds) else trace.rows
         report.measures[method] = measures_by_stratum(
             eta[lo:], steps.observed[lo:], steps.accepted[lo:], strata[lo:], names
@@ -281,6 +284,7 @@ def replay_strata(
     method: str,
     refit_interval: int = 100,
     config: StrataConfig | None = None,
+    progress: Callable[[int], object] | None = None,
 ) -> tuple[FloatArray, dict[str, Coefficients]]:
     """Each draft's linear predictor ``[R, K]`` as ``method`` served it (predict, then
     learn), and the coefficients each stratum has at the end."""
@@ -299,6 +303,8 @@ def replay_strata(
         else:
             out[lo:hi] = stratified.linear_predictor(batch.features, rows)
             stratified.apply(batch, rows)
+        if progress is not None:
+            progress(1)
     final = {s: pooled.coefficients for s in sorted({str(s) for s in strata})}
     if stratified is not None:
         final = {s: stratified.coefficients_for(s) for s in final}
@@ -322,32 +328,60 @@ def measures_by_stratum(
     return out
 
 
+#: A per-stratum table's measure columns (here and ``avest fleet``'s): see :func:`cells`.
+MEASURE_COLUMNS = (
+    Column("drafts"),
+    Column("AUC", width=7),
+    Column("logloss", width=8),
+    Column("ECE", width=7),
+)
+
+
+def number(v: float, digits: int = 4) -> str:
+    """A table cell: ``v`` to ``digits`` places, ``-`` where undefined."""
+    return f"{v:.{digits}f}" if v == v else "-"
+
+
+def cells(m: Measures, base: Measures | None) -> list[str]:
+    """The cells of :data:`MEASURE_COLUMNS`, then the ECE against ``base``'s."""
+    ratio = m.ece / base.ece if base is not None and base.ece > 0 else float("nan")
+    return [str(m.drafts), number(m.auc), number(m.logloss), number(m.ece), number(ratio, 2)]
+
+
+_COLUMNS = (
+    Column("stratum", "<"),
+    Column("method", "<"),
+    *MEASURE_COLUMNS,
+    Column("ECE/one-set"),
+    Column("pred", width=6),
+    Column("obs", width=6),
+    Column("slope", width=6),
+)
+
+
 def format_strata(report: StrataReport) -> str:
-    """The report as a fixed-width table: a block per stratum, a line per method."""
+    """The report as an aligned table (:func:`avest.offline.table.format_columns`): a
+    block per stratum, then :data:`OVERALL`, a line per method; ``-`` where undefined."""
     head = f"{report.trace}: refit every {report.refit_interval} steps" + (
         f", scoring steps from {report.from_fraction:g} on" if report.from_fraction else ""
     )
-    cols = (
-        f"{'stratum':<14} {'method':<8} {'drafts':>7} {'AUC':>7} {'logloss':>8} "
-        f"{'ECE':>7} {'ECE/one-set':>11} {'pred':>6} {'obs':>6} {'slope':>6}"
-    )
-    lines = [head, cols, "-" * len(cols)]
-
-    def f(v: float, w: int, d: int = 4) -> str:
-        return f"{v:>{w}.{d}f}" if v == v else f"{'-':>{w}}"
-
+    rows: list[list[str]] = []
     for stratum in [*report.strata, OVERALL]:
         base = report.measures.get("one-set", {}).get(stratum)
         for i, (method, by) in enumerate(report.measures.items()):
             m = by[stratum]
-            ratio = m.ece / base.ece if base is not None and base.ece > 0 else float("nan")
             coef = report.coefficients[method].get(stratum)
-            lines.append(
-                f"{stratum if i == 0 else '':<14} {method:<8} {m.drafts:>7} {f(m.auc, 7)} "
-                f"{f(m.logloss, 8)} {f(m.ece, 7)} {f(ratio, 11, 2)} {f(m.mean_predicted, 6, 3)} "
-                f"{f(m.observed, 6, 3)} {f(coef.slope if coef else float('nan'), 6, 3)}"
+            rows.append(
+                [
+                    stratum if i == 0 else "",
+                    method,
+                    *cells(m, base),
+                    number(m.mean_predicted, 3),
+                    number(m.observed, 3),
+                    number(coef.slope if coef else float("nan"), 3),
+                ]
             )
-    return "\n".join(lines)
+    return "\n".join([head, *format_columns(_COLUMNS, rows)])
 
 
 def report_json(reports: Sequence[StrataReport]) -> str:
