@@ -18,7 +18,7 @@ from avest_client.summary import RoundAccumulator
 from avest_wire.bins import ECE_BINS
 from avest_wire.errors import InvalidInput
 from avest_wire.limits import MAX_LOG_ODDS
-from avest_wire.messages import intake_pb, summary_from_pb, summary_to_pb
+from avest_wire.messages import intake_pb, summary_from_checked_pb, summary_from_pb, summary_to_pb
 from avest_wire.summary import BOUND_REL_SLACK, RoundSummary, make_summary
 from avest_wire.v1 import estimator_pb2 as pb
 
@@ -252,3 +252,33 @@ def test_a_position_without_drafts_carries_no_sums() -> None:
     with pytest.raises(InvalidInput) as err:
         make_summary(k, **{**good, "grad": [[0.0, 0.0], [0.0, 0.01]]})  # type: ignore[arg-type]
     assert err.value.field == "grad" and "position 1" in err.value.problem
+
+
+@pytest.mark.parametrize("with_sketch", [True, False])
+def test_a_checked_message_reads_back_the_same_without_its_checks(with_sketch: bool) -> None:
+    """What a replica stored after checking it (``summary_from_pb``) reads back with
+    ``summary_from_checked_pb`` to the very same summary, checks not run again."""
+    msg = summary_to_pb(_base())
+    if not with_sketch:
+        msg.ClearField("sketch")
+    checked = summary_from_pb(msg, K)
+    again = summary_from_checked_pb(pb.RoundSummary.FromString(msg.SerializeToString()), K)
+    for name in ("version", "slope", "intercepts", "steps", "drafts"):
+        assert getattr(again, name) == getattr(checked, name), name
+    for name in ("info", "grad", "counts"):
+        np.testing.assert_array_equal(getattr(again, name), getattr(checked, name))
+    if not with_sketch:
+        assert again.sketch is None and checked.sketch is None
+        return
+    assert again.sketch is not None and checked.sketch is not None
+    for name in ("cells", "counts", "ece", "psum", "nll"):
+        np.testing.assert_array_equal(getattr(again.sketch, name), getattr(checked.sketch, name))
+    np.testing.assert_array_equal(
+        again.sketch.drafts_per_position(), checked.sketch.drafts_per_position()
+    )
+    # the checks are not run: a forged row reads as stored (only replicas write the log)
+    forged = pb.RoundSummary.FromString(msg.SerializeToString())
+    forged.slope = -1.0
+    assert summary_from_checked_pb(forged, K).slope == -1.0
+    with pytest.raises(InvalidInput):
+        summary_from_pb(forged, K)

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from avest_wire.bins import ECE_BINS
 from avest_wire.errors import InvalidInput
-from avest_wire.summary import RoundSummary, Sketch, intake, make_sketch, make_summary
+from avest_wire.summary import (
+    RoundSummary,
+    Sketch,
+    build_summary,
+    intake,
+    make_sketch,
+    make_summary,
+)
 from avest_wire.v1 import estimator_pb2 as pb
 
 
@@ -52,6 +60,31 @@ def summary_from_pb(s: pb.RoundSummary, k: int) -> RoundSummary:
     if fast is not None:
         return fast
     return _checked(s, k, with_sketch)
+
+
+def summary_from_checked_pb(s: pb.RoundSummary, k: int) -> RoundSummary:
+    """A summary this process or another replica already checked with
+    :func:`summary_from_pb` (its message stored as received, in a replicas' pending
+    log), read without checking it again: a summary is checked once, at the edge."""
+    every = np.concatenate(
+        [np.asarray(v, dtype=np.float64) for v in (s.intercepts, s.info, s.grad, s.counts)]
+    )
+    sketch = None
+    if _with_sketch(s):
+        sk = s.sketch
+        ece = np.concatenate(
+            [np.asarray(sk.ece_rejected, dtype=np.float64), np.asarray(sk.ece_accepted)]
+        ).reshape(2, k, ECE_BINS)
+        sketch = Sketch(
+            k,
+            np.asarray(sk.cell_deltas, dtype=np.int64).cumsum(),
+            np.asarray(sk.cell_counts, dtype=np.float64),
+            ece.transpose(1, 2, 0).copy(),
+            np.asarray(sk.ece_sum_predicted, dtype=np.float64).reshape(k, ECE_BINS),
+            np.asarray(sk.logloss_sum, dtype=np.float64),
+        )
+    drafts = int(every[6 * k :].sum())
+    return build_summary(k, s.coefficients_version, float(s.slope), every, s.steps, drafts, sketch)
 
 
 def _with_sketch(s: pb.RoundSummary) -> bool:

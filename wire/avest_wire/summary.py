@@ -298,10 +298,10 @@ def make_summary(
                 f"{n[pos]:g} drafts can lose at the summary's coefficients (counts_k x "
                 f"softplus(slope x {MAX_LOG_ODDS:g} + |intercept_k|))",
             )
-    return _summary(k, version, w, every, steps, total, sketch)
+    return build_summary(k, version, w, every, steps, total, sketch)
 
 
-def _summary(
+def build_summary(
     k: int,
     version: int,
     slope: float,
@@ -310,6 +310,8 @@ def _summary(
     drafts: int,
     sketch: Sketch | None,
 ) -> RoundSummary:
+    """The summary over one buffer ``every = [intercepts | info | grad | counts]``, as
+    given: the checks are the callers' (``intake``, ``make_summary``)."""
     return RoundSummary(
         int(version),
         slope,
@@ -442,7 +444,7 @@ def intake(
         return None
     if checked is not None and _over(checked.nll, _log_loss_bound(n, w, every[:k])).any():
         return None
-    return _summary(k, version, w, every, steps, total, checked)
+    return build_summary(k, version, w, every, steps, total, checked)
 
 
 def _sketch(

@@ -64,7 +64,7 @@ from avest.state.postgres import (
 )
 from avest.state.store import StoreUnreadable
 from avest.state.store_format import npz_bytes
-from avest_wire.messages import summary_from_pb, summary_to_pb
+from avest_wire.messages import summary_from_checked_pb, summary_to_pb
 from avest_wire.summary import RoundSummary
 from avest_wire.v1 import estimator_pb2 as pb
 
@@ -112,8 +112,9 @@ def encode(
 
 
 def decode(kind: str, payload: bytes, k: int) -> Batch | RoundSummary:
+    """A pending row as the replica that received it checked it: not checked again."""
     if kind == SUMMARY:
-        return summary_from_pb(pb.RoundSummary.FromString(payload), k)
+        return summary_from_checked_pb(pb.RoundSummary.FromString(payload), k)
     with np.load(io.BytesIO(payload), allow_pickle=False) as npz:
         return Batch(npz["features"], npz["observed"], npz["accepted"])
 
