@@ -131,6 +131,19 @@ def test_client_commands_against_a_live_server(
     assert '"status":"ok"' in health.stdout.replace(" ", "")
 
 
+def test_traces_merge_runs_on_numpy_alone(client_venv: Path, tmp_path: Path) -> None:
+    """A mixed trace is made without the server extra (``evaluate --strata`` needs it)."""
+    paths = []
+    for seed in (0, 1):
+        paths.append(str(tmp_path / f"t{seed}.npz"))
+        write_trace(paths[-1], make_synthetic_trace(steps=10, requests=4, k=3, seed=seed))
+    out = tmp_path / "mixed.npz"
+    argv = ["traces", "merge", str(out), *paths, "--label", "a", "--label", "b"]
+    proc = avest(client_venv, *argv)
+    assert proc.returncode == 0, proc.stderr
+    assert "a 40, b 40" in proc.stdout and out.is_file()
+
+
 @pytest.mark.parametrize(
     "argv",
     [
