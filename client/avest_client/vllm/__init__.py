@@ -86,7 +86,8 @@ Modules: :mod:`.plugin` (register, patch), :mod:`.hooks` (post-import hook),
 sync), :mod:`.transfer` + :mod:`.ringqueue` (capture, bounded drop-oldest
 hand-off, forwarder thread), :mod:`.sink` (the seam to the network client),
 :mod:`.tp`, :mod:`.config`, :mod:`.pair`, :mod:`.exclusion`, :mod:`.costs`,
-:mod:`.contract` / :mod:`.contract_check`, :mod:`.sidecar` (the
+:mod:`.contract` / :mod:`.contract_check`, :mod:`.schedule` (draft length by
+batch size, set in vLLM's speculative config at engine start), :mod:`.sidecar` (the
 production sink: registration, warm start, cost curves and the Observe stream
 through ``avest_client``'s ``EstimatorClient`` and ``Forwarder``).
 """

@@ -24,6 +24,11 @@ variable               default     meaning
                                    fewer summaries (a sidecar's load is workers /
                                    round seconds); the sketch keeps this many steps'
                                    features on the device (two sets). At most 10,000
+``AVEST_SCHEDULE``     ``0``       ``1``: at engine start, fetch the pair's draft
+                                   length by batch size for ``AVEST_HARDWARE`` and
+                                   set vLLM's ``num_speculative_tokens_per_batch_size``
+                                   (:mod:`.schedule`); otherwise, or on any failure,
+                                   the configured value governs
 =====================  ==========  ===================================================
 """
 
@@ -45,6 +50,7 @@ ENV_MODE = "AVEST_MODE"
 ENV_RAW_SAMPLE = "AVEST_RAW_SAMPLE"
 ENV_SKETCH = "AVEST_SKETCH"
 ENV_ROUND_STEPS = "AVEST_ROUND_STEPS"
+ENV_SCHEDULE = "AVEST_SCHEDULE"
 #: Most steps one summary may cover (the sketch keeps each step's features until then).
 MAX_ROUND_STEPS = 10_000
 MODES = ("summary", "raw")
@@ -68,6 +74,7 @@ class ShimConfig:
     raw_sample: float = 0.0
     sketch: bool = True
     round_steps: int = 0
+    schedule: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -106,6 +113,7 @@ class ShimConfig:
             raw_sample=_number(env, ENV_RAW_SAMPLE, 0.0, float),
             sketch=env.get(ENV_SKETCH, "1").strip().lower() not in ("0", "false", "no", "off"),
             round_steps=_number(env, ENV_ROUND_STEPS, 0, int),
+            schedule=_flag(env, ENV_SCHEDULE),
         )
 
 
@@ -117,6 +125,15 @@ def _number(env: Mapping[str, str], name: str, default, kind):  # type: ignore[n
         return kind(raw)
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    raw = env.get(name, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ConfigError(f"{name}={raw!r} is not 0 or 1")
 
 
 def parse_labels(raw: str) -> tuple[tuple[str, str], ...]:

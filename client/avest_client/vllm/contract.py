@@ -106,6 +106,7 @@ SAMPLER_MODULE = "vllm.v1.worker.gpu.sample.sampler"
 ADAPTIVE_VERIFICATION_MODULE = "vllm.v1.worker.gpu.spec_decode.adaptive_verification"
 WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 ENGINE_CORE_MODULE = "vllm.v1.engine.core"
+ARG_UTILS_MODULE = "vllm.engine.arg_utils"
 ESTIMATOR_CLASS = "OnlineAcceptanceEstimator"
 
 #: The class the shim subclasses; also checked at run time against the live class.
@@ -281,6 +282,55 @@ ENTRIES: tuple[Entry, ...] = (
             "num_speculative_tokens",
             "draft_sample_method",
             "enable_adaptive_verification",
+            "num_speculative_tokens_per_batch_size",
+        ),
+    ),
+    # Draft length by batch size (avest_client.vllm.schedule): the front end loads the
+    # plugins in EngineArgs.__post_init__, then create_engine_config builds the speculative
+    # config through create_speculative_config, which the plugin wraps; the engine core's
+    # scheduler expands the schedule into its lookup when it is built.
+    Class(
+        path="vllm/engine/arg_utils.py",
+        name="EngineArgs",
+        methods=(
+            Method(
+                "create_speculative_config",
+                ("self", "target_model_config", "target_parallel_config"),
+            ),
+        ),
+    ),
+    Statements(
+        path="vllm/engine/arg_utils.py",
+        cls="EngineArgs",
+        method="__post_init__",
+        snippets=("load_general_plugins()",),
+    ),
+    Statements(
+        path="vllm/engine/arg_utils.py",
+        cls="EngineArgs",
+        method="create_engine_config",
+        snippets=(
+            "self.create_speculative_config(target_model_config=model_config, "
+            "target_parallel_config=parallel_config)",
+        ),
+    ),
+    Function(
+        path="vllm/v1/spec_decode/dynamic/utils.py",
+        name="build_dynamic_sd_schedule_lookup",
+        params=(
+            "num_speculative_tokens_per_batch_size",
+            "vllm_max_batch_size",
+            "vllm_num_speculative_tokens",
+        ),
+    ),
+    Statements(
+        path="vllm/v1/core/sched/scheduler.py",
+        cls="Scheduler",
+        method="__init__",
+        snippets=(
+            "build_dynamic_sd_schedule_lookup(speculative_config."
+            "num_speculative_tokens_per_batch_size, vllm_max_batch_size=self.scheduler_config."
+            "max_num_seqs, vllm_num_speculative_tokens=self.num_spec_tokens)",
         ),
     ),
     # Requests whose target sampling is transformed are flagged as they are added.

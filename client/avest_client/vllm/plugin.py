@@ -11,7 +11,9 @@ the avest subclass (the speculator builds its estimator through that name in
 (``Worker.load_model``, ``Worker.shutdown``) and engine core
 (``EngineCore.shutdown``): a worker that builds no estimator says so once, and
 the shim's last round is sent when the engine shuts down
-(:mod:`avest_client.vllm.lifecycle`). If vLLM is absent or does not match
+(:mod:`avest_client.vllm.lifecycle`). Where the front end builds the speculative
+config (``EngineArgs.create_speculative_config``) it sets the pair's draft length by
+batch size when the operator opts in (:mod:`avest_client.vllm.schedule`). If vLLM is absent or does not match
 :mod:`avest_client.vllm.contract`, it logs and leaves vLLM untouched.
 """
 
@@ -54,6 +56,7 @@ def register() -> None:
     when_imported(contract.ADAPTIVE_VERIFICATION_MODULE, _hook_costs)
     when_imported(contract.WORKER_MODULE, install_worker_hooks)
     when_imported(contract.ENGINE_CORE_MODULE, install_engine_hooks)
+    when_imported(contract.ARG_UTILS_MODULE, lambda m: _hook_schedule(m, config))
     ACTIVE = True
     logger.info("avest: plugin active in process %d (sidecar %s, %s mode)",
                 os.getpid(), config.address, config.mode)  # fmt: skip
@@ -109,3 +112,9 @@ def _hook_costs(module: ModuleType) -> None:
     cls = getattr(module, "AdaptiveVerificationManager", None)
     if cls is not None:
         install_cost_curve_hook(cls)
+
+
+def _hook_schedule(module: ModuleType, config: ShimConfig) -> None:
+    from avest_client.vllm.schedule import install
+
+    install(module, config)

@@ -22,7 +22,14 @@ With ``AVEST_CPU_LIFT_RECORD=DIR`` it also keeps the test's own record of what
 vLLM graded, taken inside vLLM's ``OnlineAcceptanceEstimator.step`` (whatever
 subclass runs it): per position, the labelled drafts, the accepted ones and the
 sum of the predictions they were graded at, plus the coefficients in force after
-each step. It is written to ``DIR/graded-<pid>.json`` after every step.
+each step. It is written to ``DIR/graded-<pid>.json`` after every step. And, in the
+process that runs vLLM's scheduler, each step's batch size and the draft length it
+scheduled for it (``Scheduler.schedule``'s ``num_spec_tokens_to_schedule``) to
+``DIR/scheduled-<pid>.json``.
+
+``AVEST_CPU_LIFT_SCHEDULE=JSON`` makes that schedule what avest's plugin fetches
+(``avest_client.vllm.schedule.FETCH``), recording the pair key and hardware it was
+asked for in ``DIR/fetched-<pid>.json``.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ logger = logging.getLogger(__name__)
 _ADAPTIVE = "vllm.v1.worker.gpu.spec_decode.adaptive_verification"
 _RUNNER = "vllm.v1.worker.gpu.model_runner"
 _ESTIMATOR = "vllm.v1.worker.gpu.spec_decode.acceptance_estimator"
+_SCHEDULER = "vllm.v1.core.sched.scheduler"
 _done: set[str] = set()
 
 
@@ -47,10 +55,13 @@ def register() -> None:
         when_imported("vllm.config.vllm", _lift_config)
         when_imported(_ADAPTIVE, _lift_varlen_check)
         when_imported(_RUNNER, _lift_runner)
+    if os.environ.get("AVEST_CPU_LIFT_SCHEDULE"):
+        _serve_schedule(json.loads(os.environ["AVEST_CPU_LIFT_SCHEDULE"]))
     if os.environ.get("AVEST_CPU_LIFT_REFIT_INTERVAL"):
         when_imported(_ESTIMATOR, _set_refit_interval)
     if os.environ.get("AVEST_CPU_LIFT_RECORD"):
         when_imported(_ESTIMATOR, _record_graded)
+        when_imported(_SCHEDULER, _record_scheduled)
         import multiprocessing.util
 
         multiprocessing.util.Finalize(None, _write_process, exitpriority=1)
@@ -221,3 +232,51 @@ def _record_graded(module) -> None:  # noqa: ANN001
         os.replace(tmp, out)
 
     cls.step = step
+
+
+def _record_scheduled(module) -> None:  # noqa: ANN001
+    """``[batch size, draft length]`` per step that schedules anything (vLLM picks the
+    draft length from the batch size when a schedule is configured)."""
+    if not _once("scheduled"):
+        return
+    cls = module.Scheduler
+    original = cls.schedule
+    out = os.path.join(os.environ["AVEST_CPU_LIFT_RECORD"], f"scheduled-{os.getpid()}.json")
+    steps: list[list[int]] = []
+
+    def schedule(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        output = original(self, *args, **kwargs)
+        batch = len(output.num_scheduled_tokens)
+        if batch:
+            steps.append([batch, int(output.num_spec_tokens_to_schedule)])
+            tmp = out + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(steps, f)
+            os.replace(tmp, out)
+        return output
+
+    cls.schedule = schedule
+
+
+def _serve_schedule(schedule: list) -> None:
+    """avest's plugin fetches ``schedule`` (through its seam) and the ask is recorded."""
+    from avest_client.vllm import schedule as avest_schedule
+
+    def fetch(pair, hardware):  # noqa: ANN001, ANN202
+        record = os.environ.get("AVEST_CPU_LIFT_RECORD")
+        if record:
+            asked = {
+                "pair": {
+                    "target": pair.target,
+                    "draft": pair.draft,
+                    "method": pair.method,
+                    "k": pair.k,
+                    "labels": dict(pair.labels),
+                },
+                "hardware": hardware,
+            }
+            with open(os.path.join(record, f"fetched-{os.getpid()}.json"), "w") as f:
+                json.dump(asked, f)
+        return [tuple(entry) for entry in schedule]
+
+    avest_schedule.FETCH = fetch
