@@ -386,3 +386,31 @@ def test_a_worker_opened_while_postgresql_is_down_is_told_to_come_back(
             channel.close()
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
     assert "open it again" in refused.value.details()
+
+
+def test_the_refitting_replica_refits_a_pair_at_most_once_per_interval(
+    tmp_path: Path, postgres_cluster: PostgresCluster
+) -> None:
+    """Refits do not grow with the messages a replica folds. The first full round
+    refits at once (version 1); every round that fills within the minimum refit
+    interval after it stays open, pooling, and is refitted once the interval is over,
+    with no message to prompt it (version 2): with an interval longer than the test,
+    never. Every message is folded either way."""
+    assert STEPS // REFIT_INTERVAL >= 3  # rounds that fill
+    for interval_ms, versions in (("600000", {1}), ("20000", {2})):
+        with pair_on_replicas(
+            postgres_cluster,
+            tmp_path / interval_ms,
+            2,
+            K,
+            REFIT_INTERVAL,
+            "--min-refit-interval-ms",
+            interval_ms,
+        ) as (url, group, pair_id):
+            _, other = refitter_and_other(group)
+            assert send(other, synthetic_steps(pair_id, "w0", K, STEPS, seed=0)) == STEPS
+            settled(url, group, pair_id, STEPS)
+            assert wait_until(lambda v=versions: _versions(group, pair_id) == v, WAIT_S), (
+                interval_ms,
+                _versions(group, pair_id),
+            )

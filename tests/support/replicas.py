@@ -27,7 +27,11 @@ WAIT_S = 90.0
 
 @contextlib.contextmanager
 def replicas(url: str, n: int, root: Path, *args: str) -> Iterator[list[Served]]:
-    """``n`` replicas on the database at ``url`` (data directories under ``root``)."""
+    """``n`` replicas on the database at ``url`` (data directories under ``root``),
+    refitting each round as it fills (``--min-refit-interval-ms 0``, unless ``args``
+    set it), so their refits match a replay of the same messages through the core."""
+    if "--min-refit-interval-ms" not in args:
+        args = ("--min-refit-interval-ms", "0", *args)
     started: list[Served] = []
     try:
         for i in range(n):

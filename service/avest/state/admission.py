@@ -161,6 +161,9 @@ class Admission:
         self.depth = depth
         self.min_refit_s = min_refit_s
         self.queues: dict[str, PairQueue] = {}
+        #: When pairs without a queue here last refitted (a replica folding the pending
+        #: log refits pairs whose messages other replicas received).
+        self._refitted_at: dict[str, float] = {}
         #: Waits of queues that are gone (deleted pairs), so the total only grows.
         self._waited_before = 0
 
@@ -174,14 +177,20 @@ class Admission:
 
     def may_refit(self, pair_id: str) -> bool:
         q = self.queues.get(pair_id)
-        return q is None or q.may_refit()
+        if q is not None:
+            return q.may_refit()
+        at = self._refitted_at.get(pair_id)
+        return at is None or time.monotonic() - at >= self.min_refit_s
 
     def refitted(self, pair_id: str) -> None:
         q = self.queues.get(pair_id)
         if q is not None:
             q.refitted()
+        else:
+            self._refitted_at[pair_id] = time.monotonic()
 
     def forget(self, pair_id: str) -> None:
+        self._refitted_at.pop(pair_id, None)
         q = self.queues.pop(pair_id, None)
         if q is not None:
             self._waited_before += q.waited

@@ -273,7 +273,7 @@ class Avest:
         future resolves with whether it was new, once applied."""
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         queue = self.admission.queue(
-            pair.id, lambda m: self._apply(pair, m), lambda: self._refit_held(pair)
+            pair.id, lambda m: self._apply(pair, m), lambda: self.refit_held(pair)
         )
         await queue.submit(Message(worker, seq, batch, message, done))
         return done
@@ -316,9 +316,9 @@ class Avest:
     ) -> bool:
         """Apply one validated step or round summary; returns whether it was new.
         A round it fills refits now unless the pair refitted less than
-        ``min_refit_s`` ago (replicas' refitters refit at once)."""
+        ``min_refit_s`` ago (then :meth:`refit_held` refits it later)."""
         t0 = time.perf_counter()
-        may_refit = self.replication is not None or self.admission.may_refit(pair.id)
+        may_refit = self.admission.may_refit(pair.id)
         applied, refit = pair.observe(worker, seq, batch, folded, may_refit)
         if not applied:
             return False
@@ -333,7 +333,7 @@ class Avest:
             self._refitted(pair, refit, time.perf_counter() - t0)
         return True
 
-    def _refit_held(self, pair: Pair) -> bool:
+    def refit_held(self, pair: Pair) -> bool:
         """Refit the pair's round held open by the refit interval, if any."""
         if self.draining or self.registry.pairs.get(pair.id) is not pair:
             return False

@@ -512,14 +512,21 @@ class Replication:
         if pair is None:
             return
         rows = await self._in_session(self.leadership.pending, pid, FOLD_ROWS)
-        if not rows and not pair.dirty:
-            return
         for _, worker, seq, kind, payload in rows:
             try:
                 self._apply(pair, worker, seq, kind, payload)
             except Exception as exc:  # stored by an older or newer release: say so, go on
                 self.undecodable_rows += 1
                 log.error("pair %s: pending %s of %s dropped: %s", pid, kind, worker, exc)
+        # A round held open by --min-refit-interval-ms refits once it is over; until
+        # then the pair is folded again at each fold time (FOLD_EVERY_S).
+        if pair.estimator.round_full:
+            if self.app.admission.may_refit(pid):
+                self.app.refit_held(pair)
+            else:
+                self.due.add(pid)
+        if not rows and not pair.dirty:
+            return
         record = self.app.registry.snapshot(pair)
         pair.dirty = False
         try:
