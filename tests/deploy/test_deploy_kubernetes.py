@@ -352,3 +352,13 @@ def test_the_kubernetes_delivery_is_documented() -> None:
         "avest-tokens",
     ):
         assert needle in text, needle
+
+
+def test_every_readme_a_manifest_points_to_exists() -> None:
+    """The manifests' comments name READMEs by relative path: each one is there."""
+    named = []
+    for path in sorted((REPO / "deploy").rglob("*.yaml")):
+        for ref in re.findall(r"(?<![\w/.])((?:\.\./)*[\w./-]*README\.md)", path.read_text()):
+            named.append(ref)
+            assert (path.parent / ref).resolve().is_file(), f"{path.relative_to(REPO)}: {ref}"
+    assert len(named) >= 3, named
