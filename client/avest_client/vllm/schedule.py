@@ -43,7 +43,9 @@ LOOKUP_FUNCTION = "build_dynamic_sd_schedule_lookup"
 Entry = tuple[int, int, int]
 Schedule = list[Entry]
 #: ``fetch(pair_key, hardware)``: the pair's schedule for that hardware, or None when
-#: there is none (yet). It may raise; it may block (the caller bounds it).
+#: there is none (yet). It may raise; it may block (the caller bounds it). It runs in the
+#: front end before vLLM starts its engine core (forked by default), so it should close
+#: any channel it opens before it returns.
 FetchSchedule = Callable[[PairKey, str], "Schedule | None"]
 
 #: Where the schedule comes from. None: no source, the configured value governs.
