@@ -168,7 +168,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def format_summary(sim: Any, rule: str) -> str:
-    """One row per concurrency: the best fixed length, avest under ``rule``, the oracle."""
+    """One row per concurrency: the best fixed length, avest under ``rule``, the oracle, and
+    the draft-length schedule (gains against the best fixed length)."""
     from avest.offline.table import Column, format_columns
 
     p = sim.profile
@@ -182,8 +183,9 @@ def format_summary(sim: Any, rule: str) -> str:
             top = max(runs, key=lambda q: res[q.name].throughput)
             row += [top.name, f"{sim.gain(c, top.name):+.1%}"]
             oracle = sim.oracle_name(top.drafts)
-            if oracle in res:
-                row.append(f"{sim.gain(c, oracle):+.1%}")
+            row.append(f"{sim.gain(c, oracle):+.1%}" if oracle in res else "")
+        if "schedule" in res:
+            row.append(f"{sim.gain(c, 'schedule'):+.1%}")
         rows.append(row)
     columns = (
         Column("C", width=4),
@@ -192,6 +194,7 @@ def format_summary(sim: Any, rule: str) -> str:
         Column("best avest", "<", gap=2),
         Column("vs best"),
         Column("oracle", gap=2),
+        Column("schedule", gap=2),
     )
     lines = [f"{sim.trace or 'trace'} under {p.name}: K={sim.k}", *format_columns(columns, rows)]
     if sim.skipped:

@@ -53,6 +53,26 @@ def expected_tokens(rates: npt.ArrayLike) -> FloatArray:
     return np.asarray(1.0 + np.concatenate(([0.0], np.cumsum(np.cumprod(r)))), dtype=np.float64)
 
 
+def draft_ms(
+    costs: CostTable,
+    concurrency: int,
+    lengths: npt.ArrayLike,
+    *,
+    per_position: bool,
+    proposal_length: int,
+) -> FloatArray:
+    """Drafting cost (ms) of a step of ``concurrency`` requests drafting each of ``lengths``.
+
+    ``costs.draft_cost(C)`` is a proposal of ``proposal_length`` drafts: with
+    ``per_position`` a length ``v`` pays ``v`` of its ``1 / proposal_length``
+    shares, otherwise (a parallel drafter) the whole proposal; ``0`` drafts nothing.
+    """
+    v = np.asarray(lengths, dtype=np.float64)
+    draft = float(costs.draft_cost(int(concurrency)))
+    per_step = v * draft / proposal_length if per_position else np.full_like(v, draft)
+    return np.asarray(np.where(v == 0, 0.0, per_step), dtype=np.float64)
+
+
 def best_lengths(
     rates: npt.ArrayLike,
     costs: CostTable,
@@ -78,10 +98,9 @@ def best_lengths(
             raise InvalidInput("concurrency", f"must be a positive integer, got {c!r}")
         c = int(c)
         lengths = np.arange(k + 1)
-        draft = float(costs.draft_cost(c))
-        draft_ms = np.where(lengths == 0, 0.0, lengths * draft / per if per_position else draft)
+        drafting = draft_ms(costs, c, lengths, per_position=per_position, proposal_length=per)
         verify_ms = np.asarray(costs.verify_cost(c + c * lengths), dtype=np.float64)
-        throughput = 1000.0 * c * tokens / (draft_ms + verify_ms)
+        throughput = 1000.0 * c * tokens / (drafting + verify_ms)
         out.append(LengthChoice(c, int(np.argmax(throughput)), tuple(float(t) for t in throughput)))
     return out
 

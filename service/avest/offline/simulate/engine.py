@@ -25,6 +25,17 @@ Every policy sees the same rows:
   own goodput (and the lossless walk bounds it optimistically), which is not
   quite the best long-run throughput, so a policy may beat it by a hair.
 
+``schedule`` runs, at each concurrency, what the draft-length schedule of
+:mod:`avest.core.schedule` says for it (a length, AV on or off), computed
+online as the service would: from the estimator's coefficients in force and
+the histogram of the features it has seen (the drafts that reached each
+position, decayed by the estimator's ``recent_decay`` per refit), recomputed
+at every refit with the schedule in force as ``previous`` (hysteresis). It
+drafts ``K`` under AV until every position has ``MIN_DRAFTS`` drafts (then
+computes the first schedule at once, with the coefficients of the last refit). Where it chooses speculation
+off nothing is drafted, so nothing is learnt and the choice stays (a real
+deployment keeps learning from the batch sizes that still speculate).
+
 Adaptive policies draft all ``K`` positions, or ``d < K`` when named ``@d``
 (vLLM with ``num_speculative_tokens = d`` and adaptive verification on). The
 ``stale`` rule sizes its budget from the previous simulated step's
@@ -72,11 +83,21 @@ from avest.core.model import Coefficients, linear_predictor, predict
 from avest.core.numeric import sigmoid
 from avest.core.rule_factory import DEFAULT_RULE as DEFAULT_UPDATE_RULE
 from avest.core.rule_factory import make_rule
+from avest.core.schedule import (
+    DEFAULT_MAX_BATCH_SIZE,
+    MIN_DRAFTS,
+    Choice,
+    FeatureHistogram,
+    Schedule,
+    compute_schedule,
+    reached,
+)
 from avest.offline.simulate.profiles import CostProfile, StepCosts
 from avest.offline.simulate.results import (
     BASELINES,
     CALIBRATED,
     DEFAULT_CONCURRENCY,
+    SCHEDULED,
     Policy,
     Simulation,
     Totals,
@@ -261,6 +282,86 @@ def _adaptive(
     return Totals(c, steps, time, tokens, int(got_sum.sum()), int(verified.sum()))
 
 
+def _scheduled(
+    policy: Policy,
+    estimator: OnlineEstimator,
+    rows: _Rows,
+    costs: StepCosts,
+    passes: int,
+    progress: Progress | None,
+    min_per_request: int = 0,
+) -> tuple[Totals, dict[str, int]]:
+    """The ``schedule`` policy, step by step; only the last pass is measured.
+
+    Returns the totals and how many measured steps ran each choice (by name).
+    """
+    c, steps, k = rows.c, rows.steps, costs.k
+    per_position = costs.profile.draft_per == "position"
+    features = FeatureHistogram.empty(k)
+    seen = np.zeros(k)  # drafts that reached each position, undecayed (the gate)
+    schedule: Schedule | None = None
+    choice = Choice(k, adaptive=True)
+    time = 0.0
+    tokens = got_total = verified_total = 0
+    used: dict[str, int] = {}
+    for p in range(passes):
+        for j in range(steps):
+            lo, hi = j * c, (j + 1) * c
+            d = choice.length
+            x = rows.features[lo:hi]
+            scheduled = np.minimum(rows.scheduled[lo:hi], d)
+            if choice.adaptive:
+                conf = predict(estimator.coefficients, x)
+                decision = decide(
+                    policy.rule,
+                    conf,
+                    scheduled,
+                    costs.budget(d),
+                    c,
+                    c,
+                    min_per_request=min_per_request,
+                )
+                lengths = decision.verify_lengths
+            else:
+                lengths = scheduled
+            got, observed, accepted = truncate(rows.accepted[lo:hi], lengths, k)
+            if p == passes - 1:
+                verified = int(lengths.sum())
+                time += costs.draft_ms(c, d) + float(costs.verify_ms([c + verified])[0])
+                tokens += c + int(got.sum())
+                got_total += int(got.sum())
+                verified_total += verified
+                used[choice.name] = used.get(choice.name, 0) + 1
+            if d == 0:
+                continue  # nothing drafted: nothing to learn
+            mask = np.zeros((c, k), dtype=bool)
+            mask[:, :d] = reached(rows.accepted[lo:hi], lengths, d) & (
+                np.arange(d)[None, :] < rows.scheduled[lo:hi, None]
+            )
+            features.add(x, mask)
+            seen += mask.sum(axis=0)
+            refit = estimator.apply(Batch(x, observed, accepted)) is not None
+            if seen[0] < MIN_DRAFTS or not (refit or schedule is None):
+                continue  # recomputed at each refit, and as soon as the evidence suffices
+            schedule = compute_schedule(
+                estimator.coefficients,
+                features,
+                costs.per_pass,
+                per_position=per_position,
+                proposal_length=1,
+                previous=schedule,
+                max_batch_size=max(DEFAULT_MAX_BATCH_SIZE, c),
+                budget_rule="argmax" if policy.rule in ("argmax", "stale") else "lossless-walk",
+            )
+            features.scale(estimator.recent_decay)
+            choice = schedule.choice_at(c)
+        if progress is not None:
+            progress(steps)
+    totals = Totals(c, steps, time, tokens, got_total, verified_total)
+    totals.refits = estimator.round
+    return totals, used
+
+
 def planned_steps(
     trace: Trace,
     concurrencies: Iterable[int],
@@ -351,6 +452,13 @@ def simulate(
                 continue
             estimator = None
             source: _Source
+            if policy.kind == SCHEDULED:
+                rule = make_rule(update_rule, forgetting=forgetting, prior=prior)
+                estimator = OnlineEstimator(k, rule, refit_interval)
+                out[policy.name], sim.choices[c] = _scheduled(
+                    policy, estimator, rows, costs, warmup_passes + 1, progress, min_per_request
+                )
+                continue
             if policy.kind in ("avest", CALIBRATED):
                 rule = make_rule(update_rule, forgetting=forgetting, prior=prior)
                 calibrated = policy.kind == CALIBRATED

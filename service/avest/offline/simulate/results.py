@@ -22,6 +22,8 @@ BASELINES = {
 
 #: The estimator's served confidences through the calibration layer.
 CALIBRATED = "avest+calibration"
+#: The draft-length schedule computed online from the estimator (avest.core.schedule).
+SCHEDULED = "schedule"
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,17 @@ def make_policies(
             if kind != "oracle" or has_oracle:
                 name = f"{kind}/{baseline_rule}{at}"
                 adaptive.append(Policy(name, kind, 0, baseline_rule, lossless, text, d))
+    adaptive.append(
+        Policy(
+            SCHEDULED,
+            SCHEDULED,
+            0,
+            DEFAULT_RULE,
+            RULES[DEFAULT_RULE].lossless,
+            "the draft-length schedule (length, AV on or off) computed online from the estimator",
+            k,
+        )
+    )
     if select:
         adaptive = [p for p in adaptive if any(fnmatchcase(p.name, pat) for pat in select)]
     return out + adaptive
@@ -157,6 +170,8 @@ class Simulation:
     #: Passes over the trace per concurrency (above 1: cycled to ``min_steps``).
     cycles: dict[int, float] = field(default_factory=dict)
     min_steps: int = 0
+    #: The schedule policy's measured steps per choice (``fixed-v``, ``av-d``), per concurrency.
+    choices: dict[int, dict[str, int]] = field(default_factory=dict)
 
     def best_fixed(self, c: int) -> str:
         fixed = {n: t for n, t in self.results[c].items() if n.startswith("fixed-")}
@@ -230,6 +245,7 @@ class Simulation:
                 "steps": next(iter(totals.values())).steps,
                 "best_fixed": self.best_fixed(c),
                 "trace_cycles": self.cycles.get(c, 1.0),
+                "schedule_choices": self.choices.get(c),
                 "policies": {},
             }
             for name, t in totals.items():
