@@ -106,11 +106,20 @@ def test_pairs_and_replay_take_the_address_from_the_environment(
 # -- avest demo's temporary directory ---------------------------------------------------
 
 
-def demo(tmp_path: Path, *extra: str) -> subprocess.Popen[str]:
+def demo(tmp_path: Path, *extra: str, sigint_ignored: bool = False) -> subprocess.Popen[str]:
+    """``avest demo`` in a subprocess; ``sigint_ignored``: started as a shell's background
+    job is, with SIGINT ignored (which asyncio alone would leave unhandled)."""
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     argv = [*CLI, "demo", "--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0"]
     return subprocess.Popen(
-        [*argv, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        [*argv, *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        if sigint_ignored
+        else None,
     )
 
 
@@ -122,9 +131,14 @@ def test_demo_removes_its_temporary_directory(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("avest-demo-*"))
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_stopped_demo_removes_its_temporary_directory(sig: int, tmp_path: Path) -> None:
-    proc = demo(tmp_path, "--workers", "1")
+@pytest.mark.parametrize(
+    ("sig", "sigint_ignored"),
+    [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGINT, True)],
+)
+def test_a_stopped_demo_removes_its_temporary_directory(
+    sig: int, sigint_ignored: bool, tmp_path: Path
+) -> None:
+    proc = demo(tmp_path, "--workers", "1", sigint_ignored=sigint_ignored)
     assert proc.stdout is not None
     try:
         for line in proc.stdout:

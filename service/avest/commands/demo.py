@@ -57,12 +57,15 @@ async def _demo(args: argparse.Namespace) -> int:
     if why:
         print(f"avest demo: {why}; {FREE_ADDRESSES}", file=sys.stderr)
         return 1
-    # SIGTERM (docker stop, kill) ends the demo as Ctrl-C does: the server stops
-    # and the temporary data directory goes.
+    # SIGINT (Ctrl-C) and SIGTERM (docker stop, kill) end the demo alike: the server
+    # stops and the temporary data directory goes. Both are handled here, as `avest
+    # serve` handles them, also when the demo was started with SIGINT ignored (a
+    # background job of a shell, nohup), where asyncio would leave Ctrl-C unhandled.
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     assert task is not None
-    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
     with contextlib.ExitStack() as cleanup:
         data_dir = args.data_dir
         if not data_dir:
