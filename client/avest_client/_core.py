@@ -34,7 +34,14 @@ from avest_client.errors import (
     UnavailableError,
     from_rpc_error,
 )
-from avest_client.types import BudgetResult, Coefficients, PairInfo, PairsPage, Registration
+from avest_client.types import (
+    BudgetResult,
+    Coefficients,
+    PairInfo,
+    PairsPage,
+    Registration,
+    Schedule,
+)
 from avest_wire.v1 import estimator_pb2 as pb
 
 if TYPE_CHECKING:
@@ -253,6 +260,17 @@ def pair(pair_id: str, *, timeout: float | None = DEFAULT) -> Unary[PairInfo]:
     return Unary("GetPair", pb.GetPairRequest(pair_id=pair_id), codec.pair_info, timeout, "pair")
 
 
+def schedule(
+    pair_id: str, hardware: str = "", *, timeout: float | None = DEFAULT
+) -> Unary[Schedule]:
+    """The pair's draft length by batch size on a hardware label ("" names the pair's
+    only one): :meth:`Schedule.to_vllm` is vLLM's
+    ``num_speculative_tokens_per_batch_size``. FAILED_PRECONDITION while the pair has
+    too little evidence."""
+    req = pb.GetScheduleRequest(pair_id=pair_id, hardware=hardware)
+    return Unary("GetSchedule", req, codec.schedule, timeout)
+
+
 # -- what a client holds besides its channel -----------------------------------
 
 
@@ -306,6 +324,7 @@ class ClientCore(Generic[F]):
     set_cost_curves = Rpc(set_cost_curves)
     pairs_page = Rpc(pairs_page)
     pair = Rpc(pair)
+    schedule = Rpc(schedule)
 
     def _closed_error(self) -> AvestError:
         return AvestError("the client is closed", grpc.StatusCode.CANCELLED)

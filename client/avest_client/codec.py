@@ -16,6 +16,8 @@ from avest_client.types import (
     PairKey,
     PositionCalibration,
     Registration,
+    Schedule,
+    ScheduleRange,
 )
 from avest_wire import matrix as wire
 from avest_wire.rules import BUDGET_RULE_NAMES, BUDGET_RULES, UPDATE_RULE_NAMES, UPDATE_RULES
@@ -214,3 +216,22 @@ def cost_points(curve: Any, name: str) -> list[pb.CostPoint]:
         pairs.append((int(size), float(ms)))
     pairs.sort()
     return [pb.CostPoint(size=s, ms=m) for s, m in pairs]
+
+
+def schedule(msg: pb.GetScheduleResponse) -> Schedule:
+    return Schedule(
+        pair_id=msg.pair_id,
+        hardware=msg.hardware,
+        coefficients_version=int(msg.coefficients_version),
+        ranges=tuple(
+            ScheduleRange(
+                start=int(r.range_start),
+                end=int(r.range_end),
+                num_speculative_tokens=int(r.num_speculative_tokens),
+                adaptive_verification=bool(r.adaptive_verification),
+                expected_goodput=float(r.expected_goodput),
+                best_fixed_goodput=float(r.best_fixed_goodput),
+            )
+            for r in msg.ranges
+        ),
+    )

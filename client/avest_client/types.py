@@ -88,3 +88,34 @@ class PairsPage:
     pairs: tuple[PairInfo, ...]
     #: ``page_token`` of the next page; "" when this page holds the last pair.
     next_page_token: str = ""
+
+
+@dataclass(frozen=True)
+class ScheduleRange:
+    """Batch sizes ``start..end`` (inclusive) and what to run there."""
+
+    start: int
+    end: int
+    #: Drafts per request; 0 turns speculation off.
+    num_speculative_tokens: int
+    #: Whether adaptive verification is expected to pay off here.
+    adaptive_verification: bool
+    #: Expected tokens per second of this choice at ``start``.
+    expected_goodput: float
+    #: Expected tokens per second at ``start`` of the best fixed length (AV off).
+    best_fixed_goodput: float
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A pair's draft length by batch size on one hardware label (``GetSchedule``)."""
+
+    pair_id: str
+    hardware: str
+    coefficients_version: int
+    ranges: tuple[ScheduleRange, ...]
+
+    def to_vllm(self) -> list[tuple[int, int, int]]:
+        """vLLM's ``speculative_config.num_speculative_tokens_per_batch_size``:
+        ``(range_start, range_end, num_speculative_tokens)``, ends inclusive."""
+        return [(r.start, r.end, r.num_speculative_tokens) for r in self.ranges]

@@ -85,7 +85,7 @@ def test_the_bash_script_parses(scripts: dict[str, str], tmp_path: Path) -> None
     [
         ("avest rep", ["replay"]),
         ("avest replay --wo", ["--workers"]),
-        ("avest s", ["serve", "store", "simulate"]),
+        ("avest s", ["serve", "schedule", "store", "simulate"]),
         ("avest store c", ["copy"]),
         ("avest store copy --f", ["--from", "--force"]),
         ("avest tr", ["traces"]),

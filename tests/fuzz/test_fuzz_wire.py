@@ -207,6 +207,7 @@ def unary_messages(draw: st.DrawFn, target: Target) -> tuple[str, bytes, bool]:
                 "Budget",
                 "SetCostCurves",
                 "GetPair",
+                "GetSchedule",
                 "GetCoefficients",
                 "WatchCoefficients",
             ]
@@ -252,6 +253,8 @@ def unary_messages(draw: st.DrawFn, target: Target) -> tuple[str, bytes, bool]:
         msg = pb.WatchCoefficientsRequest(pair_id=pair_id)
     elif method == "GetPair":
         msg = pb.GetPairRequest(pair_id=pair_id)
+    elif method == "GetSchedule":
+        msg = pb.GetScheduleRequest(pair_id=pair_id, hardware=draw(st.one_of(st.just(""), texts)))
     else:
         msg = pb.GetCoefficientsRequest(pair_id=pair_id)
     return method, msg.SerializeToString(), method == "SetCostCurves"

@@ -325,3 +325,51 @@ def test_config_flag():
         assert ShimConfig.from_env({"AVEST_SCHEDULE": off}).schedule is False
     with pytest.raises(ConfigError):
         ShimConfig.from_env({"AVEST_SCHEDULE": "maybe"})
+
+
+def test_the_sidecars_schedule_governs_once_it_has_one(caplog, open_server):
+    """No source set: the plugin asks the sidecar at AVEST_ADDRESS (GetSchedule) for the
+    pair it derives from vLLM's config. Before the pair has enough evidence the
+    configured value governs; after, the sidecar's schedule is what vLLM gets."""
+    from avest_client import EstimatorClient
+    from avest_client.vllm.pair import pair_from_vllm_config
+    from avest_wire.v1 import estimator_pb2 as pb
+    from tests.support.live import messages, observe
+    from tests.support.traces import load_trace
+
+    k = 5  # the bundled trace's
+    live = open_server(min_refit_interval_ms=0)  # the version settles with the acks
+    config = ShimConfig(address=live.grpc_address, timeout_s=10.0, hardware="H100", schedule=True)
+    s = spec(num_speculative_tokens=k)
+    holder = types.SimpleNamespace(model_config=TARGET, speculative_config=s)
+    key = pair_from_vllm_config(holder, k, config.labels)
+    with EstimatorClient(live.grpc_address) as client:
+        reg = client.register(key.target, key.draft, key.method, k, dict(key.labels))
+        assert reg.pair_id == key.pair_id
+        live.stub.SetCostCurves(
+            pb.SetCostCurvesRequest(
+                pair_id=reg.pair_id,
+                hardware="H100",
+                draft_curve=[pb.CostPoint(size=1, ms=0.2), pb.CostPoint(size=512, ms=0.4)],
+                verify_curve=[pb.CostPoint(size=n, ms=5.0 + 0.5 * (n - 1)) for n in (1, 2, 4096)],
+                cudagraph_capture_limit=1,
+            ),
+            timeout=10,
+        )
+        module = fake_arg_utils()
+        module.EngineArgs.create_speculative_config = lambda self, t, p: s  # type: ignore[attr-defined]
+        assert sched.install(module, config, vllm_check=None)
+        with caplog.at_level(logging.INFO, logger=LOGGER):
+            made = module.EngineArgs().create_speculative_config(TARGET, ONE_RANK)
+        assert made.num_speculative_tokens_per_batch_size is None
+        (line,) = lines(caplog)
+        assert "configured" in line.getMessage() and "no schedule" in line.getMessage()
+        observe(live, messages(load_trace("sample"), reg.pair_id))
+        want = client.schedule(reg.pair_id, "H100").to_vllm()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        made = module.EngineArgs().create_speculative_config(TARGET, ONE_RANK)
+    assert made.num_speculative_tokens_per_batch_size == want
+    assert len({length for _, _, length in want}) >= 2  # lengths differ by batch size
+    (line,) = lines(caplog)
+    assert "the sidecar's schedule governs" in line.getMessage()

@@ -120,6 +120,7 @@ EXPECTED_RPCS = {
     "ListPairs": (False, False),
     "GetPair": (False, False),
     "DeletePair": (False, False),
+    "GetSchedule": (False, False),
 }
 
 
@@ -269,6 +270,9 @@ def test_every_message_and_field_is_covered():
         "ListPairsRequest",
         "ListPairsResponse",
         "GetPairRequest",
+        "GetScheduleRequest",
+        "GetScheduleResponse",
+        "ScheduleRange",
         "GetPairResponse",
         "Pair",
         "Calibration",

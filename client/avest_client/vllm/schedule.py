@@ -48,8 +48,30 @@ Schedule = list[Entry]
 #: any channel it opens before it returns.
 FetchSchedule = Callable[[PairKey, str], "Schedule | None"]
 
-#: Where the schedule comes from. None: no source, the configured value governs.
+#: Where the schedule comes from. None: the sidecar at ``AVEST_ADDRESS``
+#: (:func:`sidecar_fetch`); with no address either, the configured value governs.
 FETCH: FetchSchedule | None = None
+
+
+def sidecar_fetch(config: ShimConfig) -> FetchSchedule | None:
+    """The schedule from the sidecar at ``config.address`` (``GetSchedule``, token and
+    TLS from the environment as every client reads them), over a channel of its own
+    that is closed before it returns; None when no address is set. A pair with too
+    little evidence yet, or no cost curves for the label, has no schedule (None)."""
+    if not config.address:
+        return None
+    address = config.address
+
+    def fetch(pair: PairKey, hardware: str) -> Schedule | None:
+        from avest_client import EstimatorClient, FailedPreconditionError, NotFoundError
+
+        with EstimatorClient(address, timeout=config.timeout_s) as client:
+            try:
+                return client.schedule(pair.pair_id, hardware).to_vllm()
+            except (FailedPreconditionError, NotFoundError):
+                return None  # decide() says so in its one line
+
+    return fetch
 
 
 class ScheduleError(ValueError):
@@ -243,8 +265,9 @@ def install(
     ) -> Any:
         spec = original(self, target_model_config, target_parallel_config)
         if spec is not None:
+            source = fetch or FETCH or sidecar_fetch(config)
             apply(spec, target_model_config, target_parallel_config, config,
-                  FETCH if fetch is None else fetch, vllm_check)  # fmt: skip
+                  source, vllm_check)  # fmt: skip
         return spec
 
     create_speculative_config.__avest_wrapped__ = True  # type: ignore[attr-defined]

@@ -55,6 +55,7 @@ COMMANDS = (
     "replay",
     "record",
     "pairs",
+    "schedule",
     "store",
     "traces",
     "evaluate",

@@ -157,6 +157,11 @@ class CalibrationState:
         """Bytes held by the sums."""
         return self._auc.nbytes + sum(a.nbytes for a in self._parts())
 
+    def histogram(self) -> EtaHistogram:
+        """A copy of the linear-predictor histogram of the drafts counted, per
+        position and label (what a draft-length schedule reads the features from)."""
+        return self._auc.copy()
+
     def copy(self) -> CalibrationState:
         return CalibrationState(self._auc.copy(), *(a.copy() for a in self._parts()))
 

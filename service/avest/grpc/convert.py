@@ -8,6 +8,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from avest.core import budget as budget_rules
 from avest.state.pairs import Pair
+from avest.state.schedules import PairSchedule
 from avest_wire.rules import BUDGET_RULE_NAMES, UPDATE_RULE_NAMES, UPDATE_RULES
 from avest_wire.v1 import estimator_pb2 as pb
 
@@ -72,4 +73,13 @@ def pair_pb(pair: Pair) -> pb.Pair:
             ],
         ),
         cost_curve_hardware=sorted(pair.costs),
+    )
+
+
+def schedule_pb(served: PairSchedule) -> pb.GetScheduleResponse:
+    return pb.GetScheduleResponse(
+        pair_id=served.pair_id,
+        hardware=served.hardware,
+        coefficients_version=served.version,
+        ranges=[pb.ScheduleRange(**r.fields()) for r in served.ranges()],
     )

@@ -27,6 +27,7 @@ from avest.grpc.convert import (
     RULE_TO_PB,
     coefficients_pb,
     pair_pb,
+    schedule_pb,
 )
 from avest.grpc.limits import StreamLimits
 from avest.grpc.observe import ObserveStream
@@ -183,6 +184,23 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
             context,
             lambda: pb.GetPairResponse(pair=pair_pb(self._pair(request.pair_id))),
         )
+
+    async def GetSchedule(
+        self, request: pb.GetScheduleRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetScheduleResponse:
+        try:
+            with refusals():
+                if len(request.hardware.encode()) > limits.MAX_HARDWARE_BYTES:
+                    raise InvalidInput(
+                        "hardware", f"is longer than {limits.MAX_HARDWARE_BYTES} bytes"
+                    )
+                served = await self.app.schedules.get(
+                    self._pair(request.pair_id), request.hardware or None
+                )
+        except Refused as r:
+            self.on_refused("GetSchedule", r.reason)
+            await context.abort(r.code, r.message)
+        return schedule_pb(served)
 
     async def ListPairs(
         self, request: pb.ListPairsRequest, context: grpc.aio.ServicerContext

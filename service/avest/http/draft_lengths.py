@@ -1,4 +1,9 @@
-"""``GET /v1/pairs/{id}/draft-lengths``: the recommended ``num_speculative_tokens``.
+"""``GET /v1/pairs/{id}/draft-lengths`` and ``GET /v1/pairs/{id}/schedule``.
+
+``schedule`` is the pair's draft length by batch size (:mod:`avest.state.schedules`),
+ready for vLLM's ``speculative_config.num_speculative_tokens_per_batch_size``, the
+same as gRPC's ``GetSchedule``. ``draft-lengths`` is the recommended
+``num_speculative_tokens`` per concurrency:
 
 Per concurrency, from the pair's stored cost curves (one hardware label) and
 its current estimates: the recent mean predicted acceptance per position
@@ -18,9 +23,9 @@ from fastapi import APIRouter, HTTPException, Query
 from pydantic import BaseModel, Field
 
 from avest.core.draft_length import best_lengths, rates_from_predictions
+from avest.state.errors import Conflict
+from avest.state.schedules import drafter_of
 
-#: Methods whose drafter proposes every position in one pass.
-PARALLEL_METHODS = frozenset({"dspark", "dflash"})
 DEFAULT_CONCURRENCY = "1,8,16,32,64,128,256"
 
 
@@ -41,6 +46,29 @@ class DraftLengthsOut(BaseModel):
         "predicted; 0 for a position never verified)"
     )
     concurrency: list[LengthAtConcurrencyOut]
+
+
+class ScheduleRangeOut(BaseModel):
+    range_start: int = Field(description="First batch size (requests per step), inclusive")
+    range_end: int = Field(
+        description="Last batch size, inclusive; the last range also governs larger ones"
+    )
+    num_speculative_tokens: int = Field(description="Drafts per request; 0 = speculation off")
+    adaptive_verification: bool = Field(description="Whether AV is expected to pay off here")
+    expected_goodput: float = Field(description="Expected tokens/s of this choice at range_start")
+    best_fixed_goodput: float = Field(
+        description="Expected tokens/s at range_start of the best fixed length (AV off)"
+    )
+
+
+class ScheduleOut(BaseModel):
+    id: str
+    hardware: str = Field(description="Label of the cost curves used")
+    coefficients_version: int
+    num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] = Field(
+        description="vLLM's speculative_config entry: [range_start, range_end, length]"
+    )
+    ranges: list[ScheduleRangeOut]
 
 
 def _concurrencies(text: str) -> list[int]:
@@ -94,9 +122,7 @@ def draft_length_router(app: Any) -> APIRouter:
                 )
             hardware = next(iter(pair.costs))
         table = pair.cost_table(hardware)  # NotFound (404) names the known labels
-        kind = drafter or (
-            "parallel" if pair.key.method.lower() in PARALLEL_METHODS else "autoregressive"
-        )
+        kind = drafter or drafter_of(pair)
         summary = pair.estimator.recent_calibration.summary()
         rates = rates_from_predictions([p.mean_predicted for p in summary.by_position])
         choices = best_lengths(rates, table, cs, per_position=kind == "autoregressive")
@@ -115,6 +141,35 @@ def draft_length_router(app: Any) -> APIRouter:
                 )
                 for ch in choices
             ],
+        )
+
+    @router.get(
+        "/v1/pairs/{pair_id}/schedule",
+        response_model=ScheduleOut,
+        tags=["pairs"],
+        responses={
+            404: {"description": "No such pair, or no cost curves for the hardware"},
+            409: {"description": "Too little evidence yet (the detail says how much)"},
+        },
+    )
+    async def schedule(
+        pair_id: str,
+        hardware: Annotated[
+            str | None, Query(description="Cost-curve label; optional when the pair has one")
+        ] = None,
+    ) -> ScheduleOut:
+        """The pair's draft length by batch size on one hardware label."""
+        pair = app.registry.get(pair_id)  # NotFound names the id (404)
+        try:
+            served = await app.schedules.get(pair, hardware)
+        except Conflict as exc:
+            raise HTTPException(409, detail=str(exc)) from None
+        return ScheduleOut(
+            id=served.pair_id,
+            hardware=served.hardware,
+            coefficients_version=served.version,
+            num_speculative_tokens_per_batch_size=served.schedule.to_vllm(),
+            ranges=[ScheduleRangeOut(**r.fields()) for r in served.ranges()],
         )
 
     return router

@@ -47,6 +47,8 @@ COLLECTED = (
     names.INTERCEPT,
     names.COEFFICIENTS_VERSION,
     names.ROUND,
+    names.SCHEDULE_GOODPUT,
+    names.SCHEDULE_LENGTH,
     names.AUC,
     names.ECE,
     names.LOG_LOSS,
@@ -191,6 +193,18 @@ class PairCollector:
             f[names.REFITS].add_metric([pid, outcome], float(counts.get(outcome, 0)))
         _curves(f, pid, s, m.reliability(pair))
         _calibration_layer(f, pid, est.recalibrator)
+        schedules = getattr(m.app, "schedules", None)
+        for served in schedules.of(pid) if schedules is not None else ():
+            for r in served.ranges():
+                start = str(r.start)
+                hw = served.hardware
+                f[names.SCHEDULE_GOODPUT].add_metric(
+                    [pid, hw, start, "scheduled"], r.expected_goodput
+                )
+                f[names.SCHEDULE_GOODPUT].add_metric(
+                    [pid, hw, start, "best_fixed"], r.best_fixed_goodput
+                )
+                f[names.SCHEDULE_LENGTH].add_metric([pid, hw, start, str(r.end)], float(r.length))
 
 
 #: The families of a calibration summary: AUC, ECE, log loss, then per position the

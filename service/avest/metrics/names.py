@@ -69,6 +69,14 @@ SLOPE = "avest_slope"
 INTERCEPT = "avest_intercept"
 COEFFICIENTS_VERSION = "avest_coefficients_version"
 ROUND = "avest_round"
+#: Per pair, hardware label and schedule range: the expected goodput of what the
+#: draft-length schedule last computed runs there (``choice="scheduled"``) and of the
+#: best fixed length without AV (``choice="best_fixed"``), tokens per second at the
+#: range's first batch size. At most ``MAX_RANGES`` ranges per label (bounded).
+SCHEDULE_GOODPUT = "avest_schedule_expected_goodput_tokens_per_second"
+SCHEDULE_LENGTH = "avest_schedule_num_speculative_tokens"
+#: Exported once a pair's schedule was asked for (GetSchedule, the admin API).
+SCHEDULE_METRICS = (SCHEDULE_GOODPUT, SCHEDULE_LENGTH)
 AUC = "avest_auc"
 ECE = "avest_ece"
 LOG_LOSS = "avest_log_loss"
@@ -250,6 +258,21 @@ METRICS: tuple[MetricSpec, ...] = (
         "Version of the coefficients in force (+1 per applied refit and per reset).",
     ),
     MetricSpec(ROUND, "gauge", ("pair",), "Refit rounds closed (applied or not)."),
+    MetricSpec(
+        SCHEDULE_GOODPUT,
+        "gauge",
+        ("pair", "hardware", "range_start", "choice"),
+        "Expected goodput at the first batch size of each range of the pair's last computed "
+        "draft-length schedule (GetSchedule): of the scheduled choice (choice=scheduled) and of "
+        "the best fixed length without adaptive verification (choice=best_fixed).",
+    ),
+    MetricSpec(
+        SCHEDULE_LENGTH,
+        "gauge",
+        ("pair", "hardware", "range_start", "range_end"),
+        "Drafts per request of each range of the pair's last computed draft-length schedule "
+        "(0: speculation off).",
+    ),
     MetricSpec(
         AUC, "gauge", ("pair",), "AUC of the predictions (NaN until both outcomes are seen)."
     ),

@@ -44,6 +44,7 @@ WORKER_METHODS = frozenset(
         "Budget",
         "ListPairs",
         "GetPair",
+        "GetSchedule",
         "SetCostCurves",
     )
 ) | frozenset(

@@ -31,6 +31,7 @@ from avest.state.config import StateConfig
 from avest.state.folds import Folded, Folds
 from avest.state.pairs import Pair, Registry, RuleConfig
 from avest.state.recording import Recording
+from avest.state.schedules import Schedules
 from avest.state.store import PairStore
 from avest.state.stores import open_configured
 from avest_wire.pair import PairKey
@@ -96,6 +97,8 @@ class Avest:
         self.folds = Folds(config.fold_thread_cells)
         #: Each pair's bounded queue and its owner, which applies what streams send.
         self.admission = Admission(config.pair_queue, config.min_refit_s)
+        #: Each pair's draft-length schedule per hardware label, the latest kept.
+        self.schedules = Schedules()
         self._flush_now = asyncio.Event()
         #: One write at a time: a caller waiting on flush() also waits for the
         #: write already under way, so "after flush" means "durable".
@@ -389,6 +392,7 @@ class Avest:
             return
         self.registry.remove(pair)
         self.admission.forget(pair.id)
+        self.schedules.forget(pair.id)
         if self.replication is not None:
             self.replication.forget(pair.id)
         pair.watchers.clear()

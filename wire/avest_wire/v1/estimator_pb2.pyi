@@ -426,3 +426,39 @@ class CalibrationSketch(_message.Message):
     ece_sum_predicted: _containers.RepeatedScalarFieldContainer[float]
     logloss_sum: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, cell_deltas: _Optional[_Iterable[int]] = ..., cell_counts: _Optional[_Iterable[int]] = ..., ece_rejected: _Optional[_Iterable[int]] = ..., ece_accepted: _Optional[_Iterable[int]] = ..., ece_sum_predicted: _Optional[_Iterable[float]] = ..., logloss_sum: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class GetScheduleRequest(_message.Message):
+    __slots__ = ("pair_id", "hardware")
+    PAIR_ID_FIELD_NUMBER: _ClassVar[int]
+    HARDWARE_FIELD_NUMBER: _ClassVar[int]
+    pair_id: str
+    hardware: str
+    def __init__(self, pair_id: _Optional[str] = ..., hardware: _Optional[str] = ...) -> None: ...
+
+class ScheduleRange(_message.Message):
+    __slots__ = ("range_start", "range_end", "num_speculative_tokens", "adaptive_verification", "expected_goodput", "best_fixed_goodput")
+    RANGE_START_FIELD_NUMBER: _ClassVar[int]
+    RANGE_END_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_VERIFICATION_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_GOODPUT_FIELD_NUMBER: _ClassVar[int]
+    BEST_FIXED_GOODPUT_FIELD_NUMBER: _ClassVar[int]
+    range_start: int
+    range_end: int
+    num_speculative_tokens: int
+    adaptive_verification: bool
+    expected_goodput: float
+    best_fixed_goodput: float
+    def __init__(self, range_start: _Optional[int] = ..., range_end: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., adaptive_verification: _Optional[bool] = ..., expected_goodput: _Optional[float] = ..., best_fixed_goodput: _Optional[float] = ...) -> None: ...
+
+class GetScheduleResponse(_message.Message):
+    __slots__ = ("pair_id", "hardware", "coefficients_version", "ranges")
+    PAIR_ID_FIELD_NUMBER: _ClassVar[int]
+    HARDWARE_FIELD_NUMBER: _ClassVar[int]
+    COEFFICIENTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    pair_id: str
+    hardware: str
+    coefficients_version: int
+    ranges: _containers.RepeatedCompositeFieldContainer[ScheduleRange]
+    def __init__(self, pair_id: _Optional[str] = ..., hardware: _Optional[str] = ..., coefficients_version: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[ScheduleRange, _Mapping]]] = ...) -> None: ...

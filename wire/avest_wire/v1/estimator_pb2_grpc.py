@@ -85,6 +85,11 @@ class EstimatorServiceStub:
                 request_serializer=avest_dot_v1_dot_estimator__pb2.DeletePairRequest.SerializeToString,
                 response_deserializer=avest_dot_v1_dot_estimator__pb2.DeletePairResponse.FromString,
                 _registered_method=True)
+        self.GetSchedule = channel.unary_unary(
+                '/avest.v1.EstimatorService/GetSchedule',
+                request_serializer=avest_dot_v1_dot_estimator__pb2.GetScheduleRequest.SerializeToString,
+                response_deserializer=avest_dot_v1_dot_estimator__pb2.GetScheduleResponse.FromString,
+                _registered_method=True)
 
 
 class EstimatorServiceServicer:
@@ -192,6 +197,19 @@ class EstimatorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetSchedule(self, request, context):
+        """Returns the pair's draft-length schedule for one hardware label: per range
+        of batch sizes, how many drafts to propose (0: speculation off) and whether
+        adaptive verification is worth keeping on, from the pair's current
+        coefficients, the recent distribution of its features and its cost curves.
+        vLLM takes the ranges as speculative_config.num_speculative_tokens_per_batch_size.
+        NOT_FOUND for an unknown pair or hardware label; FAILED_PRECONDITION while
+        the pair has too little evidence at some position (the message says how much).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EstimatorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -244,6 +262,11 @@ def add_EstimatorServiceServicer_to_server(servicer, server):
                     servicer.DeletePair,
                     request_deserializer=avest_dot_v1_dot_estimator__pb2.DeletePairRequest.FromString,
                     response_serializer=avest_dot_v1_dot_estimator__pb2.DeletePairResponse.SerializeToString,
+            ),
+            'GetSchedule': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSchedule,
+                    request_deserializer=avest_dot_v1_dot_estimator__pb2.GetScheduleRequest.FromString,
+                    response_serializer=avest_dot_v1_dot_estimator__pb2.GetScheduleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -517,6 +540,33 @@ class EstimatorService:
             '/avest.v1.EstimatorService/DeletePair',
             avest_dot_v1_dot_estimator__pb2.DeletePairRequest.SerializeToString,
             avest_dot_v1_dot_estimator__pb2.DeletePairResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSchedule(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/avest.v1.EstimatorService/GetSchedule',
+            avest_dot_v1_dot_estimator__pb2.GetScheduleRequest.SerializeToString,
+            avest_dot_v1_dot_estimator__pb2.GetScheduleResponse.FromString,
             options,
             channel_credentials,
             insecure,
