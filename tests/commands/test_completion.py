@@ -116,7 +116,9 @@ def test_the_zsh_script(scripts: dict[str, str], tmp_path: Path) -> None:
     assert "(' simulate:--update-rule') subs=" in text
     zsh = shutil.which("zsh")
     if zsh is None:
-        pytest.skip("zsh is not installed: its script's text only")
+        pytest.skip(
+            "zsh is not installed (scripts/check installs it as root): its script's text only"
+        )
     path = tmp_path / "_avest"
     path.write_text(text)
     proc = subprocess.run([zsh, "-n", str(path)], capture_output=True, text=True)
