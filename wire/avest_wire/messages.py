@@ -1,4 +1,5 @@
-"""Round summaries to and from their messages (``avest.v1.RoundSummary``)."""
+"""Round summaries to and from their messages (``avest.v1.RoundSummary``), and the
+strata a message names (``ObserveRequest.strata``, ``RoundSummary.stratum``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import numpy as np
 
 from avest_wire.bins import ECE_BINS
 from avest_wire.errors import InvalidInput
+from avest_wire.strata import MAX_STRATA, check_stratum
 from avest_wire.summary import (
     RoundSummary,
     Sketch,
@@ -44,6 +46,55 @@ def summary_to_pb(summary: RoundSummary) -> pb.RoundSummary:
         drafts=int(summary.drafts),
         sketch=sketch_to_pb(summary.sketch) if summary.sketch is not None else None,
     )
+
+
+def step_strata(req: pb.ObserveRequest) -> tuple[str, ...] | None:
+    """Each row's stratum of a decode step, or None for a step without strata (every
+    row the pair's pooled traffic). Checked: at most :data:`MAX_STRATA` distinct valid
+    names, one index per row below their number; :class:`InvalidInput` names the field."""
+    names, index = req.strata, req.stratum_index
+    if not names:
+        if index:
+            raise InvalidInput("stratum_index", "must be empty when strata is")
+        return None
+    if len(names) > MAX_STRATA:
+        raise InvalidInput("strata", f"has {len(names)} names, at most {MAX_STRATA}")
+    for name in names:
+        try:
+            check_stratum(name)
+        except InvalidInput as exc:
+            raise InvalidInput("strata", exc.problem) from None
+    if len(set(names)) != len(names):
+        raise InvalidInput("strata", "names a stratum twice")
+    if len(index) != req.rows:
+        raise InvalidInput("stratum_index", f"has {len(index)} entries, rows={req.rows}")
+    rows = np.asarray(index, dtype=np.int64)
+    if rows.size and int(rows.max()) >= len(names):
+        raise InvalidInput("stratum_index", f"must be below the {len(names)} strata named")
+    table = tuple(names)
+    return tuple(table[i] for i in rows.tolist())
+
+
+def set_step_strata(req: pb.ObserveRequest, strata: tuple[str, ...] | list[str]) -> None:
+    """Write each row's stratum into a step message: the distinct names in order of
+    first appearance and an index per row (what :func:`step_strata` reads back)."""
+    table: dict[str, int] = {}
+    index = [table.setdefault(s, len(table)) for s in strata]
+    del req.strata[:]
+    del req.stratum_index[:]
+    req.strata.extend(table)
+    req.stratum_index.extend(index)
+
+
+def summary_stratum(s: pb.RoundSummary) -> str | None:
+    """The stratum a round summary sums (None: the worker's whole round); checked,
+    :class:`InvalidInput` naming ``summary.stratum``."""
+    if not s.stratum:
+        return None
+    try:
+        return check_stratum(s.stratum)
+    except InvalidInput as exc:
+        raise InvalidInput("summary.stratum", exc.problem) from None
 
 
 def summary_from_pb(s: pb.RoundSummary, k: int) -> RoundSummary:

@@ -56,7 +56,7 @@ class PairKey(_message.Message):
     def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Coefficients(_message.Message):
-    __slots__ = ("pair_id", "version", "round", "slope", "intercepts", "update_time", "calibration_knots", "calibration_logits", "calibration_served")
+    __slots__ = ("pair_id", "version", "round", "slope", "intercepts", "update_time", "calibration_knots", "calibration_logits", "calibration_served", "strata")
     PAIR_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class Coefficients(_message.Message):
     CALIBRATION_KNOTS_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_LOGITS_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_SERVED_FIELD_NUMBER: _ClassVar[int]
+    STRATA_FIELD_NUMBER: _ClassVar[int]
     pair_id: str
     version: int
     round: int
@@ -75,7 +76,22 @@ class Coefficients(_message.Message):
     calibration_knots: _containers.RepeatedScalarFieldContainer[float]
     calibration_logits: _containers.RepeatedScalarFieldContainer[float]
     calibration_served: bool
-    def __init__(self, pair_id: _Optional[str] = ..., version: _Optional[int] = ..., round: _Optional[int] = ..., slope: _Optional[float] = ..., intercepts: _Optional[_Iterable[float]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., calibration_knots: _Optional[_Iterable[float]] = ..., calibration_logits: _Optional[_Iterable[float]] = ..., calibration_served: _Optional[bool] = ...) -> None: ...
+    strata: _containers.RepeatedCompositeFieldContainer[StratumCoefficients]
+    def __init__(self, pair_id: _Optional[str] = ..., version: _Optional[int] = ..., round: _Optional[int] = ..., slope: _Optional[float] = ..., intercepts: _Optional[_Iterable[float]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., calibration_knots: _Optional[_Iterable[float]] = ..., calibration_logits: _Optional[_Iterable[float]] = ..., calibration_served: _Optional[bool] = ..., strata: _Optional[_Iterable[_Union[StratumCoefficients, _Mapping]]] = ...) -> None: ...
+
+class StratumCoefficients(_message.Message):
+    __slots__ = ("stratum", "slope", "intercepts", "rounds", "drafts")
+    STRATUM_FIELD_NUMBER: _ClassVar[int]
+    SLOPE_FIELD_NUMBER: _ClassVar[int]
+    INTERCEPTS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    stratum: str
+    slope: float
+    intercepts: _containers.RepeatedScalarFieldContainer[float]
+    rounds: int
+    drafts: int
+    def __init__(self, stratum: _Optional[str] = ..., slope: _Optional[float] = ..., intercepts: _Optional[_Iterable[float]] = ..., rounds: _Optional[int] = ..., drafts: _Optional[int] = ...) -> None: ...
 
 class RegisterPairRequest(_message.Message):
     __slots__ = ("key", "update_rule", "refit_interval")
@@ -104,7 +120,7 @@ class RegisterPairResponse(_message.Message):
     def __init__(self, pair_id: _Optional[str] = ..., update_rule: _Optional[_Union[UpdateRule, str]] = ..., refit_interval: _Optional[int] = ..., coefficients: _Optional[_Union[Coefficients, _Mapping]] = ..., created: _Optional[bool] = ..., accepts_round_summaries: _Optional[bool] = ...) -> None: ...
 
 class ObserveRequest(_message.Message):
-    __slots__ = ("pair_id", "worker_id", "sequence", "features", "rows", "k", "num_verified", "num_accepted", "exclude", "coefficients_version", "summary", "open")
+    __slots__ = ("pair_id", "worker_id", "sequence", "features", "rows", "k", "num_verified", "num_accepted", "exclude", "coefficients_version", "summary", "open", "strata", "stratum_index")
     PAIR_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +133,8 @@ class ObserveRequest(_message.Message):
     COEFFICIENTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
+    STRATA_FIELD_NUMBER: _ClassVar[int]
+    STRATUM_INDEX_FIELD_NUMBER: _ClassVar[int]
     pair_id: str
     worker_id: str
     sequence: int
@@ -129,7 +147,9 @@ class ObserveRequest(_message.Message):
     coefficients_version: int
     summary: RoundSummary
     open: bool
-    def __init__(self, pair_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., sequence: _Optional[int] = ..., features: _Optional[bytes] = ..., rows: _Optional[int] = ..., k: _Optional[int] = ..., num_verified: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., exclude: _Optional[_Iterable[bool]] = ..., coefficients_version: _Optional[int] = ..., summary: _Optional[_Union[RoundSummary, _Mapping]] = ..., open: _Optional[bool] = ...) -> None: ...
+    strata: _containers.RepeatedScalarFieldContainer[str]
+    stratum_index: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pair_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., sequence: _Optional[int] = ..., features: _Optional[bytes] = ..., rows: _Optional[int] = ..., k: _Optional[int] = ..., num_verified: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., exclude: _Optional[_Iterable[bool]] = ..., coefficients_version: _Optional[int] = ..., summary: _Optional[_Union[RoundSummary, _Mapping]] = ..., open: _Optional[bool] = ..., strata: _Optional[_Iterable[str]] = ..., stratum_index: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("pair_id", "worker_id", "acked_sequence")
@@ -388,7 +408,7 @@ class DeletePairResponse(_message.Message):
     def __init__(self, pair: _Optional[_Union[Pair, _Mapping]] = ...) -> None: ...
 
 class RoundSummary(_message.Message):
-    __slots__ = ("coefficients_version", "slope", "intercepts", "k", "info", "grad", "counts", "steps", "drafts", "sketch")
+    __slots__ = ("coefficients_version", "slope", "intercepts", "k", "info", "grad", "counts", "steps", "drafts", "sketch", "stratum")
     COEFFICIENTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     SLOPE_FIELD_NUMBER: _ClassVar[int]
     INTERCEPTS_FIELD_NUMBER: _ClassVar[int]
@@ -399,6 +419,7 @@ class RoundSummary(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     SKETCH_FIELD_NUMBER: _ClassVar[int]
+    STRATUM_FIELD_NUMBER: _ClassVar[int]
     coefficients_version: int
     slope: float
     intercepts: _containers.RepeatedScalarFieldContainer[float]
@@ -409,7 +430,8 @@ class RoundSummary(_message.Message):
     steps: int
     drafts: int
     sketch: CalibrationSketch
-    def __init__(self, coefficients_version: _Optional[int] = ..., slope: _Optional[float] = ..., intercepts: _Optional[_Iterable[float]] = ..., k: _Optional[int] = ..., info: _Optional[_Iterable[float]] = ..., grad: _Optional[_Iterable[float]] = ..., counts: _Optional[_Iterable[float]] = ..., steps: _Optional[int] = ..., drafts: _Optional[int] = ..., sketch: _Optional[_Union[CalibrationSketch, _Mapping]] = ...) -> None: ...
+    stratum: str
+    def __init__(self, coefficients_version: _Optional[int] = ..., slope: _Optional[float] = ..., intercepts: _Optional[_Iterable[float]] = ..., k: _Optional[int] = ..., info: _Optional[_Iterable[float]] = ..., grad: _Optional[_Iterable[float]] = ..., counts: _Optional[_Iterable[float]] = ..., steps: _Optional[int] = ..., drafts: _Optional[int] = ..., sketch: _Optional[_Union[CalibrationSketch, _Mapping]] = ..., stratum: _Optional[str] = ...) -> None: ...
 
 class CalibrationSketch(_message.Message):
     __slots__ = ("cell_deltas", "cell_counts", "ece_rejected", "ece_accepted", "ece_sum_predicted", "logloss_sum")
