@@ -8,7 +8,10 @@ and ``avest/lossless-walk`` (AV drafting every position), at C = 8..256, under
 every shipped cost profile, on the shared traces and three variants: the code
 trace's steps reversed, the greedy and chat traces merged step by step (K cut to
 5), and the chat trace with its features shifted by +1 in its second half (the
-labels stay: a drift the estimator must follow). Every run starts cold.
+labels stay: a drift the estimator must follow). Runs start cold (the estimator
+at its cold start, the schedule policy drafting K under AV until its first
+schedule), or warm with ``--warmup-passes 1`` (one unmeasured pass first: the
+estimate the service would have persisted).
 
 Targets (issue 32), checked at every (trace, profile, C):
 
@@ -18,7 +21,7 @@ Targets (issue 32), checked at every (trace, profile, C):
   schedule at least 5 % above the worse of the two (where they differ by less
   than 5 %, only beating the better one can meet it).
 
-    python bench/bench_schedule.py [--traces DIR] [--min-steps 1000]
+    python bench/bench_schedule.py [--traces DIR] [--min-steps 600] [--warmup-passes 0]
         [--concurrency 8,16,32,64,128,256] [--profiles a,b] [--json OUT]
 """
 
@@ -114,12 +117,38 @@ class Cell:
         }
 
 
-def run(named: dict[str, Trace], profiles: list[str], cs: list[int], min_steps: int) -> list[Cell]:
+def from_json(cell: dict[str, Any]) -> Cell:
+    return Cell(
+        cell["trace"],
+        cell["profile"],
+        cell["concurrency"],
+        cell["best_fixed"],
+        cell["best_fixed_throughput"],
+        cell["av_throughput"],
+        cell["schedule_throughput"],
+        cell["schedule_choices"],
+    )
+
+
+def run(
+    named: dict[str, Trace],
+    profiles: list[str],
+    cs: list[int],
+    min_steps: int,
+    warmup_passes: int = 0,
+) -> list[Cell]:
     cells = []
     for name, trace in named.items():
         policies = make_policies(trace.k, False, select=[AV, "schedule"])
         for profile in profiles:
-            sim = simulate(trace, load_profile(profile), cs, policies=policies, min_steps=min_steps)
+            sim = simulate(
+                trace,
+                load_profile(profile),
+                cs,
+                policies=policies,
+                min_steps=min_steps,
+                warmup_passes=warmup_passes,
+            )
             for c, res in sim.results.items():
                 best = sim.best_fixed(c)
                 cells.append(
@@ -233,17 +262,38 @@ def format_summary(s: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--traces", type=Path, default=SHARED)
-    parser.add_argument("--min-steps", type=int, default=1000)
+    parser.add_argument("--min-steps", type=int, default=600)
     parser.add_argument("--concurrency", default="8,16,32,64,128,256")
     parser.add_argument("--profiles", default=",".join(shipped_profiles()))
+    parser.add_argument(
+        "--warmup-passes",
+        type=int,
+        default=0,
+        help="learn on this many unmeasured passes first (a warm start: the service persists "
+        "its estimate); default 0, cold",
+    )
     parser.add_argument("--only", help="comma-separated trace names (default: all six)")
     parser.add_argument("--json", metavar="OUT", help="also write every cell as JSON here")
+    parser.add_argument(
+        "--from-json",
+        nargs="+",
+        metavar="IN",
+        help="print the table and summary of cells written by earlier --json runs (e.g. "
+        "halves run in parallel with --only) instead of simulating",
+    )
     args = parser.parse_args(argv)
-    named = traces(args.traces)
-    if args.only:
-        named = {n: named[n] for n in args.only.split(",")}
-    cs = [int(c) for c in args.concurrency.split(",")]
-    cells = run(named, args.profiles.split(","), cs, args.min_steps)
+    if args.from_json:
+        cells = [
+            from_json(c)
+            for path in args.from_json
+            for c in json.loads(Path(path).read_text())["cells"]
+        ]
+    else:
+        named = traces(args.traces)
+        if args.only:
+            named = {n: named[n] for n in args.only.split(",")}
+        cs = [int(c) for c in args.concurrency.split(",")]
+        cells = run(named, args.profiles.split(","), cs, args.min_steps, args.warmup_passes)
     s = summary(cells)
     print(format_table(cells))
     print()
