@@ -30,7 +30,7 @@ from avest.offline.strata import (
     replay_strata,
 )
 from avest.offline.trace import Trace, read_trace, write_trace
-from tests.commands.test_progress_and_tables import assert_lined_up, tables
+from tests.support.tables import assert_lined_up, tables
 from tests.support.traces import make_synthetic_trace
 
 #: The shared greedy trace (T = 0, K = 5) and the code trace (T = 0.7, K = 6).
