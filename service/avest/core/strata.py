@@ -41,6 +41,7 @@ from avest.core.estimator import Batch, OnlineEstimator
 from avest.core.model import Coefficients, linear_predictor
 from avest.core.rules import Refit, arrowhead_matvec
 from avest.core.stats import RoundStats, fold
+from avest.core.summary import rebase
 from avest.core.tracking import DEFAULT_TRACKING, TrackingConfig, TrackingRule, solve_arrowhead
 from avest_wire.strata import MAX_STRATA, check_stratum
 
@@ -101,6 +102,8 @@ class Stratum:
     drafts: int = 0
     #: Labelled drafts folded in the open round.
     round_drafts: int = 0
+    #: The pair's coefficients when the stratum was placed (its rule's start).
+    start: Coefficients | None = None
 
 
 def shrink(
@@ -191,7 +194,7 @@ class StratifiedEstimator:
         # fading with the stratum's own information.
         rule = TrackingRule(self.config.tracking)
         rule.reset(start)
-        own = Stratum(start, start, rule, RoundStats.zeros(self.k))
+        own = Stratum(start, start, rule, RoundStats.zeros(self.k), start=start)
         self.strata[name] = own
         return own
 
@@ -201,6 +204,13 @@ class StratifiedEstimator:
 
         Every name is checked (:func:`avest_wire.strata.check_stratum`) before
         anything changes."""
+        self.fold_rows(batch, strata)
+        self.pooled.apply(batch, refit=False)
+        return self.refit() if self.pooled.round_full else None
+
+    def fold_rows(self, batch: Batch, strata: Sequence[str]) -> None:
+        """The strata's part of :meth:`apply`: each stratum's rows into its open round
+        (the pair's estimator is the caller's to feed)."""
         names, inverse = _groups(strata, batch.features.shape[0])
         for name in names:
             check_stratum(name)
@@ -216,14 +226,30 @@ class StratifiedEstimator:
             own.round_stats.add_(fold(x, eta, observed, batch.accepted[rows]))
             own.round_drafts += labelled
             own.drafts += labelled
-        self.pooled.apply(batch, refit=False)
-        return self.refit() if self.pooled.round_full else None
+
+    def add_summary(self, name: str, stats: RoundStats, at: Coefficients, drafts: int) -> None:
+        """One stratum's round in summary form (sums computed at ``at``, moved to the
+        stratum's fit first) into its open round; the pair's estimator is the
+        caller's to feed with the same summary."""
+        check_stratum(name)
+        own = self._place(name, 1, drafts)
+        if own is None:
+            return
+        own.round_stats.add_(rebase(stats, at, own.fit))
+        own.round_drafts += drafts
+        own.drafts += drafts
 
     def refit(self) -> Refit:
         """Close the pair's round, then every stratum's; each serves its fit
         shrunk toward the pair's new coefficients."""
         pair_drafts = self.pooled.round_stats.labelled()
         result = self.pooled.refit()
+        self.refit_strata(pair_drafts)
+        return result
+
+    def refit_strata(self, pair_drafts: int) -> None:
+        """The strata's part of :meth:`refit`, once the pair's estimator refitted a
+        round of ``pair_drafts`` labelled drafts."""
         centre = self.pooled.coefficients
         for name in list(self.strata):
             own = self.strata[name]
@@ -243,7 +269,73 @@ class StratifiedEstimator:
             own.round_stats = RoundStats.zeros(self.k)
             own.round_drafts = 0
             own.coefficients = self._served(own, centre)
-        return result
+
+    def reset(self) -> None:
+        """Forget every stratum and counter (the pair's estimator was reset)."""
+        self.strata.clear()
+        self.fallback_rows = self.fallback_drafts = self.retired = 0
+        self.last_fallback = None
+
+    # -- persistence ------------------------------------------------------
+
+    def snapshot(self) -> dict[str, npt.NDArray[np.generic]]:
+        """The strata as named arrays under ``strata.`` (none while there are no
+        strata and nothing was counted): names, then per stratum ``strata.<i>.``
+        its start, fit, served coefficients, counters, open round and rule state."""
+        counters = [self.fallback_rows, self.fallback_drafts, self.retired]
+        if not self.strata and not any(counters):
+            return {}
+        names = "\n".join(self.strata).encode()
+        out: dict[str, npt.NDArray[np.generic]] = {
+            "strata.names": np.frombuffer(names, dtype=np.uint8).copy(),
+            "strata.counters": np.array(counters, dtype=np.float64),
+        }
+        for i, own in enumerate(self.strata.values()):
+            p = f"strata.{i}."
+            out[p + "start"] = (own.start or own.fit).as_vector()
+            out[p + "fit"] = own.fit.as_vector()
+            out[p + "coefficients"] = own.coefficients.as_vector()
+            out[p + "counters"] = np.array(
+                [own.idle, own.rounds, own.drafts, own.round_drafts], dtype=np.float64
+            )
+            out.update({f"{p}round.{n}": v for n, v in own.round_stats.to_arrays().items()})
+            out.update({f"{p}rule.{n}": v.copy() for n, v in own.rule.state().items()})
+        return out
+
+    def restore(self, arrays: dict[str, npt.NDArray[np.generic]]) -> None:
+        """Resume from :meth:`snapshot` output (arrays without ``strata.`` keys: none)."""
+        self.reset()
+        if "strata.names" not in arrays:
+            return
+        raw = np.asarray(arrays["strata.names"], dtype=np.uint8).tobytes().decode()
+        names = raw.split("\n") if raw else []
+        counters = [int(v) for v in np.asarray(arrays["strata.counters"])]
+        self.fallback_rows, self.fallback_drafts, self.retired = counters
+
+        def part(prefix: str) -> dict[str, FloatArray]:
+            return {
+                n[len(prefix) :]: np.asarray(v, dtype=np.float64)
+                for n, v in arrays.items()
+                if n.startswith(prefix)
+            }
+
+        for i, name in enumerate(names):
+            p = f"strata.{i}."
+            start = Coefficients.from_vector(np.asarray(arrays[p + "start"], dtype=np.float64))
+            rule = TrackingRule(self.config.tracking)
+            rule.reset(start)
+            rule.load_state(part(p + "rule."))
+            own = Stratum(
+                Coefficients.from_vector(np.asarray(arrays[p + "fit"], dtype=np.float64)),
+                Coefficients.from_vector(np.asarray(arrays[p + "coefficients"], dtype=np.float64)),
+                rule,
+                RoundStats.from_arrays(part(p + "round.")),
+                start=start,
+            )
+            own.idle, own.rounds, own.drafts, own.round_drafts = (
+                int(v) for v in np.asarray(arrays[p + "counters"])
+            )
+            self.strata[check_stratum(name)] = own
 
     def _served(self, own: Stratum, centre: Coefficients) -> Coefficients:
         if own.fit == centre or self.config.prior_drafts <= 0.0:

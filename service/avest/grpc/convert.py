@@ -20,7 +20,9 @@ BUDGET_FROM_PB = {**BUDGET_RULE_NAMES, pb.BUDGET_RULE_UNSPECIFIED: budget_rules.
 BUDGET_TO_PB = {v: k for k, v in BUDGET_FROM_PB.items() if k != pb.BUDGET_RULE_UNSPECIFIED}
 
 
-def coefficients_pb(pair: Pair) -> pb.Coefficients:
+def coefficients_pb(pair: Pair, strata: bool = True) -> pb.Coefficients:
+    """The pair's coefficients, with its strata's unless ``strata`` is false (a
+    ``ListPairs`` page, sized without them)."""
     c = pair.coefficients
     ts = Timestamp()
     ts.FromNanoseconds(int(pair.updated * 1e9))
@@ -32,7 +34,22 @@ def coefficients_pb(pair: Pair) -> pb.Coefficients:
         intercepts=list(c.intercepts),
         update_time=ts,
         **calibration_layer(pair),
+        strata=strata_pb(pair) if strata else None,
     )
+
+
+def strata_pb(pair: Pair) -> list[pb.StratumCoefficients]:
+    """Each stratum's served coefficients, in name order (``Coefficients.strata``)."""
+    return [
+        pb.StratumCoefficients(
+            stratum=name,
+            slope=c.slope,
+            intercepts=list(c.intercepts),
+            rounds=rounds,
+            drafts=drafts,
+        )
+        for name, c, rounds, drafts in pair.stratum_coefficients()
+    ]
 
 
 def calibration_layer(pair: Pair) -> dict[str, Any]:
@@ -48,7 +65,7 @@ def calibration_layer(pair: Pair) -> dict[str, Any]:
     }
 
 
-def pair_pb(pair: Pair) -> pb.Pair:
+def pair_pb(pair: Pair, strata: bool = True) -> pb.Pair:
     s = pair.estimator.calibration.summary()
     key = pair.key
     return pb.Pair(
@@ -62,7 +79,7 @@ def pair_pb(pair: Pair) -> pb.Pair:
         ),
         update_rule=RULE_TO_PB[pair.rule_name],
         refit_interval=pair.estimator.refit_interval,
-        coefficients=coefficients_pb(pair),
+        coefficients=coefficients_pb(pair, strata),
         drafts_observed=pair.estimator.drafts,
         steps_observed=pair.estimator.steps,
         calibration=pb.Calibration(

@@ -34,7 +34,7 @@ _stale = LogLimiter("avest.grpc")
 #: The fields of an ObserveRequest that carry a step: an opening request sets none.
 _STEP_FIELDS = (
     "sequence", "features", "rows", "k", "num_verified", "num_accepted", "exclude",
-    "coefficients_version", "summary",
+    "coefficients_version", "summary", "strata", "stratum_index",
 )  # fmt: skip
 
 
@@ -51,7 +51,7 @@ class StreamHost(Protocol):
 
     def malformed(self, method: str) -> None: ...
 
-    def validate_observe(self, req: pb.ObserveRequest) -> tuple[Pair, Any]: ...
+    def validate_observe(self, req: pb.ObserveRequest) -> tuple[Pair, Any, Any]: ...
 
 
 class ObserveStream:
@@ -238,7 +238,7 @@ class ObserveStream:
                         break
                     continue
                 try:
-                    pair, batch = service.validate_observe(req)
+                    pair, batch, strata = service.validate_observe(req)
                     self._claim(pair.id, req.worker_id)
                 except Refused as r:
                     service.on_refused("Observe", r.reason)
@@ -255,7 +255,9 @@ class ObserveStream:
                 self.acked.setdefault(key, 0)
                 summary = req.summary if req.HasField("summary") else None
                 # Waits while the pair's queue is full: this stream reads no more.
-                done = await service.app.submit(pair, req.worker_id, req.sequence, batch, summary)
+                done = await service.app.submit(
+                    pair, req.worker_id, req.sequence, batch, summary, strata
+                )
                 done.add_done_callback(
                     functools.partial(self._applied, pair, req.worker_id, req.sequence)
                 )

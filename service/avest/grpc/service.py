@@ -44,6 +44,7 @@ from avest.state.pairs import Pair, check_sequence
 from avest_wire import limits
 from avest_wire import matrix as wire
 from avest_wire.errors import InvalidInput
+from avest_wire.messages import step_strata, summary_stratum
 from avest_wire.pair import PairKey
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
@@ -212,7 +213,9 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
             pairs, token = listing.page(
                 self.app.registry.pairs, min(request.page_size or cap, cap), request.page_token
             )
-            return pb.ListPairsResponse(pairs=[pair_pb(p) for p in pairs], next_page_token=token)
+            return pb.ListPairsResponse(
+                pairs=[pair_pb(p, strata=False) for p in pairs], next_page_token=token
+            )
 
         return await self._unary("ListPairs", context, run)
 
@@ -362,8 +365,9 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
                 "rows", f"{rows} exceeds the limit of {self.limits.max_rows} rows per message"
             )
 
-    def validate_observe(self, req: pb.ObserveRequest) -> tuple[Pair, Any]:
-        """The pair and validated batch of one Observe message, or a refusal."""
+    def validate_observe(self, req: pb.ObserveRequest) -> tuple[Pair, Any, Any]:
+        """The pair, validated batch and strata of one Observe message (a step's
+        stratum per row, a summary's stratum; None without strata), or a refusal."""
         with refusals():
             pair = self._pair(req.pair_id, rated=False)
             problem = limits.worker_id_problem(req.worker_id)
@@ -375,7 +379,11 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
             if req.sequence > last:
                 check_sequence(req.sequence, last)
             if req.HasField("summary"):
-                return pair, summary_from_pb(req, pair)
+                if len(req.strata) or len(req.stratum_index):
+                    raise InvalidInput(
+                        "strata", "must be empty in a summary message (summary.stratum names it)"
+                    )
+                return pair, summary_from_pb(req, pair), summary_stratum(req.summary)
             self._check_shape(pair, req.rows, req.k)
             x = wire.decode(req.features, req.rows, req.k)
             if len(req.num_verified) != req.rows:
@@ -393,7 +401,8 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
                 pair.k,
                 np.asarray(req.exclude, dtype=bool) if len(req.exclude) else None,
             )
-        return pair, batch
+            strata = step_strata(req)
+        return pair, batch, strata
 
     def stop_applying(self) -> None:
         """First step of a drain: no stream applies another step."""

@@ -65,6 +65,8 @@ from avest.http.models import (
     ReliabilityBinOut,
     ReliabilityOut,
     Status,
+    StrataOut,
+    StratumOut,
     WorkerOut,
     WorkersOut,
     finite,
@@ -307,6 +309,31 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
                 HistoryEntryOut.model_validate(h, from_attributes=True)
                 for h in pair.history[-limit:]
             ],
+        )
+
+    @pair_view("/strata", StrataOut)
+    async def strata(pair_id: str) -> StrataOut:
+        """The pair's strata (kinds of request, docs/strata.md): each one's served
+        coefficients beside the pair's, and the requests past the bound on strata."""
+        pair = get_pair(pair_id)
+        own = pair.stratified()
+        return StrataOut(
+            id=pair.id,
+            strata=[
+                StratumOut(
+                    stratum=name,
+                    slope=s.coefficients.slope,
+                    intercepts=list(s.coefficients.intercepts),
+                    rounds=s.rounds,
+                    drafts=s.drafts,
+                    idle=s.idle,
+                )
+                for name, s in sorted(own.strata.items())
+            ],
+            max_strata=own.config.max_strata,
+            fallback_rows=own.fallback_rows,
+            fallback_drafts=own.fallback_drafts,
+            retired=own.retired,
         )
 
     @pair_view("/workers", WorkersOut, _409=_NOT_REFITTED_HERE)

@@ -141,6 +141,26 @@ class HistoryOut(BaseModel):
     history: list[HistoryEntryOut]
 
 
+class StratumOut(BaseModel):
+    stratum: str = Field(description="The stratum's name (docs/strata.md)")
+    slope: float = Field(description="Served slope: its own fit shrunk toward the pair's")
+    intercepts: list[float] = Field(description="Served intercepts, one per draft position")
+    rounds: int = Field(description="Refits that moved the stratum on its own drafts")
+    drafts: int = Field(description="Labelled drafts of the stratum applied since placed")
+    idle: int = Field(description="The pair's refits since the stratum last had a draft")
+
+
+class StrataOut(BaseModel):
+    id: str
+    strata: list[StratumOut] = Field(description="In name order")
+    max_strata: int = Field(description="Most strata the pair fits at once")
+    fallback_rows: int = Field(
+        description="Rows predicted with the pair's coefficients: their stratum found no place"
+    )
+    fallback_drafts: int = Field(description="Labelled drafts among the fallback rows")
+    retired: int = Field(description="Strata retired for idleness")
+
+
 class ReliabilityBinOut(BaseModel):
     bin: int
     lower: float

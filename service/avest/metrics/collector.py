@@ -47,6 +47,9 @@ COLLECTED = (
     names.INTERCEPT,
     names.COEFFICIENTS_VERSION,
     names.ROUND,
+    names.STRATUM_SLOPE,
+    names.STRATUM_DRAFTS,
+    names.STRATA_FALLBACK_ROWS,
     names.SCHEDULE_GOODPUT,
     names.SCHEDULE_LENGTH,
     names.AUC,
@@ -181,6 +184,12 @@ class PairCollector:
             f[names.INTERCEPT].add_metric([pid, str(i)], b)
         f[names.COEFFICIENTS_VERSION].add_metric([pid], float(est.version))
         f[names.ROUND].add_metric([pid], float(est.round))
+        strata = pair.strata
+        for name, own in strata.strata.items() if strata is not None else ():
+            f[names.STRATUM_SLOPE].add_metric([pid, name], own.coefficients.slope)
+            f[names.STRATUM_DRAFTS].add_metric([pid, name], float(own.drafts))
+        fallback = strata.fallback_rows if strata is not None else 0
+        f[names.STRATA_FALLBACK_ROWS].add_metric([pid], float(fallback))
         s = m.summary(pair)
         _calibration(f, pid, s, _ALL_TIME)
         f[names.CALIBRATION_DRAFTS].add_metric([pid], s.count)

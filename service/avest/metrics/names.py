@@ -69,6 +69,14 @@ SLOPE = "avest_slope"
 INTERCEPT = "avest_intercept"
 COEFFICIENTS_VERSION = "avest_coefficients_version"
 ROUND = "avest_round"
+#: Per pair and stratum (docs/strata.md; at most ``MAX_STRATA`` values of ``stratum``
+#: per pair): the stratum's served slope and its labelled drafts; per pair, the rows
+#: predicted with the pair's coefficients because their stratum found no place.
+STRATUM_SLOPE = "avest_stratum_slope"
+STRATUM_DRAFTS = "avest_stratum_drafts"
+STRATA_FALLBACK_ROWS = "avest_strata_fallback_rows_total"
+#: The series that exist only for a pair with strata.
+STRATUM_METRICS = frozenset({STRATUM_SLOPE, STRATUM_DRAFTS})
 #: Per pair, hardware label and schedule range: the expected goodput of what the
 #: draft-length schedule last computed runs there (``choice="scheduled"``) and of the
 #: best fixed length without AV (``choice="best_fixed"``), tokens per second at the
@@ -258,6 +266,25 @@ METRICS: tuple[MetricSpec, ...] = (
         "Version of the coefficients in force (+1 per applied refit and per reset).",
     ),
     MetricSpec(ROUND, "gauge", ("pair",), "Refit rounds closed (applied or not)."),
+    MetricSpec(
+        STRATUM_SLOPE,
+        "gauge",
+        ("pair", "stratum"),
+        "Served slope of each stratum of the pair (at most 16 strata per pair).",
+    ),
+    MetricSpec(
+        STRATUM_DRAFTS,
+        "gauge",
+        ("pair", "stratum"),
+        "Labelled drafts of each stratum of the pair since it was placed.",
+    ),
+    MetricSpec(
+        STRATA_FALLBACK_ROWS,
+        "counter",
+        ("pair",),
+        "Rows predicted with the pair's coefficients because the pair held its limit of "
+        "strata when their stratum came.",
+    ),
     MetricSpec(
         SCHEDULE_GOODPUT,
         "gauge",

@@ -56,6 +56,8 @@ class Message:
     #: Resolved with whether the message was new, once applied (or ``False`` when
     #: dropped: a pair deleted or a service draining; never acknowledged then).
     done: asyncio.Future[bool]
+    #: A step's stratum per row, or a summary's stratum; ``None`` without strata.
+    strata: tuple[str, ...] | str | None = None
 
 
 #: What the owner calls for each message: returns whether it was new.

@@ -19,7 +19,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -270,15 +270,17 @@ class Avest:
         seq: int,
         batch: Batch | RoundSummary,
         message: pb.RoundSummary | None = None,
+        strata: tuple[str, ...] | str | None = None,
     ) -> asyncio.Future[bool]:
         """Hand a checked step or round summary to its pair's owner
         (:mod:`avest.state.admission`); waits while the pair's queue is full. The
-        future resolves with whether it was new, once applied."""
+        future resolves with whether it was new, once applied. ``strata``: a step's
+        stratum per row or a summary's stratum (docs/strata.md), None without."""
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         queue = self.admission.queue(
             pair.id, lambda m: self._apply(pair, m), lambda: self.refit_held(pair)
         )
-        await queue.submit(Message(worker, seq, batch, message, done))
+        await queue.submit(Message(worker, seq, batch, message, done, strata))
         return done
 
     async def _apply(self, pair: Pair, m: Message) -> bool:
@@ -290,24 +292,25 @@ class Avest:
 
         Replicas: the step goes to the pending log, folded by the pair's refitter
         (``m.received``: a summary as received, stored as it came)."""
-        worker, seq, batch = m.worker, m.sequence, m.batch
+        worker, seq, batch, strata = m.worker, m.sequence, m.batch, m.strata
         if self.draining or self.registry.pairs.get(pair.id) is not pair:
             return False
         if self.replication is not None:
             await self.replication.room()
-            return self.replication.offer(pair, worker, seq, batch, m.received)
+            return self.replication.offer(pair, worker, seq, batch, m.received, strata)
         if not self.folds.heavy(batch):
-            return self.observe(pair, worker, seq, batch)
+            return self.observe(pair, worker, seq, batch, strata=strata)
         if seq <= pair.applied.get(worker, -1) or not isinstance(batch, Batch):
-            return self.observe(pair, worker, seq, batch)  # a duplicate
+            return self.observe(pair, worker, seq, batch, strata=strata)  # a duplicate
         before = pair.estimator
         mark = (before.version, before.steps)
         folded = await self.folds.fold(before, batch, self.admission.may_refit(pair.id))
         if self.draining or self.registry.pairs.get(pair.id) is not pair:
             return False
         if pair.estimator is not before or (before.version, before.steps) != mark:
-            return self.observe(pair, worker, seq, batch)  # reset meanwhile: fold again
-        return self.observe(pair, worker, seq, batch, folded)
+            # reset meanwhile: fold again
+            return self.observe(pair, worker, seq, batch, strata=strata)
+        return self.observe(pair, worker, seq, batch, folded, strata)
 
     def observe(
         self,
@@ -316,13 +319,15 @@ class Avest:
         seq: int,
         batch: Batch | RoundSummary,
         folded: Folded | None = None,
+        strata: Sequence[str] | str | None = None,
     ) -> bool:
-        """Apply one validated step or round summary; returns whether it was new.
+        """Apply one validated step or round summary (``strata``: its strata, see
+        :meth:`submit`); returns whether it was new.
         A round it fills refits now unless the pair refitted less than
         ``min_refit_s`` ago (then :meth:`refit_held` refits it later)."""
         t0 = time.perf_counter()
         may_refit = self.admission.may_refit(pair.id)
-        applied, refit = pair.observe(worker, seq, batch, folded, may_refit)
+        applied, refit = pair.observe(worker, seq, batch, folded, may_refit, strata)
         if not applied:
             return False
         if isinstance(batch, Batch):

@@ -7,8 +7,9 @@ here and writes them on a thread of its own.
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +18,8 @@ from avest.core.estimator import Batch, OnlineEstimator
 from avest.core.model import Coefficients
 from avest.core.rule_factory import DEFAULT_RULE, RULE_NAMES, make_rule, rule_options
 from avest.core.rules import Refit
-from avest.core.summary import summary_stats
+from avest.core.strata import StratifiedEstimator
+from avest.core.summary import summary_coefficients, summary_stats
 from avest.state.costs import CostCurves, check_costs
 from avest.state.errors import Conflict, Exhausted, NotFound
 from avest.state.folds import Folded
@@ -26,6 +28,8 @@ from avest_wire import limits
 from avest_wire.errors import InvalidInput
 from avest_wire.pair import PairKey
 from avest_wire.summary import RoundSummary
+
+log = logging.getLogger(__name__)
 
 
 def check_sequence(seq: int, last: int) -> None:
@@ -87,6 +91,20 @@ class Pair:
     workers: WorkerTable = field(default_factory=WorkerTable)
     #: The stored revision this copy was read at (replicas on PostgreSQL).
     revision: int = 0
+    #: Its strata (docs/strata.md): a coefficient set per kind of request beside
+    #: the estimator's, which stays what traffic without strata gets. Built with
+    #: the pair; its ``pooled`` is always :attr:`estimator`.
+    strata: StratifiedEstimator | None = None
+    #: Which stratum last found no place (the one log line per new one).
+    logged_fallback: str | None = None
+
+    def stratified(self) -> StratifiedEstimator:
+        """The pair's strata, their pooled estimator made the pair's (a fold on a
+        worker thread, a refresh or a restore replaces the estimator)."""
+        if self.strata is None:
+            self.strata = StratifiedEstimator(self.estimator)
+        self.strata.pooled = self.estimator
+        return self.strata
 
     @property
     def id(self) -> str:
@@ -131,6 +149,7 @@ class Pair:
         batch: Batch | RoundSummary,
         folded: Folded | None = None,
         may_refit: bool = True,
+        strata: Sequence[str] | str | None = None,
     ) -> tuple[bool, Refit | None]:
         """Apply a validated batch or round summary unless ``(worker, seq)`` was applied already.
 
@@ -143,10 +162,16 @@ class Pair:
         The worker's table judges the data first (:meth:`WorkerTable.judge`): a
         quarantined worker's data is counted and scored, never folded; a worker in
         good standing has its share of the round bounded.
+
+        ``strata``: a step's stratum per row, or a summary's stratum (None: the
+        pair's pooled traffic, applied exactly as without strata). What the pair's
+        estimator keeps feeds the strata too, each stratum's rows (or summary) its
+        own fit; they refit whenever the pair does.
         """
         if seq <= self.applied.get(worker, -1):
             return False, None
         est = self.estimator
+        round_drafts = est.round_stats.labelled()
         stats = folded[2] if folded is not None else est.contribution(batch)
         if isinstance(batch, RoundSummary):
             steps, seen = batch.steps, summary_stats(batch)
@@ -154,6 +179,8 @@ class Pair:
             steps, seen = 1, stats
         kept = self.workers.judge(worker, stats, steps, (est.version, est.round), seen)
         refit: Refit | None = None
+        if kept is not None and strata is not None:
+            self._fold_strata(batch, strata)
         if isinstance(batch, RoundSummary):
             lag = est.version - batch.version
             if kept is not None:
@@ -166,6 +193,7 @@ class Pair:
                 refit = est.apply(batch, kept, may_refit)
             self.workers.raw(worker, batch.labelled)
         if refit is not None:
+            self._refit_strata(round_drafts + (kept.labelled() if kept is not None else 0))
             self._tick()
         elif kept is not None:
             self._age_held_round(steps)
@@ -177,6 +205,38 @@ class Pair:
         if refit is not None:
             self._record(refit.outcome)
         return True, refit
+
+    def _fold_strata(self, batch: Batch | RoundSummary, strata: Sequence[str] | str) -> None:
+        own = self.stratified()
+        before = own.fallback_rows
+        if isinstance(batch, RoundSummary):
+            assert isinstance(strata, str)
+            own.add_summary(strata, summary_stats(batch), summary_coefficients(batch), batch.drafts)
+        else:
+            own.fold_rows(batch, list(strata))
+        if own.fallback_rows != before and own.last_fallback != self.logged_fallback:
+            self.logged_fallback = own.last_fallback
+            log.warning(
+                "pair %s holds its limit of %d strata: stratum %s is predicted with the "
+                "pair's coefficients (counted in avest_strata_fallback_rows_total)",
+                self.id,
+                own.config.max_strata,
+                limits.echo(own.last_fallback or ""),
+            )
+
+    def _refit_strata(self, round_drafts: int) -> None:
+        """The pair refitted a round of ``round_drafts`` labelled drafts: so do its strata."""
+        if self.strata is not None and self.strata.strata:
+            self.stratified().refit_strata(round_drafts)
+
+    def stratum_coefficients(self) -> list[tuple[str, Coefficients, int, int]]:
+        """Each stratum's name, served coefficients, rounds and drafts, in name order."""
+        if self.strata is None:
+            return []
+        return [
+            (name, own.coefficients, own.rounds, own.drafts)
+            for name, own in sorted(self.strata.strata.items())
+        ]
 
     def _tick(self) -> None:
         self.workers.tick()
@@ -202,7 +262,9 @@ class Pair:
         ``may_refit`` false); ``None`` when none is."""
         if not self.estimator.round_full:
             return None
+        round_drafts = self.estimator.round_stats.labelled()
         refit = self.estimator.refit()
+        self._refit_strata(round_drafts)
         self._tick()
         self.dirty = True
         self._record(refit.outcome)
@@ -226,6 +288,8 @@ class Pair:
 
     def reset(self) -> None:
         self.estimator.reset()
+        if self.strata is not None:
+            self.strata.reset()
         self._tick()
         self.history.clear()
         self.history_cleared = time.time()
@@ -356,7 +420,11 @@ class Registry:
             "key": pair.key.as_dict(),
             "rule": pair.rule_name,
             "refit_interval": pair.estimator.refit_interval,
-            "arrays": pair.estimator.snapshot(),  # fresh copies already
+            # fresh copies already; the strata's under "strata." (none without strata)
+            "arrays": {
+                **pair.estimator.snapshot(),
+                **(pair.strata.snapshot() if pair.strata is not None else {}),
+            },
             "last_outcome": pair.estimator.last_outcome,
             "workers": workers,
             "pruned": pruned,
@@ -392,6 +460,7 @@ class Registry:
         """A pair built from a stored record (not registered)."""
         pair = self.build(key, record["rule"], int(record["refit_interval"]))
         pair.estimator.restore(record["arrays"])
+        pair.stratified().restore(record["arrays"])
         pair.estimator.last_outcome = str(record.get("last_outcome", ""))
         pair.applied = {w: int(seq) for w, (seq, _) in record["workers"].items()}
         pair.seen = {w: float(seen) for w, (_, seen) in record["workers"].items()}
@@ -415,6 +484,7 @@ class Registry:
         before = pair.estimator.version
         pair.rule_name = stored.rule_name
         pair.estimator = stored.estimator
+        pair.strata = stored.strata
         pair.applied, pair.seen, pair.history = stored.applied, stored.seen, stored.history
         for worker, seq in stored.durable.items():
             pair.durable[worker] = max(seq, pair.durable.get(worker, 0))

@@ -43,7 +43,7 @@ import math
 import secrets
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
@@ -96,27 +96,52 @@ APPEND_ROWS = 1000
 MAX_QUEUED_BYTES = 64 << 20
 #: The worker id of admin-change rows: no worker has it (ids are 1 byte or more).
 COMMANDS = ""
+#: A step's stratum per row, a summary's stratum, or None (as ``Avest.submit`` takes them).
+Strata = Sequence[str] | str | None
 #: The kinds of pending rows.
 SUMMARY, STEP, COSTS, RESET, RELEASE = "summary", "step", "costs", "reset", "release"
 
 
 def encode(
-    batch: Batch | RoundSummary, message: pb.RoundSummary | None = None
+    batch: Batch | RoundSummary,
+    message: pb.RoundSummary | None = None,
+    strata: tuple[str, ...] | str | None = None,
 ) -> tuple[str, bytes]:
     """A step or round summary as a pending row's kind and payload (``message``: the
-    summary as received, stored as it came rather than encoded again)."""
+    summary as received, stored as it came rather than encoded again; ``strata``: a
+    step's per row, or the summary's, as :meth:`Avest.submit` takes them)."""
     if isinstance(batch, RoundSummary):
-        return SUMMARY, (message or summary_to_pb(batch)).SerializeToString()
+        if message is None:
+            message = summary_to_pb(batch)
+            if isinstance(strata, str):
+                message.stratum = strata
+        return SUMMARY, message.SerializeToString()
     arrays = {"features": batch.features, "observed": batch.observed, "accepted": batch.accepted}
+    if strata is not None:
+        # Names hold no control character: a newline separates them.
+        arrays["strata"] = np.frombuffer("\n".join(strata).encode(), dtype=np.uint8)
     return STEP, npz_bytes(arrays)
 
 
 def decode(kind: str, payload: bytes, k: int) -> Batch | RoundSummary:
     """A pending row as the replica that received it checked it: not checked again."""
+    return decode_stratified(kind, payload, k)[0]
+
+
+def decode_stratified(
+    kind: str, payload: bytes, k: int
+) -> tuple[Batch | RoundSummary, tuple[str, ...] | str | None]:
+    """:func:`decode` with the row's strata (None: a row without strata)."""
     if kind == SUMMARY:
-        return summary_from_checked_pb(pb.RoundSummary.FromString(payload), k)
+        msg = pb.RoundSummary.FromString(payload)
+        return summary_from_checked_pb(msg, k), msg.stratum or None
     with np.load(io.BytesIO(payload), allow_pickle=False) as npz:
-        return Batch(npz["features"], npz["observed"], npz["accepted"])
+        batch = Batch(npz["features"], npz["observed"], npz["accepted"])
+        if "strata" not in npz.files:
+            return batch, None
+        names = npz["strata"].tobytes().decode()
+    rows = batch.features.shape[0]
+    return batch, tuple(names.split("\n")) if rows else ()
 
 
 class Host(Protocol):
@@ -128,7 +153,9 @@ class Host(Protocol):
     store_error: str
     store_errors: dict[str, int]
 
-    def observe(self, pair: Pair, worker: str, seq: int, batch: Batch | RoundSummary) -> bool: ...
+    def observe(
+        self, pair: Pair, worker: str, seq: int, batch: Batch | RoundSummary, *, strata: Strata
+    ) -> bool: ...
 
     def adopt(self, record: dict[str, Any]) -> Pair: ...
 
@@ -254,9 +281,11 @@ class Replication:
         seq: int,
         batch: Batch | RoundSummary,
         message: pb.RoundSummary | None = None,
+        strata: tuple[str, ...] | str | None = None,
     ) -> bool:
         """Queue a step or summary for the pending log; False for one already received
-        (folded, stored or queued). ``message``: the summary as received."""
+        (folded, stored or queued). ``message``: the summary as received (with its
+        stratum); ``strata``: a step's per row."""
         key = (pair.id, worker)
         known = max(
             self.received.get(key, 0), pair.durable.get(worker, 0), pair.applied.get(worker, 0)
@@ -264,7 +293,7 @@ class Replication:
         if seq <= known:
             return False
         self.received[key] = seq
-        self._queue((pair.id, worker, seq, *encode(batch, message)))
+        self._queue((pair.id, worker, seq, *encode(batch, message, strata)))
         return True
 
     def _queue(self, row: tuple[str, str, int, str, bytes]) -> None:
@@ -551,7 +580,8 @@ class Replication:
 
     def _apply(self, pair: Pair, worker: str, seq: int, kind: str, payload: bytes) -> None:
         if kind in (SUMMARY, STEP):
-            self.app.observe(pair, worker, seq, decode(kind, payload, pair.k))
+            batch, strata = decode_stratified(kind, payload, pair.k)
+            self.app.observe(pair, worker, seq, batch, strata=strata)
         elif kind == COSTS:
             pair.set_costs(CostCurves.from_dict(json.loads(payload)))
         elif kind == RESET:
