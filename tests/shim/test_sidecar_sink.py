@@ -28,6 +28,7 @@ from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.sidecar import sink as sidecar_sink
 from avest_client.vllm.sidecar.sink import SidecarSink
 from avest_wire.coefficients import Coefficients
+from avest_wire.limits import MAX_COST_POINTS
 from avest_wire.pair import PairKey
 from tests.support.helpers import f32
 from tests.support.sidecar import (
@@ -181,6 +182,32 @@ def test_profiled_cost_curves_reach_the_pair(start_sidecar, tmp_path, trace_slic
     rec.record(DRAFT_CURVE, [(1, 4.0), (1024, 18.0)])
     wait_until(lambda: sink.cost_curves_sent == 2, what="new curves sent")
     client.close()
+    est.avest_close()
+
+
+def test_curves_profiled_at_more_sizes_than_the_service_takes_are_thinned(start_sidecar, tmp_path):
+    """A profile at every size up to 2048 (vLLM's, or the CPU engine's) is refused whole
+    by the service (at most MAX_COST_POINTS points): the sink sends it thinned, and
+    inside the capture limit no size costs less than it was profiled at."""
+    srv = start_sidecar(tmp_path, refit_interval=10)
+    rec = costs.CostCurveRecorder()
+    est = make_shim(srv.grpc_address, recorder=rec, hardware="cpu")
+    sink = sink_of(est)
+    assert sink.wait_connected(10)
+    draft = [(n, 1.0 + 0.01 * n) for n in range(1, 2049)]
+    verify = [(n, 5.0 + 0.002 * n + (3.0 if n > 512 else 0.0)) for n in range(1, 2049)]
+    rec.record(draft, verify, cudagraph_limit=512)
+    wait_until(lambda: sink.cost_curves_sent == 1, what="thinned cost curves sent")
+    with EstimatorClient(srv.grpc_address) as client:
+        assert client.pair(sink.pair_id).cost_curve_hardware == ("cpu",)
+    thinned = costs.thin(verify, MAX_COST_POINTS, 512)
+    assert len(thinned) <= MAX_COST_POINTS and thinned[0] == verify[0]
+    assert thinned[-1] == verify[-1] and (512, verify[511][1]) in thinned
+    full = CostTable.from_curves(draft, verify, cudagraph_limit=512)
+    sent = CostTable.from_curves(draft, thinned, cudagraph_limit=512)
+    sizes = np.arange(1, 513)
+    assert (sent.verify_cost(sizes) >= full.verify_cost(sizes)).all()
+    assert costs.thin(verify[:10], MAX_COST_POINTS) == verify[:10]  # short ones as they are
     est.avest_close()
 
 

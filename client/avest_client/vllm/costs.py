@@ -9,7 +9,9 @@ method). The plugin wraps it to record the curves here; the network sink reads
 
 from __future__ import annotations
 
+import bisect
 import logging
+import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -64,6 +66,29 @@ class CostCurveRecorder:
 
 
 RECORDER = CostCurveRecorder()
+
+
+def thin(curve: Curve, max_points: int, cudagraph_limit: int = 0) -> Curve:
+    """At most ``max_points`` of a profiled ``[(size, ms)]`` curve (the service takes at
+    most ``MAX_COST_POINTS``): the first and the last point, the first at or past the
+    CUDA-graph capture limit (where padding ends), and sizes spread evenly in log-size.
+    Where a size costs the first profiled size at or above it (up to the limit), a
+    dropped point's sizes cost the next one kept: more, never less."""
+    points = sorted(curve)
+    if len(points) <= max_points:
+        return points
+    sizes = [s for s, _ in points]
+    last = len(points) - 1
+    keep = {0, last}
+    if cudagraph_limit > 0:
+        at = next((i for i, s in enumerate(sizes) if s >= cudagraph_limit), last)
+        keep.add(at)
+    lo, hi = math.log(max(sizes[0], 1)), math.log(max(sizes[-1], 1))
+    spread = max_points - len(keep)
+    for j in range(spread):
+        target = math.exp(lo + (hi - lo) * (j + 1) / (spread + 1))
+        keep.add(min(bisect.bisect_left(sizes, target), last))
+    return [points[i] for i in sorted(keep)]
 
 
 def install_cost_curve_hook(manager_cls: type, recorder: CostCurveRecorder | None = None) -> bool:

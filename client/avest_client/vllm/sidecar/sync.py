@@ -24,6 +24,7 @@ from avest_client.types import Registration, Served
 from avest_client.vllm import costs
 from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.sidecar import logger
+from avest_wire.limits import MAX_COST_POINTS
 from avest_wire.pair import PairKey
 
 #: How often coefficients are fetched directly while the stream's view is stale.
@@ -209,6 +210,8 @@ class CostSender:
         version, draft, verify, limit = snap
         if version == self._sent_version and not self._due:
             return
+        # vLLM may profile more sizes than the service takes: send at most its limit
+        draft, verify = (costs.thin(c, MAX_COST_POINTS, limit) for c in (draft, verify))
         try:
             self._client.set_cost_curves(
                 pair_id, draft, verify, cudagraph_limit=limit, hardware=self._hardware
