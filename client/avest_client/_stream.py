@@ -35,8 +35,9 @@ from avest_client.errors import WorkerIdReusedError
 from avest_client.ledger import Ledger, Step
 from avest_client.types import Served
 from avest_wire.limits import MAX_K, MAX_LOG_ODDS
-from avest_wire.messages import summary_to_pb
+from avest_wire.messages import set_step_strata, summary_to_pb
 from avest_wire.refusal import refused_sequence_from
+from avest_wire.strata import MAX_STRATA, check_stratum
 from avest_wire.summary import RoundSummary
 from avest_wire.v1 import estimator_pb2 as pb
 
@@ -76,6 +77,30 @@ class StepData:
     num_verified: npt.NDArray[np.uint32]
     num_accepted: npt.NDArray[np.uint32]
     exclude: npt.NDArray[np.bool_] | None
+    #: Each row's stratum (docs/strata.md), or None: the pair's pooled traffic.
+    strata: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class StratumSummary:
+    """A round summary of one stratum's drafts (``RoundSummary.stratum`` on the wire)."""
+
+    summary: RoundSummary
+    stratum: str
+
+
+def check_strata(strata: Sequence[str], rows: int) -> tuple[str, ...]:
+    """A step's stratum per row: ``rows`` valid names, at most ``MAX_STRATA`` distinct
+    (the checks the service makes); ValueError if not."""
+    out = tuple(strata)
+    if len(out) != rows:
+        raise ValueError(f"strata must have {rows} entries, got {len(out)}")
+    distinct = set(out)
+    if len(distinct) > MAX_STRATA:
+        raise ValueError(f"strata names {len(distinct)} strata, at most {MAX_STRATA}")
+    for name in distinct:
+        check_stratum(name)
+    return out
 
 
 def encode_step(
@@ -84,6 +109,7 @@ def encode_step(
     num_accepted: npt.ArrayLike,
     exclude: npt.ArrayLike | None,
     k: int | None = None,
+    strata: Sequence[str] | None = None,
 ) -> StepData:
     """Validate and copy one step (the checks the service makes); ValueError if bad."""
     x = np.asarray(features)
@@ -131,6 +157,7 @@ def encode_step(
         num_verified=d.astype(np.uint32),
         num_accepted=a.astype(np.uint32),
         exclude=ex,
+        strata=check_strata(strata, rows) if strata is not None else None,
     )
 
 
@@ -219,6 +246,9 @@ class Session:
         self.latest: Served | None = None
         #: ``(knots, logits, served)`` of the calibration layer pushed with them, or None.
         self.calibration: tuple[tuple[float, ...], tuple[float, ...], bool] | None = None
+        #: Each stratum's coefficients pushed with :attr:`latest` (none from a service
+        #: without strata, or for a pair without them).
+        self.strata: dict[str, Served] = {}
         #: How the last stream (or connection attempt) failed, for diagnostics.
         self.last_error = ""
         self.connected = False
@@ -322,17 +352,27 @@ class Session:
                 if c.calibration_knots
                 else None
             )
+            self.strata = {
+                s.stratum: Served(
+                    float(s.slope), tuple(float(v) for v in s.intercepts), version=int(c.version)
+                )
+                for s in c.strata
+            }
 
     def message(self, step: Step) -> pb.ObserveRequest:
         """The wire message of a step (built once, kept for resends)."""
-        if step.message is None and isinstance(step.payload, RoundSummary):
+        if step.message is None and isinstance(step.payload, (RoundSummary, StratumSummary)):
+            own = step.payload if isinstance(step.payload, StratumSummary) else None
+            summary = own.summary if own is not None else step.payload
             step.message = pb.ObserveRequest(
                 pair_id=self.pair_id,
                 worker_id=self.worker_id,
                 sequence=step.sequence,
-                k=step.payload.k,
-                summary=summary_to_pb(step.payload),
+                k=summary.k,
+                summary=summary_to_pb(summary),
             )
+            if own is not None:
+                step.message.summary.stratum = own.stratum
             step.payload = None
         if step.message is None:
             d: StepData = step.payload
@@ -349,6 +389,8 @@ class Session:
                 exclude=d.exclude.tolist() if d.exclude is not None else (),
                 coefficients_version=latest.version if latest is not None else 0,
             )
+            if d.strata is not None:
+                set_step_strata(step.message, d.strata)
             step.payload = None
         return step.message
 

@@ -36,17 +36,25 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy.typing as npt
 
 from avest_client._drivers import AsyncDriver, ThreadDriver
-from avest_client._stream import Backoff, ChannelOptions, Session, StepData, encode_step
+from avest_client._stream import (
+    Backoff,
+    ChannelOptions,
+    Session,
+    StepData,
+    StratumSummary,
+    encode_step,
+)
 from avest_client.credentials import Credentials
 from avest_client.errors import WorkerIdReusedError
 from avest_client.ledger import Ledger, Stats
 from avest_client.types import Served
+from avest_wire.strata import check_stratum
 from avest_wire.summary import RoundSummary
 
 log = logging.getLogger("avest_client.forwarder")
@@ -126,15 +134,18 @@ class _Base:
         num_verified: npt.ArrayLike,
         num_accepted: npt.ArrayLike,
         exclude: npt.ArrayLike | None = None,
+        strata: Sequence[str] | None = None,
     ) -> None:
-        """Queue one decode step (features ``[R, K]``, counts ``[R]``); never blocks."""
+        """Queue one decode step (features ``[R, K]``, counts ``[R]``; ``strata``: each
+        row's stratum, docs/strata.md, None for the pair's pooled traffic); never blocks."""
         if not self._closed:
-            self._put(self._queue, features, num_verified, num_accepted, exclude)
+            self._put(self._queue, features, num_verified, num_accepted, exclude, strata)
 
-    def submit_summary(self, summary: RoundSummary) -> None:
-        """Queue one round summary (summary mode); never blocks. Takes the next sequence."""
+    def submit_summary(self, summary: RoundSummary, stratum: str | None = None) -> None:
+        """Queue one round summary (summary mode; ``stratum``: the stratum whose drafts
+        alone it sums, None for the whole round); never blocks. Takes the next sequence."""
         if not self._closed:
-            self._put(self._queue_summary, summary)
+            self._put(self._queue_summary, summary, stratum)
 
     def _put(self, queue: Callable[..., bool], *item: Any) -> None:
         """``queue(*item)`` with the sender started when its transport needs it; never raises."""
@@ -146,18 +157,19 @@ class _Base:
         num_verified: npt.ArrayLike,
         num_accepted: npt.ArrayLike,
         exclude: npt.ArrayLike | None,
+        strata: Sequence[str] | None = None,
     ) -> bool:
         """Validate and queue; False (counted in ``stats.invalid``) for a bad step."""
         if self._session.failure is not None:
             return self._refuse("step", self._session.failure)
         try:
-            data = encode_step(features, num_verified, num_accepted, exclude, self.k)
+            data = encode_step(features, num_verified, num_accepted, exclude, self.k, strata)
         except (ValueError, TypeError) as exc:
             return self._refuse("step", exc)
         self._ledger.submit(data)
         return True
 
-    def _queue_summary(self, summary: RoundSummary) -> bool:
+    def _queue_summary(self, summary: RoundSummary, stratum: str | None = None) -> bool:
         """Queue a round summary (checked when made); False (counted in ``stats.invalid``)
         if it is not one or its K is not the pair's."""
         if self._session.failure is not None:
@@ -170,7 +182,13 @@ class _Base:
             return self._refuse(
                 "summary", ValueError(f"summary has K={summary.k}, expected {self.k}")
             )
-        self._ledger.submit(summary)
+        if stratum is None:
+            self._ledger.submit(summary)
+            return True
+        try:
+            self._ledger.submit(StratumSummary(summary, check_stratum(stratum)))
+        except ValueError as exc:
+            return self._refuse("summary", exc)
         return True
 
     def _refuse(self, what: str, exc: Exception) -> bool:
@@ -185,6 +203,12 @@ class _Base:
     def latest_coefficients(self) -> Served | None:
         """The coefficients last received from the server, or None."""
         return self._session.latest
+
+    def latest_strata(self) -> dict[str, Served]:
+        """Each stratum's coefficients pushed with the latest coefficients (empty: none
+        received, the pair has no strata, or the service keeps none); a stratum not
+        listed is predicted with :meth:`latest_coefficients`."""
+        return dict(self._session.strata)
 
     def latest_calibration(self) -> tuple[tuple[float, ...], tuple[float, ...], bool] | None:
         """``(knots, logits, served)`` of the calibration layer pushed with the latest

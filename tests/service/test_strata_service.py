@@ -129,8 +129,23 @@ def test_two_strata_equal_the_cores(open_server: Callable[..., Live]) -> None:
         (s.stratum, s.slope) for s in got.strata
     ]
     assert r["fallback_rows"] == 0 and r["max_strata"] == MAX_STRATA
+    # Each stratum's calibration: its rows scored at what it served (predict, then
+    # learn), as the core measures them.
+    for s in r["strata"]:
+        cal = want.strata[s["stratum"]].calibration
+        assert cal is not None
+        assert s["calibration"]["count"] == cal.count == s["drafts"]
+        assert s["calibration"]["ece"] == pytest.approx(cal.summary().ece, abs=1e-12)
+        assert s["calibration"]["logloss"] == pytest.approx(cal.summary().logloss, abs=1e-12)
     pair = live.stub.GetPair(pb.GetPairRequest(pair_id=pair_id), timeout=10).pair
     assert list(pair.coefficients.strata) == list(got.strata)
+    # The metrics: each stratum's slope and calibration under a stratum label.
+    text = live.http.get("/metrics").text
+    for s in r["strata"]:
+        labels = f'{{pair="{pair_id}",stratum="{s["stratum"]}"}}'
+        assert f"avest_stratum_slope{labels} {s['slope']!r}" in text
+        ece = float(text.split(f"avest_stratum_ece{labels} ")[1].split()[0])
+        assert ece == pytest.approx(s["calibration"]["ece"], abs=1e-12)
     listed = live.stub.ListPairs(pb.ListPairsRequest(), timeout=10).pairs
     assert [p.pair_id for p in listed] == [pair_id] and not listed[0].coefficients.strata
 
@@ -200,6 +215,10 @@ def test_round_summaries_name_their_stratum(open_server: Callable[..., Live]) ->
     assert not want.strata
     assert [s.stratum for s in got.strata] == ["greedy", "t0.5-1"]
     assert all(s.drafts > 0 and s.rounds >= 1 for s in got.strata)
+    # Each stratum's calibration comes from its summaries' sketches.
+    for s in live.http.get(f"/v1/pairs/{pair_id}/strata").json()["strata"]:
+        assert s["calibration"]["count"] == s["drafts"] > 0
+        assert 0.0 < s["calibration"]["logloss"] < 2.0
     slopes = {s.stratum: s.slope for s in got.strata}
     assert slopes["greedy"] != slopes["t0.5-1"]
 

@@ -38,12 +38,14 @@ import numpy as np
 import numpy.typing as npt
 
 from avest.core.estimator import Batch, OnlineEstimator
+from avest.core.metrics import CalibrationState
 from avest.core.model import Coefficients, linear_predictor
 from avest.core.rules import Refit, arrowhead_matvec
 from avest.core.stats import RoundStats, fold
-from avest.core.summary import rebase
+from avest.core.summary import add_sketch, rebase
 from avest.core.tracking import DEFAULT_TRACKING, TrackingConfig, TrackingRule, solve_arrowhead
 from avest_wire.strata import MAX_STRATA, check_stratum
+from avest_wire.summary import Sketch
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -104,6 +106,10 @@ class Stratum:
     round_drafts: int = 0
     #: The pair's coefficients when the stratum was placed (its rule's start).
     start: Coefficients | None = None
+    #: Calibration of what the stratum served (predict, then learn): each raw row
+    #: scored at the stratum's served coefficients, and the sketches its summaries
+    #: carry (scored by their worker).
+    calibration: CalibrationState | None = None
 
 
 def shrink(
@@ -194,7 +200,14 @@ class StratifiedEstimator:
         # fading with the stratum's own information.
         rule = TrackingRule(self.config.tracking)
         rule.reset(start)
-        own = Stratum(start, start, rule, RoundStats.zeros(self.k), start=start)
+        own = Stratum(
+            start,
+            start,
+            rule,
+            RoundStats.zeros(self.k),
+            start=start,
+            calibration=CalibrationState.empty(self.k),
+        )
         self.strata[name] = own
         return own
 
@@ -222,15 +235,29 @@ class StratifiedEstimator:
             if own is None:
                 continue
             x = batch.features[rows]
+            accepted = batch.accepted[rows]
             eta = linear_predictor(own.fit, x)
-            own.round_stats.add_(fold(x, eta, observed, batch.accepted[rows]))
+            own.round_stats.add_(fold(x, eta, observed, accepted))
             own.round_drafts += labelled
             own.drafts += labelled
+            if own.calibration is not None:
+                served = eta if own.coefficients == own.fit else None
+                if served is None:
+                    served = linear_predictor(own.coefficients, x)
+                own.calibration.update(served, observed, accepted)
 
-    def add_summary(self, name: str, stats: RoundStats, at: Coefficients, drafts: int) -> None:
+    def add_summary(
+        self,
+        name: str,
+        stats: RoundStats,
+        at: Coefficients,
+        drafts: int,
+        sketch: Sketch | None = None,
+    ) -> None:
         """One stratum's round in summary form (sums computed at ``at``, moved to the
-        stratum's fit first) into its open round; the pair's estimator is the
-        caller's to feed with the same summary."""
+        stratum's fit first) into its open round, its calibration ``sketch`` into the
+        stratum's measures; the pair's estimator is the caller's to feed with the
+        same summary."""
         check_stratum(name)
         own = self._place(name, 1, drafts)
         if own is None:
@@ -238,6 +265,8 @@ class StratifiedEstimator:
         own.round_stats.add_(rebase(stats, at, own.fit))
         own.round_drafts += drafts
         own.drafts += drafts
+        if sketch is not None and own.calibration is not None:
+            add_sketch(sketch, own.calibration)
 
     def refit(self) -> Refit:
         """Close the pair's round, then every stratum's; each serves its fit
@@ -299,6 +328,9 @@ class StratifiedEstimator:
                 [own.idle, own.rounds, own.drafts, own.round_drafts], dtype=np.float64
             )
             out.update({f"{p}round.{n}": v for n, v in own.round_stats.to_arrays().items()})
+            if own.calibration is not None:
+                cal = own.calibration.to_arrays()
+                out.update({f"{p}calibration.{n}": v for n, v in cal.items()})
             out.update({f"{p}rule.{n}": v.copy() for n, v in own.rule.state().items()})
         return out
 
@@ -331,6 +363,10 @@ class StratifiedEstimator:
                 rule,
                 RoundStats.from_arrays(part(p + "round.")),
                 start=start,
+            )
+            cal = part(p + "calibration.")
+            own.calibration = (
+                CalibrationState.from_arrays(cal) if cal else CalibrationState.empty(self.k)
             )
             own.idle, own.rounds, own.drafts, own.round_drafts = (
                 int(v) for v in np.asarray(arrays[p + "counters"])

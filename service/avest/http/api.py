@@ -55,6 +55,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from avest import __version__
+from avest.core.metrics import CalibrationState
 from avest.http.docs import docs_page
 from avest.http.models import (
     ErrorOut,
@@ -69,6 +70,7 @@ from avest.http.models import (
     StratumOut,
     WorkerOut,
     WorkersOut,
+    calibration_out,
     finite,
     pair_out,
 )
@@ -327,6 +329,9 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
                     rounds=s.rounds,
                     drafts=s.drafts,
                     idle=s.idle,
+                    calibration=calibration_out(
+                        (s.calibration or CalibrationState.empty(pair.k)).summary()
+                    ),
                 )
                 for name, s in sorted(own.strata.items())
             ],

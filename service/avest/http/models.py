@@ -148,6 +148,10 @@ class StratumOut(BaseModel):
     rounds: int = Field(description="Refits that moved the stratum on its own drafts")
     drafts: int = Field(description="Labelled drafts of the stratum applied since placed")
     idle: int = Field(description="The pair's refits since the stratum last had a draft")
+    calibration: CalibrationOut = Field(
+        description="Calibration of what the stratum served (predict, then learn): raw rows "
+        "at its served coefficients, and the sketches of its round summaries"
+    )
 
 
 class StrataOut(BaseModel):

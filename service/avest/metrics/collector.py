@@ -49,6 +49,8 @@ COLLECTED = (
     names.ROUND,
     names.STRATUM_SLOPE,
     names.STRATUM_DRAFTS,
+    names.STRATUM_ECE,
+    names.STRATUM_LOG_LOSS,
     names.STRATA_FALLBACK_ROWS,
     names.SCHEDULE_GOODPUT,
     names.SCHEDULE_LENGTH,
@@ -188,6 +190,10 @@ class PairCollector:
         for name, own in strata.strata.items() if strata is not None else ():
             f[names.STRATUM_SLOPE].add_metric([pid, name], own.coefficients.slope)
             f[names.STRATUM_DRAFTS].add_metric([pid, name], float(own.drafts))
+            if own.calibration is not None:
+                cal = own.calibration.summary()
+                f[names.STRATUM_ECE].add_metric([pid, name], cal.ece)
+                f[names.STRATUM_LOG_LOSS].add_metric([pid, name], cal.logloss)
         fallback = strata.fallback_rows if strata is not None else 0
         f[names.STRATA_FALLBACK_ROWS].add_metric([pid], float(fallback))
         s = m.summary(pair)

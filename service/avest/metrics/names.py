@@ -74,9 +74,11 @@ ROUND = "avest_round"
 #: predicted with the pair's coefficients because their stratum found no place.
 STRATUM_SLOPE = "avest_stratum_slope"
 STRATUM_DRAFTS = "avest_stratum_drafts"
+STRATUM_ECE = "avest_stratum_ece"
+STRATUM_LOG_LOSS = "avest_stratum_log_loss"
 STRATA_FALLBACK_ROWS = "avest_strata_fallback_rows_total"
 #: The series that exist only for a pair with strata.
-STRATUM_METRICS = frozenset({STRATUM_SLOPE, STRATUM_DRAFTS})
+STRATUM_METRICS = frozenset({STRATUM_SLOPE, STRATUM_DRAFTS, STRATUM_ECE, STRATUM_LOG_LOSS})
 #: Per pair, hardware label and schedule range: the expected goodput of what the
 #: draft-length schedule last computed runs there (``choice="scheduled"``) and of the
 #: best fixed length without AV (``choice="best_fixed"``), tokens per second at the
@@ -277,6 +279,18 @@ METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         ("pair", "stratum"),
         "Labelled drafts of each stratum of the pair since it was placed.",
+    ),
+    MetricSpec(
+        STRATUM_ECE,
+        "gauge",
+        ("pair", "stratum"),
+        "Expected calibration error (15 bins) of what each stratum served; NaN before a draft.",
+    ),
+    MetricSpec(
+        STRATUM_LOG_LOSS,
+        "gauge",
+        ("pair", "stratum"),
+        "Mean log loss (nats per draft) of what each stratum served; NaN before a draft.",
     ),
     MetricSpec(
         STRATA_FALLBACK_ROWS,

@@ -211,7 +211,13 @@ class Pair:
         before = own.fallback_rows
         if isinstance(batch, RoundSummary):
             assert isinstance(strata, str)
-            own.add_summary(strata, summary_stats(batch), summary_coefficients(batch), batch.drafts)
+            own.add_summary(
+                strata,
+                summary_stats(batch),
+                summary_coefficients(batch),
+                batch.drafts,
+                batch.sketch,
+            )
         else:
             own.fold_rows(batch, list(strata))
         if own.fallback_rows != before and own.last_fallback != self.logged_fallback:
