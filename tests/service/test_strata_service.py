@@ -21,7 +21,7 @@ from avest_wire import matrix as wire
 from avest_wire.messages import set_step_strata, summary_to_pb
 from avest_wire.strata import MAX_STRATA
 from avest_wire.v1 import estimator_pb2 as pb
-from tests.support.live import Live, observe, register
+from tests.support.live import TOKEN, Live, observe, register
 from tests.support.rpc import observe_request
 
 K = 4
@@ -301,3 +301,22 @@ def test_the_pending_log_keeps_a_rows_strata() -> None:
     msg.stratum = "t>=1"
     assert decode_stratified(*encode(summary, msg, "t>=1"), K)[1] == "t>=1"
     assert decode_stratified(*encode(summary), K)[1] is None
+
+
+def test_a_reset_forgets_the_strata_and_a_delete_their_series(
+    open_server: Callable[..., Live],
+) -> None:
+    live = _open(open_server)
+    pair_id = _register(live)
+    msgs = _messages(pair_id, _steps(10, 20))
+    assert observe(live, msgs) == len(msgs)
+    assert len(_coefficients(live, pair_id).strata) == 2
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    assert live.http.post(f"/v1/pairs/{pair_id}/reset", headers=auth).status_code == 200
+    assert not _coefficients(live, pair_id).strata
+    assert live.http.get(f"/v1/pairs/{pair_id}/strata").json()["strata"] == []
+    more = _messages(pair_id, _steps(11, 20), first=len(msgs) + 1)
+    assert observe(live, more) == len(msgs) + len(more)
+    assert "avest_stratum_slope{" in live.http.get("/metrics").text
+    assert live.http.delete(f"/v1/pairs/{pair_id}", headers=auth).status_code == 200
+    assert "avest_stratum_slope{" not in live.http.get("/metrics").text
