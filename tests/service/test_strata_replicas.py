@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.service.test_strata_service import INTERVAL, K, _core, _messages, _steps
 from tests.support.postgres import PostgresCluster, import_psycopg
+from tests.support.strata import INTERVAL, K, core_strata, mixed_steps, strata_messages
 
 import_psycopg()
 from tests.support.replicas import register, replicas, send, settled  # noqa: E402
@@ -24,12 +24,12 @@ def test_two_replicas_give_the_cores_strata(
     url = postgres_cluster.create_database()
     with replicas(url, 2, tmp_path) as group:
         pair_id = register(group[0], K, INTERVAL)
-        msgs = _messages(pair_id, _steps(11, 40))
+        msgs = strata_messages(pair_id, mixed_steps(11, 40))
         assert send(group[0], msgs[:20]) == 20
         assert register(group[1], K, INTERVAL) == pair_id
         assert send(group[1], msgs[20:]) == 40
         served = settled(url, group, pair_id, 40)
-    want = _core(msgs)
+    want = core_strata(msgs)
     for pair in served:
         c = pair.coefficients
         assert c.slope == want.pooled.coefficients.slope

@@ -13,75 +13,22 @@ import grpc
 import numpy as np
 import pytest
 
-from avest.core.estimator import Batch, OnlineEstimator, make_batch
-from avest.core.rule_factory import make_rule, rule_options
-from avest.core.strata import StratifiedEstimator
+from avest.core.estimator import Batch
 from avest_client.summary import RoundAccumulator
-from avest_wire import matrix as wire
 from avest_wire.messages import set_step_strata, summary_to_pb
 from avest_wire.strata import MAX_STRATA
 from avest_wire.v1 import estimator_pb2 as pb
 from tests.support.live import TOKEN, Live, observe, register
 from tests.support.rpc import observe_request
-
-K = 4
-INTERVAL = 10
-#: Each stratum's true acceptance model: greedy sharper and likelier than T = 0.7.
-TRUTH = {"greedy": (1.0, 0.8), "t0.5-1": (0.6, -0.4)}
-
-
-def _steps(
-    seed: int, n: int, rows: int = 8
-) -> list[tuple[np.ndarray, list[int], list[int], list[str]]]:
-    """``n`` decode steps, half of each step's rows greedy and half at T = 0.7."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        x = rng.normal(1.0, 1.5, size=(rows, K))
-        names = [("greedy", "t0.5-1")[r % 2] for r in range(rows)]
-        accepted = []
-        for r, name in enumerate(names):
-            slope, intercept = TRUTH[name]
-            p = 1 / (1 + np.exp(-(slope * x[r] + intercept)))
-            ok = rng.random(K) < p
-            accepted.append(int(np.argmin(ok)) if not ok.all() else K)
-        out.append((x.astype(np.float32), [K] * rows, accepted, names))
-    return out
-
-
-def _messages(pair_id: str, steps, *, strata: bool = True, worker: str = "w0", first: int = 1):
-    msgs = []
-    for i, (x, verified, accepted, names) in enumerate(steps):
-        req = observe_request(pair_id, worker, first + i, x, verified, accepted)
-        if strata:
-            set_step_strata(req, names)
-        msgs.append(req)
-    return msgs
-
-
-def _batch(req: pb.ObserveRequest) -> Batch:
-    x = wire.decode(req.features, req.rows, req.k)
-    return make_batch(
-        x, np.asarray(req.num_verified, dtype=np.int64), np.asarray(req.num_accepted), K
-    )
-
-
-def _core(msgs: list[pb.ObserveRequest]) -> StratifiedEstimator:
-    """The core's StratifiedEstimator fed the same steps, with the service's pair settings."""
-    pooled = OnlineEstimator(
-        K,
-        make_rule("tracking", **rule_options("tracking", 0.95, 1.0)),
-        refit_interval=INTERVAL,
-        calibrate=True,
-    )
-    est = StratifiedEstimator(pooled)
-    for req in msgs:
-        names = [req.strata[i] for i in req.stratum_index]
-        if names:
-            est.apply(_batch(req), names)
-        else:
-            pooled.apply(_batch(req))
-    return est
+from tests.support.strata import (
+    INTERVAL,
+    TRUTH,
+    K,
+    batch_of,
+    core_strata,
+    mixed_steps,
+    strata_messages,
+)
 
 
 def _coefficients(live: Live, pair_id: str) -> pb.Coefficients:
@@ -106,9 +53,9 @@ def _register(live: Live) -> str:
 def test_two_strata_equal_the_cores(open_server: Callable[..., Live]) -> None:
     live = _open(open_server)
     pair_id = _register(live)
-    msgs = _messages(pair_id, _steps(1, 60))
+    msgs = strata_messages(pair_id, mixed_steps(1, 60))
     assert observe(live, msgs) == len(msgs)
-    want = _core(msgs)
+    want = core_strata(msgs)
     got = _coefficients(live, pair_id)
     # The pair's own set is the pooled estimator's, as without strata.
     assert got.slope == want.pooled.coefficients.slope
@@ -158,9 +105,9 @@ def test_traffic_without_strata_is_todays(open_server: Callable[..., Live]) -> N
     mixed = register(
         live, k=K, refit_interval=INTERVAL, rule=pb.UPDATE_RULE_TRACKING, workload="mixed"
     )
-    steps = _steps(2, 40)
-    assert observe(live, _messages(plain, steps, strata=False)) == 40
-    assert observe(live, _messages(mixed, steps)) == 40
+    steps = mixed_steps(2, 40)
+    assert observe(live, strata_messages(plain, steps, strata=False)) == 40
+    assert observe(live, strata_messages(mixed, steps)) == 40
     a, b = _coefficients(live, plain), _coefficients(live, mixed)
     assert _pairs_own(a) == _pairs_own(b)
     assert not a.strata and len(b.strata) == 2
@@ -173,7 +120,7 @@ def test_round_summaries_name_their_stratum(open_server: Callable[..., Live]) ->
     live = _open(open_server)
     pair_id = _register(live)
     start = _coefficients(live, pair_id)
-    steps = _steps(3, 20)
+    steps = mixed_steps(3, 20)
     msgs = []
     for lo in range(0, 20, 5):
         for j, name in enumerate(TRUTH):
@@ -226,7 +173,7 @@ def test_round_summaries_name_their_stratum(open_server: Callable[..., Live]) ->
 def test_bad_strata_are_refused_at_the_edge(open_server: Callable[..., Live]) -> None:
     live = _open(open_server)
     pair_id = _register(live)
-    (req,) = _messages(pair_id, _steps(4, 1))
+    (req,) = strata_messages(pair_id, mixed_steps(4, 1))
     req.stratum_index[0] = 7
     with pytest.raises(grpc.RpcError) as info:
         observe(live, [req])
@@ -238,7 +185,7 @@ def test_bad_strata_are_refused_at_the_edge(open_server: Callable[..., Live]) ->
 def test_past_max_strata_falls_back_counted(open_server: Callable[..., Live]) -> None:
     live = _open(open_server)
     pair_id = _register(live)
-    x, verified, accepted, _ = _steps(5, 1, rows=MAX_STRATA)[0]
+    x, verified, accepted, _ = mixed_steps(5, 1, rows=MAX_STRATA)[0]
     first = observe_request(pair_id, "w0", 1, x, verified, accepted)
     set_step_strata(first, [f"label{i}/greedy" for i in range(MAX_STRATA)])
     second = observe_request(pair_id, "w0", 2, x[:2], verified[:2], accepted[:2])
@@ -259,7 +206,7 @@ def test_past_max_strata_falls_back_counted(open_server: Callable[..., Live]) ->
 def test_a_restart_keeps_the_strata(open_server: Callable[..., Live]) -> None:
     live = _open(open_server)
     pair_id = _register(live)
-    msgs = _messages(pair_id, _steps(6, 35))
+    msgs = strata_messages(pair_id, mixed_steps(6, 35))
     assert observe(live, msgs) == len(msgs)
     before = _coefficients(live, pair_id)
     assert len(before.strata) == 2
@@ -269,9 +216,9 @@ def test_a_restart_keeps_the_strata(open_server: Callable[..., Live]) -> None:
     assert list(after.strata) == list(before.strata)
     # The open round and each stratum's rule state came back too: the rest of the
     # stream gives what one uninterrupted run gives.
-    more = _messages(pair_id, _steps(7, 25), first=len(msgs) + 1)
+    more = strata_messages(pair_id, mixed_steps(7, 25), first=len(msgs) + 1)
     assert observe(again, more) == len(msgs) + len(more)
-    want = _core(msgs + more)
+    want = core_strata(msgs + more)
     got = _coefficients(again, pair_id)
     for s in got.strata:
         c = want.coefficients_for(s.stratum)
@@ -284,15 +231,15 @@ def test_the_pending_log_keeps_a_rows_strata() -> None:
     strata reads back without."""
     from avest.state.replicas import decode_stratified, encode
 
-    (req,) = _messages("p", _steps(8, 1))
-    batch = _batch(req)
+    (req,) = strata_messages("p", mixed_steps(8, 1))
+    batch = batch_of(req)
     names = tuple(req.strata[i] for i in req.stratum_index)
     got, strata = decode_stratified(*encode(batch, None, names), K)
     assert strata == names and isinstance(got, Batch)
     assert np.array_equal(got.features, batch.features)
     assert decode_stratified(*encode(batch), K)[1] is None
     acc = RoundAccumulator(K)
-    x, verified, accepted, _ = _steps(9, 1)[0]
+    x, verified, accepted, _ = mixed_steps(9, 1)[0]
     acc.add(x, verified, accepted, 0.5, [-0.2] * K)
     summary = acc.take(0, 0.5, [-0.2] * K)
     assert summary is not None
@@ -308,14 +255,14 @@ def test_a_reset_forgets_the_strata_and_a_delete_their_series(
 ) -> None:
     live = _open(open_server)
     pair_id = _register(live)
-    msgs = _messages(pair_id, _steps(10, 20))
+    msgs = strata_messages(pair_id, mixed_steps(10, 20))
     assert observe(live, msgs) == len(msgs)
     assert len(_coefficients(live, pair_id).strata) == 2
     auth = {"Authorization": f"Bearer {TOKEN}"}
     assert live.http.post(f"/v1/pairs/{pair_id}/reset", headers=auth).status_code == 200
     assert not _coefficients(live, pair_id).strata
     assert live.http.get(f"/v1/pairs/{pair_id}/strata").json()["strata"] == []
-    more = _messages(pair_id, _steps(11, 20), first=len(msgs) + 1)
+    more = strata_messages(pair_id, mixed_steps(11, 20), first=len(msgs) + 1)
     assert observe(live, more) == len(msgs) + len(more)
     assert "avest_stratum_slope{" in live.http.get("/metrics").text
     assert live.http.delete(f"/v1/pairs/{pair_id}", headers=auth).status_code == 200
