@@ -43,7 +43,9 @@ from avest_dashboard.queries import (  # noqa: E402
 )
 from avest_dashboard.rows_calibration import AVEST_URL_DEFAULT, calibration  # noqa: E402
 from avest_dashboard.rows_model import acceptance, coefficients, overview  # noqa: E402
+from avest_dashboard.rows_schedule import schedule  # noqa: E402
 from avest_dashboard.rows_service import ingestion, rpc  # noqa: E402
+from avest_dashboard.rows_strata import strata  # noqa: E402
 
 __all__ = [
     "DATASOURCE",
@@ -66,13 +68,14 @@ UID = "avest-overview"
 def build() -> dict:
     lay = Layout()
     p: list[dict] = []
-    for add_row in (overview, calibration, acceptance, coefficients, ingestion, rpc):
+    rows = (overview, calibration, acceptance, coefficients, strata, schedule, ingestion, rpc)
+    for add_row in rows:
         p.extend(add_row(lay))
 
     return {
         "annotations": {"list": []},
         "description": "avest: pooled acceptance estimates for speculative decoding in vLLM "
-        "(coefficients, calibration, ingestion, refits, RPC).",
+        "(coefficients, calibration, strata, draft-length schedule, ingestion, refits, RPC).",
         "editable": True,
         "fiscalYearStartMonth": 0,
         "graphTooltip": 1,
@@ -93,7 +96,8 @@ def build() -> dict:
 
 def variables() -> list[dict]:
     """datasource, job, instance, pair (shown as target ← draft [labels]), the
-    pair's target model (hidden, for vLLM's series) and the sidecar's URL."""
+    pair's target model (hidden, for vLLM's series), the pair's strata (any, All by
+    default) and the sidecar's URL."""
     return [
         datasource_variable(),
         query_variable("job", "Job", f"label_values({m.INFO}, job)"),
@@ -111,6 +115,12 @@ def variables() -> list[dict]:
             "Target model",
             f"label_values({m.PAIR_INFO}{{{PAIR}}}, target)",
             hide=2,
+        ),
+        query_variable(
+            "stratum",
+            "Stratum",
+            f"label_values({m.STRATUM_DRAFTS}{{{PAIR}}}, stratum)",
+            all_value=".*",
         ),
         textbox_variable(
             "avest_url",

@@ -16,7 +16,9 @@ from tests.support.serve import Served, serve
 
 from .harness import (
     ALERTS,
+    HARDWARE,
     PROMETHEUS_HINT,
+    STRATA,
     Fed,
     Prometheus,
     feed_sample_trace,
@@ -39,7 +41,8 @@ class LiveAvest:
 @pytest.fixture(scope="session")
 def live_avest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveAvest]:
     """``avest serve`` on free loopback ports with the sample trace observed
-    (2 workers, refit every 10 steps, one refused request), plus the simulated
+    (2 workers, refit every 10 steps, its rows in two strata, one refused
+    request, a schedule asked for), plus the simulated
     vLLM counters of the same trace on another port."""
     data = tmp_path_factory.mktemp("avest-data")
     service = serve(data, "--refit-interval", "10", "--flush-interval-ms", "20")
@@ -47,7 +50,13 @@ def live_avest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveAvest]:
     try:
         sim_port = free_port()
         sim = start_vllm_sim(sim_port)
-        fed = feed_sample_trace(service.grpc_address, workers=2, refit_interval=10)
+        fed = feed_sample_trace(
+            service.grpc_address,
+            workers=2,
+            refit_interval=10,
+            strata=STRATA,
+            schedule=HARDWARE,
+        )
         yield LiveAvest(service, fed, f"http://127.0.0.1:{sim_port}")
     finally:
         if sim is not None:
@@ -86,7 +95,9 @@ def live_prometheus(
                     f"Prometheus never scraped avest:\n{prom.log.read_text()[-4000:]}"
                 )
             time.sleep(0.25)
-        feed_sample_trace(live_avest.service.grpc_address, worker_prefix="deploy-test-again")
+        feed_sample_trace(
+            live_avest.service.grpc_address, worker_prefix="deploy-test-again", strata=STRATA
+        )
         want = 2 * live_avest.fed.steps
         # The fed pair's own series: other tests feed other pairs of the same
         # service, and one of theirs may pass the count first.

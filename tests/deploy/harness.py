@@ -53,6 +53,11 @@ VLLM_SPEC_DECODE_METRICS = frozenset(
     }
 )
 PROMETHEUS_BUILTIN = frozenset({"up", "scrape_duration_seconds", "scrape_samples_scraped"})
+#: The strata the live service's fed pair deals its rows among (docs/strata.md), and
+#: the hardware label whose draft-length schedule is asked for (tests/deploy/conftest.py):
+#: the dashboard's Strata and Draft-length schedule rows then have series.
+STRATA = ("greedy", "t0.5-1")
+HARDWARE = "deploy-test"
 
 
 # -- external tools ------------------------------------------------------------
@@ -85,15 +90,23 @@ def feed_sample_trace(
     refit_interval: int = 10,
     worker_prefix: str = "deploy-test",
     timeout: float = 60.0,
+    strata: tuple[str, ...] = (),
+    schedule: str | None = None,
 ) -> Fed:
     """Register the bundled sample trace's pair and stream every decode step of
     it as ``workers`` concurrent Observe streams (steps dealt round-robin);
     returns once every step is acknowledged. Then one refused request (a K that
-    differs from the pair's) so the refusal counter moves."""
+    differs from the pair's) so the refusal counter moves.
+
+    ``strata``: each step's rows are dealt round-robin among these strata, so the
+    pair exports its per-stratum series. ``schedule``: a hardware label given
+    cost curves, whose draft-length schedule is asked for once every step is
+    acknowledged, so the pair exports its schedule's series."""
     import grpc
     import numpy as np
 
     from avest.offline.trace import bundled_sample_path, read_trace
+    from avest_wire.messages import set_step_strata
     from avest_wire.v1 import estimator_pb2 as pb
     from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 
@@ -119,7 +132,7 @@ def feed_sample_trace(
 
         def requests(worker: int) -> Iterator[Any]:
             for seq, step in enumerate(steps[worker::workers], start=1):
-                yield pb.ObserveRequest(
+                req = pb.ObserveRequest(
                     pair_id=pair_id,
                     worker_id=f"{worker_prefix}-{worker}",
                     sequence=seq,
@@ -129,6 +142,9 @@ def feed_sample_trace(
                     num_verified=step.num_verified.tolist(),
                     num_accepted=step.num_accepted.tolist(),
                 )
+                if strata:
+                    set_step_strata(req, [strata[r % len(strata)] for r in range(step.rows)])
+                yield req
 
         acked = [0] * workers
         updates = [0] * workers
@@ -151,6 +167,23 @@ def feed_sample_trace(
             t.join(timeout + 5)
         if errors:
             raise errors[0]
+        if schedule is not None:
+            # A cheap drafter and a verify pass of 5 ms plus 0.1 ms per token.
+            verify = [(n, 5.0 + 0.1 * (n - 1)) for n in (1, 2, 4096)]
+            stub.SetCostCurves(
+                pb.SetCostCurvesRequest(
+                    pair_id=pair_id,
+                    hardware=schedule,
+                    draft_curve=[pb.CostPoint(size=n, ms=ms) for n, ms in ((1, 0.2), (512, 0.4))],
+                    verify_curve=[pb.CostPoint(size=n, ms=ms) for n, ms in verify],
+                    cudagraph_capture_limit=1,
+                ),
+                timeout=10,
+            )
+            got = stub.GetSchedule(
+                pb.GetScheduleRequest(pair_id=pair_id, hardware=schedule), timeout=30
+            )
+            assert got.ranges, got
         # One refusal: a K that is not the pair's.
         bad = pb.ObserveRequest(
             pair_id=pair_id,
@@ -454,6 +487,7 @@ def grafana_values(fed: Any) -> dict[str, str]:
         "instance": ".*",
         "pair": fed.pair_id,
         "target": fed.target,
+        "stratum": ".*",  # All
         "__rate_interval": "1m",
         "__interval": "15s",
         "__range": "1h",

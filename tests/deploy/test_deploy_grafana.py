@@ -140,7 +140,10 @@ def test_the_pair_variable_comes_from_avest_pair_info(
                 assert 'job="$job",instance=~"$instance"' in sel, (where, sel)
         if any(
             n in expr
-            for n in ("avest_slope", "avest_intercept", "avest_auc", "avest_ece", "avest_log_loss")
+            for n in (
+                *("avest_slope", "avest_intercept", "avest_auc", "avest_ece", "avest_log_loss"),
+                *("avest_stratum_", "avest_strata_", "avest_schedule_"),
+            )
         ):
             assert 'pair="$pair"' in expr, where
 
@@ -164,6 +167,17 @@ def test_the_panels_the_issue_asks_for_are_there(dashboards: dict[Path, dict[str
         "refused batches": r"rate\(avest_refused_batches_total\{[^}]*\}\[",
         "survival gauges": r'avest_observed_survival\{[^}]*pair="\$pair"\}',
         "reliability bins": r"max by \(bin\) \(avest_reliability_observed\{",
+        # Strata (issue 31): per stratum picked, and the rows past the bound.
+        "slope per stratum": r'avest_stratum_slope\{[^}]*pair="\$pair",stratum=~"\$stratum"\}',
+        "ECE per stratum": r'avest_stratum_ece\{[^}]*stratum=~"\$stratum"\}',
+        "log loss per stratum": r'avest_stratum_log_loss\{[^}]*stratum=~"\$stratum"\}',
+        "drafts per stratum": r'avest_stratum_drafts\{[^}]*stratum=~"\$stratum"\}',
+        "fallback rate": r"rate\(avest_strata_fallback_rows_total\{[^}]*\}\[",
+        # The draft-length schedule (issue 32): lengths per range, goodput per choice.
+        "scheduled lengths": r"by \(pair, hardware, range_start, range_end\) "
+        r"\(avest_schedule_num_speculative_tokens\{",
+        "goodput per choice": r"by \(pair, hardware, range_start, choice\) "
+        r"\(avest_schedule_expected_goodput_tokens_per_second\{",
     }
     missing = [what for what, pattern in wanted.items() if not re.search(pattern, exprs)]
     assert not missing, missing

@@ -17,6 +17,7 @@ import pytest
 from .harness import (
     DASHBOARDS,
     DEPLOY,
+    STRATA,
     grafana_function_to_promql,
     grafana_values,
     http_get,
@@ -361,3 +362,71 @@ def test_the_reliability_bars_and_the_svg_link(
 def test_the_configmap_is_the_dashboard() -> None:
     assert configmap_dashboard() == json.loads(DASHBOARD.read_text())
     assert (CONFIGMAP / "kustomization.yaml").is_file()
+
+
+def test_the_strata_and_schedule_rows_show_the_fed_pairs(
+    dashboard: dict[str, Any], live_prometheus: Any
+) -> None:
+    """The stratum variable lists the fed pair's strata and picks among them; the
+    Strata panels give a series per stratum picked, the drafts of all strata add up
+    to the pair's; the schedule table's ranges are contiguous from batch size 1, and
+    the goodput panel has both choices of each range."""
+    from avest.core.schedule import MIN_DRAFTS
+
+    prom = live_prometheus.prometheus
+    fed = live_prometheus.avest.fed
+    values = grafana_values(fed)
+
+    def query(expr: str, **picked: str) -> list[dict[str, Any]]:
+        body = prom.query(substitute_grafana(expr, values | picked))
+        assert body["status"] == "success", body
+        return list(body["data"]["result"])
+
+    var = variables(dashboard)["stratum"]
+    assert var["multi"] and var["includeAll"] and var["allValue"] == ".*"
+    assert list(variables(dashboard)).index("stratum") > list(variables(dashboard)).index("pair")
+    listed = query(grafana_function_to_promql(var["query"]["query"]))
+    assert sorted({s["metric"]["stratum"] for s in listed}) == sorted(STRATA)
+
+    def by_stratum(title: str, **picked: str) -> dict[str, float]:
+        expr = panel(dashboard, title)["targets"][0]["expr"]
+        return {s["metric"]["stratum"]: float(s["value"][1]) for s in query(expr, **picked)}
+
+    for title in ("Slope per stratum", "ECE per stratum", "Log loss per stratum"):
+        assert sorted(by_stratum(title)) == sorted(STRATA), title
+        # Grafana writes one value picked as it is, several as (a|b).
+        assert sorted(by_stratum(title, stratum=STRATA[0])) == [STRATA[0]], title
+        assert sorted(by_stratum(title, stratum=f"({'|'.join(STRATA)})")) == sorted(STRATA)
+    assert all(v > 0 for v in by_stratum("Slope per stratum").values())
+    drafts = by_stratum("Drafts per stratum")
+    (pooled,) = query(f'avest_calibration_drafts{{job="avest",pair="{fed.pair_id}"}}')
+    # Every row of both feeds was in a stratum: the strata's drafts are the pair's.
+    assert sum(drafts.values()) == float(pooled["value"][1]) >= MIN_DRAFTS
+    fallback = {
+        t["legendFormat"]: t["expr"]
+        for t in panel(dashboard, "Strata held and fallback rows")["targets"]
+    }
+    assert [float(s["value"][1]) for s in query(fallback["strata held"])] == [len(STRATA)]
+    assert [float(s["value"][1]) for s in query(fallback["fallback rows/s"])] == [0.0]
+
+    table = panel(dashboard, "Scheduled drafts per batch-size range")
+    assert table["type"] == "table" and table["targets"][0]["instant"]
+    ranges = sorted(
+        (int(s["metric"]["range_start"]), int(s["metric"]["range_end"]), float(s["value"][1]))
+        for s in query(table["targets"][0]["expr"])
+    )
+    assert ranges and ranges[0][0] == 1
+    assert all(a[1] + 1 == b[0] for a, b in zip(ranges, ranges[1:], strict=False)), ranges
+    assert all(0 <= length <= fed.k for _, _, length in ranges), ranges
+    goodput = panel(dashboard, "Schedule: expected goodput, scheduled vs best fixed")
+    choices: dict[tuple[str, str], float] = {
+        (s["metric"]["range_start"], s["metric"]["choice"]): float(s["value"][1])
+        for s in query(goodput["targets"][0]["expr"])
+    }
+    assert set(choices) == {
+        (str(start), choice) for start, _, _ in ranges for choice in ("scheduled", "best_fixed")
+    }
+    for start, _, _ in ranges:
+        # The schedule switches only past a margin: at worst a little under the best.
+        scheduled, best = choices[(str(start), "scheduled")], choices[(str(start), "best_fixed")]
+        assert best > 0 and scheduled >= 0.98 * best, (start, scheduled, best)

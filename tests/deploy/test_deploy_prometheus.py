@@ -40,6 +40,7 @@ EXPECTED_ALERTS = {
     "AvestPairNoObservations",  # a registered pair without observations
     "AvestRefitsFailing",  # rejected / slope_held rate
     "AvestRefitsRejected",
+    "AvestStrataFallback",  # rows of a stratum past the bound on strata, sustained
 }
 
 

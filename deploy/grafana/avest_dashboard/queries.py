@@ -21,6 +21,8 @@ VLLM_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 SIDECAR = 'job="$job",instance=~"$instance"'
 #: One pair of that sidecar (``pair`` variable).
 PAIR = f'{SIDECAR},pair="$pair"'
+#: The strata of that pair picked by the ``stratum`` variable (multi-valued; All is ``.*``).
+STRATUM = 'stratum=~"$stratum"'
 VLLM_SEL = 'model_name="$target"'
 RI = "$__rate_interval"
 
@@ -42,6 +44,12 @@ def pair_gauge(name: str, *by: str) -> str:
     fail-over (both may export them for a scrape or two), so a pair's gauges are
     read ``max by (pair, ...)``, its counters summed (``sum(rate(...))``)."""
     return f"max by ({', '.join(('pair', *by))}) ({pair(name)})"
+
+
+def stratum_gauge(name: str) -> str:
+    """A per-stratum gauge of the sidecar's pair, one series per stratum picked
+    (``stratum`` variable), read ``max by (pair, stratum)`` as :func:`pair_gauge`."""
+    return f"max by (pair, stratum) ({pair(name, STRATUM)})"
 
 
 #: The label the pair picker's query adds to ``avest_pair_info``: the name the
