@@ -169,11 +169,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 def format_summary(sim: Any, rule: str) -> str:
     """One row per concurrency: the best fixed length, avest under ``rule``, the oracle, and
-    the draft-length schedule (gains against the best fixed length)."""
+    the draft-length schedule (gains against the best fixed length); on a stratified
+    trace also ``avest+strata`` and its throughput against the one set's."""
+    from avest.offline.simulate.results import STRATIFIED
     from avest.offline.table import Column, format_columns
 
     p = sim.profile
     adaptive = [q for q in sim.policies if q.kind == "avest" and q.rule == rule and q.lossless]
+    # A stratified trace: avest+strata against the one set under the same budget rule.
+    strata = next(
+        (q.name for q in sim.policies if q.kind == STRATIFIED and q.drafts == sim.k), None
+    )
     rows = []
     for c, res in sim.results.items():
         best = sim.best_fixed(c)
@@ -184,10 +190,16 @@ def format_summary(sim: Any, rule: str) -> str:
             row += [top.name, f"{sim.gain(c, top.name):+.1%}"]
             oracle = sim.oracle_name(top.drafts)
             row.append(f"{sim.gain(c, oracle):+.1%}" if oracle in res else "")
-        if "schedule" in res:
-            row.append(f"{sim.gain(c, 'schedule'):+.1%}")
+        elif strata is not None:
+            row += ["", "", ""]  # keep the strata cells under their columns
+        row.append(f"{sim.gain(c, 'schedule'):+.1%}" if "schedule" in res else "")
+        if strata is not None:
+            one = strata.replace(STRATIFIED, "avest", 1)
+            if strata in res and one in res:
+                ratio = res[strata].throughput / res[one].throughput - 1.0
+                row += [f"{sim.gain(c, strata):+.1%}", f"{ratio:+.2%}"]
         rows.append(row)
-    columns = (
+    columns = [
         Column("C", width=4),
         Column("best fixed", "<", gap=2),
         Column("tok/s", width=9),
@@ -195,7 +207,9 @@ def format_summary(sim: Any, rule: str) -> str:
         Column("vs best"),
         Column("oracle", gap=2),
         Column("schedule", gap=2),
-    )
+    ]
+    if strata is not None:
+        columns += [Column("strata", gap=2), Column("strata/one set")]
     lines = [f"{sim.trace or 'trace'} under {p.name}: K={sim.k}", *format_columns(columns, rows)]
     if sim.skipped:
         lines.append(f"skipped C={sim.skipped}: the trace has fewer rows than one step")
@@ -242,12 +256,22 @@ def run(args: argparse.Namespace) -> int:
             select = args.select
             if args.recommend and select:
                 select = [*select, f"avest/{DEFAULT_RULE}*"]
+            stratified = trace.stratum is not None
             policies = make_policies(
-                trace.k, trace.accept_rate_dist is not None, baseline_rule, lengths, select
+                trace.k,
+                trace.accept_rate_dist is not None,
+                baseline_rule,
+                lengths,
+                select,
+                strata=stratified,
             )
             if args.select:
                 every = make_policies(
-                    trace.k, trace.accept_rate_dist is not None, baseline_rule, lengths
+                    trace.k,
+                    trace.accept_rate_dist is not None,
+                    baseline_rule,
+                    lengths,
+                    strata=stratified,
                 )
                 unmatched = [
                     pat for pat in args.select if not any(fnmatchcase(q.name, pat) for q in every)

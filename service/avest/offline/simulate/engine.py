@@ -15,7 +15,11 @@ Every policy sees the same rows:
   service does: predict with the coefficients in force, verify, learn the
   verdicts of what was verified, refit every ``refit_interval`` steps;
 * ``avest+calibration`` the same estimator served through its calibration
-  layer; ``mle`` the maximum-likelihood linear fit of the whole trace, in
+  layer; ``avest+strata`` (on a trace that carries a ``stratum`` array) the
+  same estimator wrapped in a :class:`~avest.core.strata.StratifiedEstimator`:
+  each row's confidences from its stratum's served coefficients, every
+  verdict fed to the pair's estimator as without strata and to its stratum's
+  round (``avest/<rule>`` under the same budget rule is the one set); ``mle`` the maximum-likelihood linear fit of the whole trace, in
   sample (what the linear model can know, against what the online estimator
   has learned so far);
 * ``qmax-nofit``, ``position-rate`` and ``oracle`` (the trace's
@@ -92,12 +96,14 @@ from avest.core.schedule import (
     compute_schedule,
     reached,
 )
+from avest.core.strata import StratifiedEstimator
 from avest.offline.simulate.profiles import CostProfile, StepCosts
 from avest.offline.simulate.results import (
     BASELINES,
     CALIBRATED,
     DEFAULT_CONCURRENCY,
     SCHEDULED,
+    STRATIFIED,
     Policy,
     Simulation,
     Totals,
@@ -151,6 +157,7 @@ class _Rows:
     accepted: IntArray
     scheduled: IntArray  # drafts whose fate the trace records (num_verified)
     oracle: FloatArray | None
+    strata: npt.NDArray[np.str_] | None = None  # each row's stratum (a stratified trace)
 
     @classmethod
     def of(cls, trace: Trace, c: int, min_steps: int = 0) -> _Rows:
@@ -166,6 +173,7 @@ class _Rows:
             trace.num_accepted[idx].astype(np.int64),
             trace.num_verified[idx].astype(np.int64),
             None if oracle is None else np.clip(oracle[idx].astype(np.float64), 0.0, 1.0),
+            None if trace.stratum is None else trace.stratum[idx],
         )
 
 
@@ -185,6 +193,24 @@ class _Source(Protocol):
     def confidences(self, lo: int, hi: int, x: FloatArray) -> FloatArray: ...
 
     def learn(self, x: FloatArray, observed: BoolArray, accepted: BoolArray) -> None: ...
+
+
+class _StrataSource:
+    """Each row's confidences at its stratum's served coefficients; the verdicts
+    feed the pair's estimator (as without strata) and each stratum's round."""
+
+    def __init__(self, estimator: StratifiedEstimator, strata: npt.NDArray[np.str_]) -> None:
+        self.estimator = estimator
+        self.strata = strata
+        self.rows: list[str] = []
+
+    def confidences(self, lo: int, hi: int, x: FloatArray) -> FloatArray:
+        self.rows = [str(s) for s in self.strata[lo:hi]]
+        return sigmoid(self.estimator.linear_predictor(x, self.rows))
+
+    def learn(self, x: FloatArray, observed: BoolArray, accepted: BoolArray) -> None:
+        # The rows of the step just predicted (``confidences`` comes first).
+        self.estimator.apply(Batch(x, observed, accepted), self.rows)
 
 
 class _EstimatorSource:
@@ -429,7 +455,12 @@ def simulate(
         list(policies)
         if policies is not None
         else make_policies(
-            k, trace.accept_rate_dist is not None, baseline_rule, draft_lengths, select
+            k,
+            trace.accept_rate_dist is not None,
+            baseline_rule,
+            draft_lengths,
+            select,
+            strata=trace.stratum is not None,
         )
     )
     sim = Simulation(
@@ -464,6 +495,12 @@ def simulate(
                 calibrated = policy.kind == CALIBRATED
                 estimator = OnlineEstimator(k, rule, refit_interval, calibrate=calibrated)
                 source = _EstimatorSource(estimator, served=calibrated)
+            elif policy.kind == STRATIFIED:
+                if rows.strata is None:
+                    continue
+                rule = make_rule(update_rule, forgetting=forgetting, prior=prior)
+                estimator = OnlineEstimator(k, rule, refit_interval)
+                source = _StrataSource(StratifiedEstimator(estimator), rows.strata)
             elif policy.kind == "mle":
                 mle = mle if mle is not None else trace_mle(trace)
                 source = _StaticSource(sigmoid(linear_predictor(mle, rows.features)))

@@ -11,6 +11,9 @@ confidences of its estimator, then learns the verdicts of what it verified:
 * ``pooled`` (and ``pooled+calibration``): one estimator learning from every
   worker, warm across restarts;
 * ``pooled-cold``: pooled, reset with the workers;
+* ``pooled+strata`` (on a trace that carries a ``stratum`` array): pooled
+  plus a coefficient set per stratum (:mod:`avest.core.strata`), each row's
+  confidences from its stratum's served coefficients;
 * ``oracle``: the trace's true acceptance rates (the ceiling);
 * ``fixed-v`` (``v = 0..K``): no adaptive verification; ``fixed-0`` is
   speculation off.
@@ -31,11 +34,14 @@ import numpy.typing as npt
 from avest.core.budget import DEFAULT_RULE, decide
 from avest.core.estimator import Batch, OnlineEstimator
 from avest.core.model import predict
+from avest.core.numeric import sigmoid
+from avest.core.strata import StratifiedEstimator
 from avest.offline.fleet import (
     IN_WORKER,
     POOLED,
     POOLED_CALIBRATED,
     POOLED_COLD,
+    POOLED_STRATA,
     Fleet,
     Restarts,
     in_worker_estimator,
@@ -136,10 +142,15 @@ def default_steps(trace: Trace, fleet: Fleet, c: int) -> int:
     )
 
 
+def estimators(trace: Trace, fleet: Fleet) -> list[str]:
+    """The fleet's estimators, and ``pooled+strata`` on a trace that carries strata."""
+    return fleet.estimators() + ([POOLED_STRATA] if trace.stratum is not None else [])
+
+
 def planned_steps(trace: Trace, fleet: Fleet, concurrency: int, steps: int | None = None) -> int:
     """Worker steps :func:`simulate_fleet` reports to ``progress``."""
     n = steps if steps is not None else default_steps(trace, fleet, concurrency)
-    policies = len(fleet.estimators()) + (trace.accept_rate_dist is not None)
+    policies = len(estimators(trace, fleet)) + (trace.accept_rate_dist is not None)
     return n * fleet.workers * policies
 
 
@@ -169,9 +180,10 @@ def simulate_fleet(
     for v in range(k + 1):
         out.results[f"fixed-{v}"] = _fixed(v, shares, fleet.workers, n, accepted, scheduled, costs)
     oracle = None if trace.accept_rate_dist is None else trace.accept_rate_dist.astype(np.float64)
-    for policy in fleet.estimators() + ([ORACLE] if oracle is not None else []):
+    strata = trace.stratum
+    for policy in estimators(trace, fleet) + ([ORACLE] if oracle is not None else []):
         out.results[policy] = _adaptive(
-            policy, fleet, shares, n, x, accepted, scheduled, costs, rule, oracle, progress
+            policy, fleet, shares, n, x, accepted, scheduled, costs, rule, oracle, progress, strata
         )
     return out
 
@@ -204,15 +216,27 @@ def _fixed(
 class _Confidences:
     """The estimators behind one adaptive policy, restarted as the fleet restarts."""
 
-    def __init__(self, policy: str, fleet: Fleet, k: int, oracle: FloatArray | None) -> None:
+    def __init__(
+        self,
+        policy: str,
+        fleet: Fleet,
+        k: int,
+        oracle: FloatArray | None,
+        strata: npt.NDArray[np.str_] | None = None,
+    ) -> None:
         self.policy, self.fleet, self.k, self.oracle = policy, fleet, k, oracle
+        self.strata = strata
         if policy == IN_WORKER:
             self.workers = [in_worker_estimator(k, fleet) for _ in range(fleet.workers)]
-        elif policy in (POOLED, POOLED_CALIBRATED, POOLED_COLD):
+        elif policy in (POOLED, POOLED_CALIBRATED, POOLED_COLD, POOLED_STRATA):
             shared = pooled_estimator(k, fleet)
             if policy != POOLED_CALIBRATED:
                 shared.recalibrator = None
             self.shared = shared
+            if policy == POOLED_STRATA:
+                if strata is None:
+                    raise ValueError(f"{POOLED_STRATA} needs a trace with a stratum array")
+                self.stratified = StratifiedEstimator(shared)
 
     def estimator(self, worker: int) -> OnlineEstimator:
         return self.workers[worker] if self.policy == IN_WORKER else self.shared
@@ -230,10 +254,18 @@ class _Confidences:
         est = self.estimator(worker)
         if self.policy == POOLED_CALIBRATED:
             return est.predict_served(x)
+        if self.policy == POOLED_STRATA:
+            return sigmoid(self.stratified.linear_predictor(x, self.names(rows)))
         return predict(est.coefficients, x)
 
-    def learn(self, worker: int, batch: Batch) -> None:
-        if self.policy != ORACLE:
+    def names(self, rows: IntArray) -> list[str]:
+        assert self.strata is not None
+        return [str(s) for s in self.strata[rows]]
+
+    def learn(self, worker: int, rows: IntArray, batch: Batch) -> None:
+        if self.policy == POOLED_STRATA:
+            self.stratified.apply(batch, self.names(rows))
+        elif self.policy != ORACLE:
             self.estimator(worker).apply(batch)
 
 
@@ -249,10 +281,11 @@ def _adaptive(
     rule: str,
     oracle: FloatArray | None,
     progress: Progress | None = None,
+    strata: npt.NDArray[np.str_] | None = None,
 ) -> Goodput:
     k = costs.k
     workers = fleet.workers
-    source = _Confidences(policy, fleet, k, oracle)
+    source = _Confidences(policy, fleet, k, oracle, strata)
     clock = Restarts(fleet)
     budget = costs.budget(k)
     tokens = np.zeros(workers, dtype=np.int64)
@@ -277,7 +310,7 @@ def _adaptive(
                 stale_confidences=stale[w] if rule == "stale" else None,
             )
             got, observed, acc = truncate(accepted[rows], decision.verify_lengths, k)
-            source.learn(w, Batch(x, observed, acc))
+            source.learn(w, rows, Batch(x, observed, acc))
             stale[w] = conf
             tokens[w] += c + int(got.sum())
             verified[w, j] = int(decision.verify_lengths.sum())

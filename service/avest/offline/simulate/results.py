@@ -24,6 +24,9 @@ BASELINES = {
 CALIBRATED = "avest+calibration"
 #: The draft-length schedule computed online from the estimator (avest.core.schedule).
 SCHEDULED = "schedule"
+#: The estimator with a coefficient set per stratum (avest.core.strata): on traces
+#: that carry a ``stratum`` array only.
+STRATIFIED = "avest+strata"
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ def make_policies(
     baseline_rule: str = DEFAULT_RULE,
     draft_lengths: Iterable[int] | None = None,
     select: Sequence[str] | None = None,
+    strata: bool = False,
 ) -> list[Policy]:
     """Fixed lengths ``0..k``, avest under every budget rule, then the baselines.
 
@@ -54,7 +58,10 @@ def make_policies(
     fixed length like the others, so a gain over the best fixed length is
     never a gain from merely switching speculation off. ``avest+calibration``
     is the estimator's served confidences through the calibration layer
-    (under ``baseline_rule``).
+    (under ``baseline_rule``). With ``strata`` (a trace that carries a
+    ``stratum`` array), ``avest+strata`` follows it: the same estimator plus a
+    coefficient set per stratum, each row predicted by its stratum's (under
+    ``baseline_rule``; against ``avest/<baseline_rule>``, the one set).
 
     Adaptive policies draft ``k`` positions, or each of ``draft_lengths``
     (a name gets ``@d`` when ``d < k``: vLLM with ``num_speculative_tokens =
@@ -96,6 +103,18 @@ def make_policies(
                 d,
             )
         )
+        if strata:
+            adaptive.append(
+                Policy(
+                    f"{STRATIFIED}/{baseline_rule}{at}",
+                    STRATIFIED,
+                    0,
+                    baseline_rule,
+                    lossless,
+                    "the avest estimator plus a coefficient set per stratum (avest.core.strata)",
+                    d,
+                )
+            )
         for kind, text in BASELINES.items():
             if kind != "oracle" or has_oracle:
                 name = f"{kind}/{baseline_rule}{at}"
