@@ -82,3 +82,54 @@ def test_at_zero_every_full_round_refits_at_once(start_server, tmp_path) -> None
         assert acked == [STEPS] * WORKERS
         # The recursive and tracking rules warm up on short rounds: 40 rounds or more.
         assert _version(stub, pid) - start >= WORKERS * STEPS // 10
+
+
+def test_a_failed_message_holds_back_its_workers_later_ones() -> None:
+    """A worker's message that fails to apply fails the messages of that worker already
+    queued behind it (applying them would skip it, and its resend would then be a
+    duplicate, lost); another worker's go on; the worker's resend applies in order."""
+    import asyncio
+
+    from avest.state.admission import Message, PairQueue
+
+    async def run() -> tuple[list[tuple[str, int]], list[str]]:
+        applied: list[tuple[str, int]] = []
+        release = asyncio.Event()
+        broken = {("a", 2)}
+
+        async def apply(m: Message) -> bool:
+            if (m.worker, m.sequence) == ("a", 1):
+                await release.wait()  # the queue fills behind it
+            if (m.worker, m.sequence) in broken:
+                raise RuntimeError("a bug")
+            applied.append((m.worker, m.sequence))
+            return True
+
+        q = PairQueue("p", 16, apply, lambda: False, 0.0)
+        loop = asyncio.get_running_loop()
+
+        def message(worker: str, seq: int) -> Message:
+            return Message(worker, seq, None, None, loop.create_future())  # type: ignore[arg-type]
+
+        sent = [message(w, s) for w, s in (("a", 1), ("a", 2), ("b", 1), ("a", 3), ("b", 2))]
+        for m in sent:
+            await q.submit(m)
+        release.set()
+        outcomes = []
+        for m in sent:
+            try:
+                await m.done
+                outcomes.append("ok")
+            except RuntimeError as exc:
+                outcomes.append(str(exc))
+        broken.clear()  # the fault is gone: the worker resends from the failed one
+        resent = [message("a", 2), message("a", 3)]
+        for m in resent:
+            await q.submit(m)
+        assert [await m.done for m in resent] == [True, True]
+        q.drop()
+        return applied, outcomes
+
+    applied, outcomes = asyncio.run(run())
+    assert outcomes == ["ok", "a bug", "ok", "step 2 of this worker failed to apply", "ok"]
+    assert applied == [("a", 1), ("b", 1), ("b", 2), ("a", 2), ("a", 3)]

@@ -39,7 +39,11 @@ def _batch(rng: np.random.Generator) -> Any:
 
 async def _run(tmp_path) -> None:  # noqa: ANN001
     settings = Settings(
-        data_dir=str(tmp_path), default_rule="vllm", refit_interval=3, flush_interval_ms=3_600_000
+        data_dir=str(tmp_path),
+        default_rule="vllm",
+        refit_interval=3,
+        flush_interval_ms=3_600_000,
+        min_refit_interval_ms=0,  # every full round refits as it fills
     )
     store = RecordingStore(settings.database)
     app = Avest(settings.state_config(), store)

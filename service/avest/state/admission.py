@@ -84,6 +84,11 @@ class PairQueue:
         #: Senders waiting for room now.
         self.held = 0
         self._getter: asyncio.Future[Message | None] | None = None
+        #: Workers whose message failed to apply, with its sequence: their later
+        #: messages already queued are refused too (applying them would skip the
+        #: failed one, which a resend could then never fill), until the worker sends
+        #: that sequence or an earlier one again.
+        self._failed: dict[str, int] = {}
         self._task = asyncio.create_task(self._run(), name=f"avest-owner-{pair_id[:12]}")
 
     def may_refit(self) -> bool:
@@ -132,9 +137,19 @@ class PairQueue:
             message = await self._next()
             if message is None:
                 return
+            failed = self._failed.get(message.worker)
+            if failed is not None:
+                if message.sequence > failed:
+                    if not message.done.done():
+                        message.done.set_exception(
+                            RuntimeError(f"step {failed} of this worker failed to apply")
+                        )
+                    continue
+                del self._failed[message.worker]  # resent from the failed one on
             try:
                 new = await self._apply(message)
             except Exception as exc:
+                self._failed[message.worker] = message.sequence
                 if not message.done.done():
                     message.done.set_exception(exc)
                 continue
