@@ -8,10 +8,14 @@ under every shipped cost profile at C = 32, 64, 128 (cold start, refit every
 100 steps, cycled to 2,000 steps per concurrency): ``avest/lossless-walk`` (one
 coefficient set: avest without strata) against ``avest+strata/lossless-walk``
 (each row's confidences from its stratum's served coefficients,
-:mod:`avest.core.strata`), both under the default budget rule, and the oracle.
+:mod:`avest.core.strata`), both under the default budget rule, and the oracle;
+and, as a ceiling on what a linear model per stratum buys, the in-sample fits:
+``mle+strata`` (one fit per stratum) against ``mle`` (one fit), as static
+confidences.
 
 Per cell: each policy's gain over the best fixed length (speculation off
-included), strata's throughput against the one set's, and the share of the
+included), strata's throughput against the one set's (``strata/one``; ``mle s/1``: the
+in-sample fits'), and the share of the
 recorded drafts the one set trimmed (adaptive verification trims nothing where
 it is 0: both then verify every draft and tie). The target (issue 31): strata
 at least +1 % over the one set at C = 64 wherever adaptive verification trims
@@ -38,7 +42,7 @@ import numpy as np
 from avest.core.budget import DEFAULT_RULE
 from avest.offline.simulate.engine import simulate
 from avest.offline.simulate.profiles import load_profile, shipped_profiles
-from avest.offline.simulate.results import STRATIFIED, Simulation
+from avest.offline.simulate.results import STRATIFIED, STRATIFIED_MLE, Simulation
 from avest.offline.strata import merge_traces, reverse_steps
 from avest.offline.trace import Trace, read_trace
 
@@ -51,6 +55,8 @@ FILES = {
 ONE_SET = f"avest/{DEFAULT_RULE}"
 STRATA = f"{STRATIFIED}/{DEFAULT_RULE}"
 ORACLE = f"oracle/{DEFAULT_RULE}"
+MLE = f"mle/{DEFAULT_RULE}"
+MLE_STRATA = f"{STRATIFIED_MLE}/{DEFAULT_RULE}"
 #: The target (issue 31): strata's goodput over the one set's at C = 64.
 TARGET, TARGET_C = 0.01, 64
 
@@ -87,6 +93,7 @@ def cells(sim: Simulation, trace: Trace) -> list[dict[str, object]]:
                 "strata_gain": sim.gain(c, STRATA),
                 "oracle_gain": sim.gain(c, ORACLE) if ORACLE in res else None,
                 "strata_vs_one_set": strata.throughput / one.throughput - 1.0,
+                "mle_strata_vs_mle": res[MLE_STRATA].throughput / res[MLE].throughput - 1.0,
                 "one_set_trimmed": 1.0 - one.verified / drafts if drafts else 0.0,
                 "strata_trimmed": 1.0 - strata.verified / drafts if drafts else 0.0,
             }
@@ -115,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, object]] = []
     head = (
         f"{'mix':<22} {'profile':<27} {'C':>4} {'one set':>8} {'strata':>8} {'oracle':>8} "
-        f"{'strata/one':>10} {'trimmed':>8}"
+        f"{'strata/one':>10} {'trimmed':>8} {'mle s/1':>8}"
     )
     start = f"{args.warmup_passes} warm-up pass(es)" if args.warmup_passes else "cold start"
     print(
@@ -132,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                 profile,
                 cs,
                 name=name,
-                select=[ONE_SET, STRATA, ORACLE],
+                select=[ONE_SET, STRATA, ORACLE, MLE, MLE_STRATA],
                 min_steps=args.min_steps,
                 warmup_passes=args.warmup_passes,
             )
@@ -142,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{name:<22} {profile.name:<27} {cell['concurrency']:>4} "
                     f"{pct(cell['one_set_gain']):>8} {pct(cell['strata_gain']):>8} "
                     f"{pct(cell['oracle_gain']):>8} {pct(cell['strata_vs_one_set'], 2):>10} "
-                    f"{100 * float(cell['one_set_trimmed']):>7.1f}%"  # type: ignore[arg-type]
+                    f"{100 * float(cell['one_set_trimmed']):>7.1f}% "  # type: ignore[arg-type]
+                    f"{pct(cell['mle_strata_vs_mle'], 2):>8}"
                 )
     print()
     at = [r for r in rows if r["concurrency"] == TARGET_C]
@@ -160,11 +168,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{len(chosen)} cells; strata >= {pct(TARGET, 0)} over one set in {len(met)} of "
             f"them (strata/one set {spread})"
         )
-    every = [float(r["strata_vs_one_set"]) for r in rows]  # type: ignore[arg-type]
-    print(
-        f"all {len(rows)} cells: strata/one set from {pct(min(every), 2)} to "
-        f"{pct(max(every), 2)}, mean {pct(float(np.mean(every)), 2)}"
-    )
+    for key, label in (("strata_vs_one_set", "strata/one set"), ("mle_strata_vs_mle", "mle s/1")):
+        every = [float(r[key]) for r in rows]  # type: ignore[arg-type]
+        print(
+            f"all {len(rows)} cells: {label} from {pct(min(every), 2)} to "
+            f"{pct(max(every), 2)}, mean {pct(float(np.mean(every)), 2)}"
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

@@ -15,7 +15,7 @@ from avest.offline.fleet import POOLED, POOLED_STRATA, Fleet, evaluate_fleet
 from avest.offline.simulate.engine import simulate
 from avest.offline.simulate.fleet import simulate_fleet
 from avest.offline.simulate.profiles import CostProfile
-from avest.offline.simulate.results import STRATIFIED, make_policies
+from avest.offline.simulate.results import STRATIFIED, STRATIFIED_MLE, make_policies
 from avest.offline.strata import OVERALL, evaluate_strata, merge_traces
 from avest.offline.trace import Trace, write_trace
 from tests.support.traces import make_synthetic_trace
@@ -46,7 +46,8 @@ def test_a_trace_without_strata_runs_the_policies_it_ran() -> None:
     # With strata the list gains avest+strata, right after the calibration layer's.
     tagged = [p.name for p in make_policies(4, True, strata=True)]
     at = tagged.index(STRATA)
-    assert tagged[:at] + tagged[at + 1 :] == names and tagged[at - 1].startswith("avest+cal")
+    assert tagged[at + 1] == f"{STRATIFIED_MLE}/{DEFAULT_RULE}"
+    assert tagged[:at] + tagged[at + 2 :] == names and tagged[at - 1].startswith("avest+cal")
 
 
 def test_one_stratum_is_the_one_set_exactly() -> None:
@@ -72,13 +73,18 @@ def test_one_stratum_is_the_one_set_exactly() -> None:
 
 def test_two_strata_gain_goodput_and_calibrate_each_stratum_better() -> None:
     trace = two_strata()
-    sim = simulate(trace, PROFILE, [16], refit_interval=10, select=[ONE_SET, STRATA, "oracle/*"])
+    sim = simulate(
+        trace, PROFILE, [16], refit_interval=10, select=[ONE_SET, STRATA, "oracle/*", "mle*"]
+    )
     res = sim.results[16]
     one, strata = res[ONE_SET], res[STRATA]
     assert one.verified < trace.num_verified[: 16 * one.steps].sum()  # it trims
     # Not below the one set by more than noise (in fact above it here).
     assert strata.throughput >= one.throughput * 0.995
     assert res[f"oracle/{DEFAULT_RULE}"].throughput >= strata.throughput * 0.99
+    # In sample, a fit per stratum beats one fit.
+    mle, mle_strata = res[f"mle/{DEFAULT_RULE}"], res[f"{STRATIFIED_MLE}/{DEFAULT_RULE}"]
+    assert mle_strata.throughput > mle.throughput
     report = evaluate_strata(trace, refit_interval=10, methods=("one-set", "strata"))
     by = report.measures
     for stratum in ("greedy", "t>=1"):
@@ -138,15 +144,17 @@ def test_a_trace_without_strata_prints_what_it_printed(tmp_path: Path, capsys) -
     before = _strict(capsys.readouterr().out)["simulations"][0]  # type: ignore[index]
     assert main(["simulate", str(tagged), *argv, "--json"]) == 0
     after = _strict(capsys.readouterr().out)["simulations"][0]  # type: ignore[index]
-    assert STRATA not in before["policies"] and STRATA in after["policies"]
-    del after["policies"][STRATA]
-    for block in after["concurrency"].values():
-        del block["policies"][STRATA]
+    added = [STRATA, f"{STRATIFIED_MLE}/{DEFAULT_RULE}"]
+    assert not set(added) & set(before["policies"]) and set(added) <= set(after["policies"])
+    for name in added:
+        del after["policies"][name]
+        for block in after["concurrency"].values():
+            del block["policies"][name]
     after["trace"] = before["trace"]
     assert after == before
     assert main(["simulate", str(plain), *argv, "--table"]) == 0
     text = capsys.readouterr().out
     assert STRATIFIED not in text
     assert main(["simulate", str(tagged), *argv, "--table"]) == 0
-    lines = [ln for ln in capsys.readouterr().out.splitlines() if STRATA not in ln]
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if not any(n in ln for n in added)]
     assert "\n".join(lines).replace(str(tagged), str(plain)) == text.rstrip("\n")

@@ -19,7 +19,8 @@ Every policy sees the same rows:
   same estimator wrapped in a :class:`~avest.core.strata.StratifiedEstimator`:
   each row's confidences from its stratum's served coefficients, every
   verdict fed to the pair's estimator as without strata and to its stratum's
-  round (``avest/<rule>`` under the same budget rule is the one set); ``mle`` the maximum-likelihood linear fit of the whole trace, in
+  round (``avest/<rule>`` under the same budget rule is the one set), and
+  ``mle+strata`` the in-sample fit of each stratum's rows (against ``mle``); ``mle`` the maximum-likelihood linear fit of the whole trace, in
   sample (what the linear model can know, against what the online estimator
   has learned so far);
 * ``qmax-nofit``, ``position-rate`` and ``oracle`` (the trace's
@@ -104,6 +105,7 @@ from avest.offline.simulate.results import (
     DEFAULT_CONCURRENCY,
     SCHEDULED,
     STRATIFIED,
+    STRATIFIED_MLE,
     Policy,
     Simulation,
     Totals,
@@ -408,6 +410,28 @@ def trace_mle(trace: Trace) -> Coefficients:
     return coef
 
 
+def strata_mle(trace: Trace) -> dict[str, Coefficients]:
+    """The maximum-likelihood linear fit of each stratum's recorded labels."""
+    observed, accepted = trace.labels()
+    x = trace.features.astype(np.float64)
+    strata = trace.strata()
+    out = {}
+    for name in sorted({str(s) for s in strata}):
+        rows = strata == name
+        out[name], _ = fit_mle(x[rows], observed[rows], accepted[rows])
+    return out
+
+
+def _eta_by_stratum(
+    fits: dict[str, Coefficients], strata: npt.NDArray[np.str_], x: FloatArray
+) -> FloatArray:
+    eta = np.empty_like(x)
+    for name, coef in fits.items():
+        rows = strata == name
+        eta[rows] = linear_predictor(coef, x[rows])
+    return eta
+
+
 def simulate(
     trace: Trace,
     profile: CostProfile,
@@ -470,6 +494,7 @@ def simulate(
     sim.min_steps = min_steps
     costs = profile.step_costs(k, cs[-1], cs[-1] * (k + 1))
     mle: Coefficients | None = None
+    fits: dict[str, Coefficients] | None = None
     for c in cs:
         rows = _Rows.of(trace, c, min_steps)
         sim.cycles[c] = round(cycles(trace, c, min_steps), 2)
@@ -504,6 +529,11 @@ def simulate(
             elif policy.kind == "mle":
                 mle = mle if mle is not None else trace_mle(trace)
                 source = _StaticSource(sigmoid(linear_predictor(mle, rows.features)))
+            elif policy.kind == STRATIFIED_MLE:
+                if rows.strata is None:
+                    continue
+                fits = fits if fits is not None else strata_mle(trace)
+                source = _StaticSource(sigmoid(_eta_by_stratum(fits, rows.strata, rows.features)))
             elif policy.kind == "qmax-nofit":
                 source = _StaticSource(sigmoid(rows.features))
             elif policy.kind == "position-rate":

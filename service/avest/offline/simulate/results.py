@@ -27,6 +27,8 @@ SCHEDULED = "schedule"
 #: The estimator with a coefficient set per stratum (avest.core.strata): on traces
 #: that carry a ``stratum`` array only.
 STRATIFIED = "avest+strata"
+#: The in-sample maximum-likelihood linear fit of each stratum's rows (with ``avest+strata``).
+STRATIFIED_MLE = "mle+strata"
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,8 @@ def make_policies(
     (under ``baseline_rule``). With ``strata`` (a trace that carries a
     ``stratum`` array), ``avest+strata`` follows it: the same estimator plus a
     coefficient set per stratum, each row predicted by its stratum's (under
-    ``baseline_rule``; against ``avest/<baseline_rule>``, the one set).
+    ``baseline_rule``; against ``avest/<baseline_rule>``, the one set), then
+    ``mle+strata``, the in-sample fit of each stratum (against ``mle``).
 
     Adaptive policies draft ``k`` positions, or each of ``draft_lengths``
     (a name gets ``@d`` when ``d < k``: vLLM with ``num_speculative_tokens =
@@ -112,6 +115,18 @@ def make_policies(
                     baseline_rule,
                     lossless,
                     "the avest estimator plus a coefficient set per stratum (avest.core.strata)",
+                    d,
+                )
+            )
+            adaptive.append(
+                Policy(
+                    f"{STRATIFIED_MLE}/{baseline_rule}{at}",
+                    STRATIFIED_MLE,
+                    0,
+                    baseline_rule,
+                    lossless,
+                    "in-sample maximum-likelihood linear fit of each stratum's rows: what a "
+                    "linear model per stratum can know (against mle, one fit)",
                     d,
                 )
             )
