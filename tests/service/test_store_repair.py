@@ -525,9 +525,12 @@ def test_a_disk_that_refuses_writes_reads_as_a_store_io_error(tmp_path):
 # -- stopping while the disk is full -------------------------------------------------------
 
 
-def _fill_the_disk_and_stop(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> list[Any]:
+def _fill_the_disk_and_stop(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, failed_writes: int = 1
+) -> list[Any]:
     """A service whose store may not grow by a page, stopped (as SIGTERM stops it)
-    with steps applied but not written; the warnings and errors logged by the stop."""
+    with steps applied but not written once ``failed_writes`` writes have failed; the
+    warnings and errors logged by the stop."""
     srv = launch(tmp_path / "data")
     app = srv.server.app
     done = threading.Event()
@@ -564,6 +567,9 @@ def _fill_the_disk_and_stop(tmp_path: Path, caplog: pytest.LogCaptureFixture) ->
         reader = threading.Thread(target=consume)
         reader.start()
         assert wait_until(lambda: "full" in app.store_error, WAIT_S), app.store_error
+        assert wait_until(lambda: app.store_errors["write"] >= failed_writes, WAIT_S)
+        retries = [r for r in caplog.records if "retrying" in r.getMessage()]
+        assert len(retries) == 1, [r.getMessage() for r in retries]  # once, not per retry
     finally:
         caplog.set_level(logging.INFO)
         caplog.clear()
@@ -584,6 +590,7 @@ def test_stopping_while_the_disk_is_full_the_final_snapshot_says_so_in_one_line(
 
 
 def test_stopping_while_the_disk_is_full_logs_one_line_and_no_traceback(tmp_path, caplog):
-    said = _fill_the_disk_and_stop(tmp_path, caplog)
+    # three writes failed before the stop: the retries said so once, the stop once more
+    said = _fill_the_disk_and_stop(tmp_path, caplog, failed_writes=3)
     assert [r for r in said if r.exc_info] == []
     assert len(said) == 1, [r.getMessage() for r in said]

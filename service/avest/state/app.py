@@ -548,6 +548,7 @@ class Avest:
 
     async def _flush_loop(self) -> None:
         interval = self.config.flush_interval_ms / 1000.0
+        reported = ""  # the store error last logged
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._flush_now.wait(), timeout=interval)
@@ -557,10 +558,14 @@ class Avest:
             try:
                 await self.flush()
                 await self._maintain()
+                reported = ""
             except Exception as exc:  # keep serving; the pairs stay dirty and retry
-                log.warning(
-                    "%s; retrying (acks wait until a write succeeds)", self.store_error or exc
-                )
+                # Once per error, not at every retry (avest_store_errors_total counts them):
+                # a full disk would otherwise log a line every RETRY_S until it is freed.
+                said = self.store_error or str(exc)
+                if said != reported:
+                    log.warning("%s; retrying (acks wait until a write succeeds)", said)
+                    reported = said
                 await asyncio.sleep(max(interval, RETRY_S))
 
     async def _maintain(self) -> None:
