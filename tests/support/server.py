@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -75,9 +77,12 @@ class ServerHandle:
         try:
             return future.result(timeout)
         except TimeoutError:
-            # Name what hung (a bare TimeoutError says nothing in a CI summary).
+            # Name what hung, and where every thread stood (a bare TimeoutError says
+            # nothing in a CI summary, and a hang seen once may not come back).
             name = getattr(coro_fn, "__qualname__", repr(coro_fn))
-            raise TimeoutError(f"{name} did not finish within {timeout:g} s") from None
+            raise TimeoutError(
+                f"{name} did not finish within {timeout:g} s; the threads:\n{thread_stacks()}"
+            ) from None
 
     def kill_streams(self) -> None:
         """Cancel every RPC now (no grace): open streams end without their pending acks."""
@@ -150,3 +155,13 @@ def launch(data_dir: str | Path, **overrides: Any) -> ServerHandle:
     """Start a server on ``data_dir`` (settings overridable); the caller stops it."""
     Path(data_dir).mkdir(parents=True, exist_ok=True)
     return ServerHandle(settings_for(data_dir, **overrides))
+
+
+def thread_stacks() -> str:
+    """Every thread's stack, innermost call last (for a hang's report)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out = []
+    for ident, frame in sys._current_frames().items():
+        out.append(f"--- {names.get(ident, ident)}")
+        out.extend(line.rstrip() for line in traceback.format_stack(frame)[-8:])
+    return "\n".join(out)
