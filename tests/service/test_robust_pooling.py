@@ -67,6 +67,30 @@ def test_a_fleet_joining_late_while_rounds_are_held_open_is_never_quarantined():
     assert pair.estimator.steps == 2 * steps
 
 
+def test_the_reference_is_computed_per_refit_not_per_held_round(monkeypatch):
+    """Rounds held open by the refit interval age the evidence at every round's worth
+    of steps (each message here); the reference the workers are judged against,
+    which visits every worker, is computed once per refit and when a worker's rate
+    first enters it, not at every aged round."""
+    import avest.state.workers as workers
+
+    calls = []
+    real = workers.reference
+    monkeypatch.setattr(workers, "reference", lambda *a: calls.append(1) or real(*a))
+    trace = load_trace("chat")
+    pair = F.new_pair(5, refit_interval=10)
+    F.feed(pair, F.honest(trace, 8), "summary", refit_every=10_000)
+    table = pair.workers
+    assert table.clock > 50 and table.rounds <= 1  # rounds aged, no refit
+    assert table.reference().judges and quarantined(pair) == []
+    # the eight workers' rates entering it (and a prune), never once per message
+    assert len(calls) <= 8 + 2, (len(calls), table.clock)
+    before = len(calls)
+    pair.refit_held()
+    table.reference()
+    assert len(calls) == before + 1
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("poison", ["all-accepted", "flipped"])
 def test_a_poisoner_is_quarantined_while_rounds_are_held_open(mode, poison):

@@ -119,7 +119,10 @@ class WorkerTable:
         self.pool = Evidence()
         self._rates: dict[str, float] = {}
         self._reference: Reference = NO_REFERENCE
-        self._reference_clock = -1
+        #: What the reference was computed at: the refits seen and the workers with
+        #: a rate (``_members`` moves when one enters or leaves); -1 forces anew.
+        self._reference_at = (-1, -1)
+        self._members = 0
         #: Information ``a, c`` pooled into the open round and into the last one ``[2, K]``.
         self._round_info: np.ndarray | None = None
         self._last_round_info: np.ndarray | None = None
@@ -241,21 +244,29 @@ class WorkerTable:
         return kept
 
     def reference(self) -> Reference:
-        """What workers are judged against now: recomputed once per refit (or while
-        it cannot judge yet, or after a worker's standing changed)."""
-        if self._reference_clock != self.clock or not self._reference.judges:
+        """What workers are judged against now: recomputed once per refit, after a
+        worker's standing changed and, while it cannot judge yet, when a worker's
+        rate enters or leaves it. Not at each round a held round ages the evidence
+        by: that decays every worker alike and leaves their rates as they are, and
+        a recomputation visits every worker (it was O(workers) per summary in a
+        fleet whose every summary fills a round)."""
+        at = self._reference_at
+        if at[0] != self.rounds or (not self._reference.judges and at[1] != self._members):
             for w in list(self._rates):
                 if self._evidence[w].at(self.clock).drafts < MIN_RATE_DRAFTS:
                     del self._rates[w]
+                    self._members += 1
             self._reference = reference(list(self._rates.values()), self.pool.at(self.clock))
-            self._reference_clock = self.clock
+            self._reference_at = (self.rounds, self._members)
         return self._reference
 
     def _rate(self, worker: str, own: Evidence) -> None:
         if own.drafts >= MIN_RATE_DRAFTS:
+            if worker not in self._rates:
+                self._members += 1
             self._rates[worker] = own.residual / own.drafts
-        else:
-            self._rates.pop(worker, None)
+        elif self._rates.pop(worker, None) is not None:
+            self._members += 1
 
     def release(self, worker: str) -> WorkerSeen:
         """An admin's release: back in good standing with its evidence forgotten
@@ -285,7 +296,7 @@ class WorkerTable:
             self._rate(row.worker_id, own)
             self.quarantined -= 1
         self._shares.pop(row.worker_id, None)
-        self._reference_clock = -1
+        self._reference_at = (-1, -1)
         row.state = state
         row.state_since = time.time()
         row.strikes = 0
@@ -294,7 +305,8 @@ class WorkerTable:
     def _forget(self, row: WorkerSeen) -> None:
         own = self._evidence.pop(row.worker_id, None)
         self._shares.pop(row.worker_id, None)
-        self._rates.pop(row.worker_id, None)
+        if self._rates.pop(row.worker_id, None) is not None:
+            self._members += 1
         if row.state == QUARANTINED:
             self.quarantined -= 1
             self.changes += 1
