@@ -15,6 +15,7 @@ class Submitted:
     num_verified: np.ndarray
     num_accepted: np.ndarray
     exclude: np.ndarray | None
+    strata: list[str] | None = None
 
 
 class FakeSink:
@@ -33,6 +34,10 @@ class FakeSink:
         self._lock = threading.Lock()
         self.received: list[Submitted] = []
         self.summaries: list = []
+        #: Each summary's stratum (None: the worker's pooled round), beside ``summaries``.
+        self.summary_strata: list[str | None] = []
+        #: What ``latest_strata()`` returns (name -> Served); None: the sink has none.
+        self.strata: dict | None = None
         self.is_connected = connected
         self.coefficients: tuple[int, float, list[float]] | None = None
         self.delay_s = delay_s
@@ -43,7 +48,7 @@ class FakeSink:
         self.reads = 0
 
     # Sink protocol ----------------------------------------------------------
-    def submit(self, features, num_verified, num_accepted, exclude) -> None:  # noqa: ANN001
+    def submit(self, features, num_verified, num_accepted, exclude, strata=None) -> None:  # noqa: ANN001
         self.entered.set()
         if self.gate is not None:
             self.gate.wait()
@@ -52,13 +57,17 @@ class FakeSink:
         if self.fail:
             raise RuntimeError("sink down")
         with self._lock:
-            self.received.append(Submitted(features, num_verified, num_accepted, exclude))
+            self.received.append(Submitted(features, num_verified, num_accepted, exclude, strata))
 
-    def submit_summary(self, summary) -> None:  # noqa: ANN001
+    def submit_summary(self, summary, stratum=None) -> None:  # noqa: ANN001
         if self.fail:
             raise RuntimeError("sink down")
         with self._lock:
             self.summaries.append(summary)
+            self.summary_strata.append(stratum)
+
+    def latest_strata(self):  # noqa: ANN201
+        return self.strata
 
     def latest_coefficients(self):  # noqa: ANN201
         self.reads += 1

@@ -45,3 +45,16 @@ def test_rank0_without_a_sink_does_not_hang_the_others(tmp_path):
     assert r0["log"] == r1["log"]
     assert not any(e["governed"] for e in r0["log"])
     assert r0["log"][-1]["refits"] == STEPS // 25  # vLLM's own refits, in step on both ranks
+
+
+def test_two_ranks_serve_the_same_strata_sets_at_the_same_step(tmp_path):
+    """AVEST_STRATA=1: every rank loads the pushed strata sets at the same boundary, so the
+    confidences the draft graph reads are bit-identical on every rank at every step."""
+    args = (2, str(tmp_path / "store"), str(tmp_path), False, True)
+    mp.spawn(run, args=args, nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["log"] == r1["log"]
+    served = [e["served"] for e in r0["log"]]
+    assert served[7] == [] and served[8] == ["greedy"]  # pushed at 5, applied at 8
+    assert served[48] == [] and served[72] == ["greedy"]  # lost at 45: the pair's set only
+    assert served[104] == ["t0.5-1"]

@@ -57,6 +57,20 @@ def validate_table(raw: object) -> Table | None:
     return knots, logits, served
 
 
+def predicted_tokens(
+    num_tokens: int, idx_mapping: torch.Tensor, draft_step: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tokens vLLM's predict kernel wrote, as ``(req, valid, step, batch)``: token
+    ``t`` with ``idx_mapping[t] >= 0`` (``valid``) wrote ``confidence_probs[batch,
+    step]`` of request slot ``req``, with ``batch = t`` and one shared ``step`` (a step
+    per call), or ``batch = t // K`` and ``step = draft_step[t]`` (a per-token step)."""
+    token = torch.arange(num_tokens, device=idx_mapping.device)
+    req = idx_mapping[:num_tokens].to(torch.int64)
+    if draft_step.dim() > 0:
+        return req, req >= 0, draft_step[:num_tokens].to(torch.int64), token // k
+    return req, req >= 0, draft_step.to(torch.int64).expand(num_tokens), token
+
+
 class ConfidenceMap:
     """The calibration table on the estimator's device, applied in place."""
 
@@ -113,16 +127,7 @@ class ConfidenceMap:
         ``eta`` is recomputed from the stored feature, exactly.
         """
         k = int(est.num_speculative_steps)
-        device = confidence_probs.device
-        token = torch.arange(num_tokens, device=device)
-        req = idx_mapping[:num_tokens].to(torch.int64)
-        valid = req >= 0
-        if draft_step.dim() > 0:
-            step = draft_step[:num_tokens].to(torch.int64)
-            batch = token // k
-        else:
-            step = draft_step.to(torch.int64).expand(num_tokens)
-            batch = token
+        req, valid, step, batch = predicted_tokens(num_tokens, idx_mapping, draft_step, k)
         x = est.features[req.clamp(min=0), step]
         eta = est.slope[0] * x + est.intercepts[step]
         current = confidence_probs[batch, step]

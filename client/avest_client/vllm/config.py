@@ -29,6 +29,13 @@ variable               default     meaning
                                    set vLLM's ``num_speculative_tokens_per_batch_size``
                                    (:mod:`.schedule`); otherwise, or on any failure,
                                    the configured value governs
+``AVEST_STRATA``       ``0``       ``1``: a coefficient set per request stratum
+                                   (docs/strata.md): each slot predicted with its
+                                   stratum's pushed set, one round summary per
+                                   stratum; ``0``: exactly the shim without strata
+``AVEST_STRATA_EDGES`` ``0.5,1``   temperature bucket edges of the strata
+``AVEST_STRATA_LABEL`` (empty)     a key of the request's ``extra_args`` whose value
+                                   prefixes its stratum (``code/greedy``)
 =====================  ==========  ===================================================
 """
 
@@ -39,6 +46,9 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from avest_wire.errors import InvalidInput
+from avest_wire.strata import DEFAULT_EDGES, check_edges
 
 ENV_ADDRESS = "AVEST_ADDRESS"
 ENV_TIMEOUT = "AVEST_TIMEOUT_S"
@@ -51,6 +61,9 @@ ENV_RAW_SAMPLE = "AVEST_RAW_SAMPLE"
 ENV_SKETCH = "AVEST_SKETCH"
 ENV_ROUND_STEPS = "AVEST_ROUND_STEPS"
 ENV_SCHEDULE = "AVEST_SCHEDULE"
+ENV_STRATA = "AVEST_STRATA"
+ENV_STRATA_EDGES = "AVEST_STRATA_EDGES"
+ENV_STRATA_LABEL = "AVEST_STRATA_LABEL"
 #: Most steps one summary may cover (the sketch keeps each step's features until then).
 MAX_ROUND_STEPS = 10_000
 MODES = ("summary", "raw")
@@ -75,6 +88,9 @@ class ShimConfig:
     sketch: bool = True
     round_steps: int = 0
     schedule: bool = False
+    strata: bool = False
+    strata_edges: tuple[float, ...] = DEFAULT_EDGES
+    strata_label: str = ""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -93,6 +109,12 @@ class ShimConfig:
             )
         if len(self.hardware.encode()) > 128:
             raise ConfigError(f"{ENV_HARDWARE} must be at most 128 bytes")
+        try:
+            check_edges(self.strata_edges)
+        except InvalidInput as exc:
+            raise ConfigError(f"{ENV_STRATA_EDGES}: {exc.problem}") from None
+        if len(self.strata_label) > 128 or not self.strata_label.isprintable():
+            raise ConfigError(f"{ENV_STRATA_LABEL} must be a printable key of <= 128 characters")
 
     @property
     def enabled(self) -> bool:
@@ -114,7 +136,20 @@ class ShimConfig:
             sketch=env.get(ENV_SKETCH, "1").strip().lower() not in ("0", "false", "no", "off"),
             round_steps=_number(env, ENV_ROUND_STEPS, 0, int),
             schedule=_flag(env, ENV_SCHEDULE),
+            strata=_flag(env, ENV_STRATA),
+            strata_edges=_edges(env.get(ENV_STRATA_EDGES, "")),
+            strata_label=env.get(ENV_STRATA_LABEL, "").strip(),
         )
+
+
+def _edges(raw: str) -> tuple[float, ...]:
+    raw = raw.strip()
+    if not raw:
+        return DEFAULT_EDGES
+    try:
+        return tuple(float(v) for v in raw.split(",") if v.strip())
+    except ValueError:
+        raise ConfigError(f"{ENV_STRATA_EDGES}={raw!r} is not a list of numbers") from None
 
 
 def _number(env: Mapping[str, str], name: str, default, kind):  # type: ignore[no-untyped-def]

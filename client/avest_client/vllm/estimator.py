@@ -14,7 +14,10 @@ base ``step`` the subclass:
   the refit would (so a later local refit starts from a clean round);
 * after the base step, snapshots the step for the sink (rank 0 only);
 * after the base ``predict``, maps its confidences through the pair's
-  calibration table while it is served (:mod:`avest_client.vllm.calibration`).
+  calibration table while it is served (:mod:`avest_client.vllm.calibration`);
+* with strata (``AVEST_STRATA=1``, :mod:`avest_client.vllm.strata`), predicts each
+  slot whose stratum has a pushed set with that set, and sums each stratum's
+  drafts apart for its own round summary.
 
 Any failure to set the sidecar up leaves a plain base estimator: vLLM keeps
 serving with its own refits.
@@ -32,6 +35,7 @@ import torch
 
 from avest_client.types import Served
 from avest_client.vllm import contract, lifecycle
+from avest_client.vllm import strata as strata_mod
 from avest_client.vllm.calibration import TableSync
 from avest_client.vllm.coefficients import Governor
 from avest_client.vllm.config import ShimConfig
@@ -39,6 +43,7 @@ from avest_client.vllm.exclusion import ExclusionRegistry
 from avest_client.vllm.prom import Exporter
 from avest_client.vllm.rounds import SummaryRound
 from avest_client.vllm.sink import Sink
+from avest_client.vllm.strata import StrataState, StrataSync
 from avest_client.vllm.tp import SingleProcessGroup, TPGroup
 from avest_client.vllm.transfer import StepTransfer
 from avest_wire.pair import PairKey
@@ -70,6 +75,17 @@ class _Runtime:
         rate = opts.config.raw_sample if self.mode == "summary" else 0.0
         self.raw_every = max(1, round(1.0 / rate)) if rate > 0 else 0
         self.rounds: SummaryRound | None = None
+        #: Strata (AVEST_STRATA=1) on every rank: the per-slot table predict reads.
+        self.strata: StrataState | None = None
+        self.strata_sync: StrataSync | None = None
+        if opts.config.strata:
+            try:
+                registry = strata_mod.REGISTRY
+                registry.configure(opts.config.strata_edges, opts.config.strata_label)
+                registry.enabled = True
+                self.strata = StrataState(max_num_reqs, k, est.features.device)
+            except Exception:  # noqa: BLE001 - without strata: the pair's set for all
+                logger.exception("avest: strata setup failed; one coefficient set serves")
         self.exporter: Exporter | None = None
         self.sink: Sink | None = None
         self.transfer: StepTransfer | None = None
@@ -89,6 +105,7 @@ class _Runtime:
                         self.sink, k, est.features.device, opts.config.sketch,
                         max_num_reqs=max_num_reqs,
                         round_steps=opts.config.round_steps or int(est.REFIT_INTERVAL),
+                        strata=self.strata,
                     )  # fmt: skip
                 except Exception:  # noqa: BLE001
                     logger.exception("avest: summary mode setup failed; not forwarding")
@@ -97,11 +114,14 @@ class _Runtime:
                     self.transfer = StepTransfer(
                         self.sink, max_num_reqs, k, est.features.device,
                         opts.config.queue_size, opts.exclusion,
+                        strata=strata_mod.REGISTRY if self.strata is not None else None,
                     )  # fmt: skip
                 except Exception:  # noqa: BLE001
                     logger.exception("avest: step transfer setup failed; not forwarding")
         self.governor = Governor(self.group, self.sink, k, opts.config.sync_steps)
         self.tables = TableSync(self.group, self.sink, opts.config.sync_steps, est.slope.device)
+        if self.strata is not None:
+            self.strata_sync = StrataSync(self.group, self.sink, opts.config.sync_steps, k)
         self.skipped_refits = 0
         self.steps = 0
         self._forward_failed = False
@@ -133,15 +153,19 @@ class _Runtime:
         rounds = self.rounds
         assert rounds is not None
         recording = rounds.version is not None
+        st = self.strata
         if recording:
             # keep what the round's sketch needs before vLLM's next propose overwrites it
             rounds.record(est, idx_mapping, num_sampled, num_rejected)
+            if st is not None:
+                st.accumulate(est, idx_mapping, num_sampled, num_rejected)
         if update is not None:
             # before the base step, as in raw mode: the step's sums use the
             # stored predictions, and the next draft graph reads the new values
             self.apply(est, update)
         governed = self.governor.governed
         self.tables.boundary(governed)
+        sets, pend = self.strata_boundary(governed)
         if governed and est._steps_since_refit + 1 >= est.REFIT_INTERVAL:
             est._steps_since_refit = -1  # the pooled round replaces vLLM's local refit
             base_step(idx_mapping, num_sampled, num_rejected)
@@ -150,7 +174,8 @@ class _Runtime:
             base_step(idx_mapping, num_sampled, num_rejected)
         if recording:
             steps = rounds.steps = rounds.steps + 1
-            if update is not None or not governed or steps >= rounds.round_steps:
+            # a new strata table ends the round: each round is summed at one table
+            if update is not None or not governed or steps >= rounds.round_steps or pend:
                 rounds.end(est, zero=governed)
                 if not governed:
                     rounds.stop()
@@ -158,10 +183,22 @@ class _Runtime:
             if rounds.version is None:
                 rounds.zero(est)  # drop the local partial round: pooled coefficients govern
             rounds.start(update.version, update.slope, update.intercepts)
+        if pend:
+            assert st is not None
+            st.load(sets, governed)
         if self.raw_every:
             self.steps += 1
             if self.steps % self.raw_every == 0:
                 self.forward(est, idx_mapping, num_sampled, num_rejected)
+
+    def strata_boundary(self, governed: bool) -> tuple[tuple[Any, ...], bool]:
+        """The strata sets pushed now and whether the table must load them (every rank
+        decides alike); ``((), False)`` without strata."""
+        st, sync = self.strata, self.strata_sync
+        if st is None or sync is None:
+            return (), False
+        sets = sync.boundary()
+        return sets, st.pending(sets, governed)
 
     def stats(self) -> dict[str, Any]:
         fwd = self.transfer
@@ -183,6 +220,7 @@ class _Runtime:
             "submit_errors": fwd.submit_errors if fwd else 0,
             # the sink's own counters, where it keeps any (the sidecar sink does)
             "sink": getattr(self.sink, "stats", None),
+            "strata": None if self.strata is None else self.strata.stats(),
         }
 
     def close(self, est: Any = None, timeout: float | None = None) -> None:
@@ -205,6 +243,8 @@ class _Runtime:
             self.rounds.close()
         if self.transfer is not None:
             self.transfer.close()
+        if self.strata is not None:
+            self.strata.close()
         if self.sink is not None:
             try:
                 if timeout is None:
@@ -287,6 +327,10 @@ def make_sidecar_estimator(
             if update is not None:
                 rt.apply(self, update)
             rt.tables.boundary(rt.governor.governed)
+            sets, pend = rt.strata_boundary(rt.governor.governed)
+            if pend:
+                assert rt.strata is not None
+                rt.strata.load(sets, rt.governor.governed)
             if rt.governor.governed and self._steps_since_refit + 1 >= self.REFIT_INTERVAL:
                 # The base would refit in this step: let it accumulate, then
                 # end the round without moving the pooled coefficients.
@@ -314,6 +358,10 @@ def make_sidecar_estimator(
                 rt.tables.map.apply(
                     self, logits.shape[0], idx_mapping, draft_step, confidence_probs
                 )
+                if rt.strata is not None:  # each slot's stratum set, where one is served
+                    rt.strata.apply(
+                        self, logits.shape[0], idx_mapping, draft_step, confidence_probs
+                    )
 
         def avest_stats(self) -> dict[str, Any]:
             if self._avest is None:

@@ -67,12 +67,25 @@ class ExclusionRegistry:
 REGISTRY = ExclusionRegistry()
 
 
+def strata_registry() -> Any:
+    """The process's :class:`~avest_client.vllm.strata.StrataRegistry` (imported late:
+    without strata its module is never loaded by the hook)."""
+    from avest_client.vllm import strata
+
+    return strata.REGISTRY
+
+
 def install_sampler_hook(sampler_cls: type, registry: ExclusionRegistry | None = None) -> bool:
     """Wrap ``sampler_cls.add_request`` to record flags; idempotent. False if it cannot."""
     reg = REGISTRY if registry is None else registry
 
     def record(sampler: Any, req_idx: int, sampling_params: Any, *_: Any, **__: Any) -> None:
         reg.record(int(req_idx), sampling_params)
+        strata = strata_registry()
+        if strata.enabled:  # AVEST_STRATA=1: the slot's stratum too (docs/strata.md)
+            strata.record(
+                int(req_idx), sampling_params, transforms_target_sampling(sampling_params)
+            )
 
     wrapped = record_after(
         sampler_cls,
@@ -83,4 +96,5 @@ def install_sampler_hook(sampler_cls: type, registry: ExclusionRegistry | None =
     )
     if wrapped:  # fed from now on (a method wrapped before feeds the registry it was given)
         reg.active = True
+        strata_registry().active = True
     return wrapped is not False

@@ -49,6 +49,12 @@ def register() -> None:
         logger.warning("avest: AVEST_ADDRESS is set but vLLM is not installed; nothing to patch")
         return
     from avest_client.vllm.hooks import when_imported
+
+    if config.strata:  # the sampler hook records each admitted slot's stratum from now
+        from avest_client.vllm.strata import REGISTRY as STRATA
+
+        STRATA.configure(config.strata_edges, config.strata_label)
+        STRATA.enabled = True
     from avest_client.vllm.lifecycle import install_engine_hooks, install_worker_hooks
 
     when_imported(contract.SPECULATOR_MODULE, lambda m: patch_speculator(m, config))
@@ -58,8 +64,9 @@ def register() -> None:
     when_imported(contract.ENGINE_CORE_MODULE, install_engine_hooks)
     when_imported(contract.ARG_UTILS_MODULE, lambda m: _hook_schedule(m, config))
     ACTIVE = True
-    logger.info("avest: plugin active in process %d (sidecar %s, %s mode)",
-                os.getpid(), config.address, config.mode)  # fmt: skip
+    logger.info("avest: plugin active in process %d (sidecar %s, %s mode%s)",
+                os.getpid(), config.address, config.mode,
+                ", strata" if config.strata else "")  # fmt: skip
 
 
 def make_production_sink(config: ShimConfig, pair_key: Any) -> Any:

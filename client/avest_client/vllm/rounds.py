@@ -47,6 +47,14 @@ local refits (sidecar absent) are not sent; vLLM refits on them as usual.
 
 Exclusion flags do not apply in summary mode: the sums are vLLM's own, which
 include every request.
+
+With strata (``AVEST_STRATA=1``, :mod:`avest_client.vllm.strata`) a round sends the
+per-stratum sums the shim keeps beside vLLM's instead of vLLM's: one summary per
+stratum with drafts, each at the set its drafts were scored with (the stratum's
+own, or the pair's), the round's steps split among them; rows of no stratum (slots
+not seen admitted, strata past the bound) in one summary without a stratum, as the
+pair's pooled traffic; excluded requests' rows in none. Such rounds carry no sketch
+(a sketch per stratum is not built yet).
 """
 
 from __future__ import annotations
@@ -64,6 +72,7 @@ import numpy as np
 import torch
 
 from avest_client.vllm import sketch as sketches
+from avest_client.vllm import strata as strata_mod
 from avest_client.vllm.sketch import Held
 from avest_wire.summary import RoundSummary, make_summary
 
@@ -93,6 +102,8 @@ class _Pending:
     intercepts: tuple[float, ...]
     steps: int
     kept: _Kept | None  # None: no sketch for this round
+    #: strata: the names by local index and the sets in force (None: vLLM's sums)
+    strata: tuple[tuple[str, ...], tuple[strata_mod.StratumSet | None, ...]] | None = None
 
 
 class SummaryRound:
@@ -107,8 +118,13 @@ class SummaryRound:
         *,
         max_num_reqs: int = 0,
         round_steps: int = 100,
+        strata: strata_mod.StrataState | None = None,
     ) -> None:
         self.sink = sink
+        #: Per-stratum sums to send instead of vLLM's (None: vLLM's, as without strata).
+        self.strata = strata
+        if strata is not None:
+            sketch = False
         self.k = k
         self.device = torch.device(device)
         self.keep_sketch = sketch and max_num_reqs > 0
@@ -146,6 +162,8 @@ class SummaryRound:
         self.send_errors = 0
         self.closed_rounds = 0  # handed to the sender
         self.steps_closed = 0  # steps covered by them
+        #: strata: steps the summaries sent counted beyond the rounds' (each counts >= 1)
+        self.step_debt = 0
         self.handled = 0  # the sender is done with (sent or failed)
         #: Seconds the sender spent building sketches and reading rounds back (its thread).
         self.sender_seconds = 0.0
@@ -219,7 +237,15 @@ class SummaryRound:
         if self.version is not None and self.steps > 0:
             # vLLM's sums are cleared below: copy them (one small device op); the
             # sketch is built by the sender thread from the kept steps.
-            sums = torch.cat([est.info.reshape(-1), est.grad.reshape(-1), est.counts.reshape(-1)])
+            st = self.strata
+            layout = None
+            if st is None:
+                sums = torch.cat(
+                    [est.info.reshape(-1), est.grad.reshape(-1), est.counts.reshape(-1)]
+                )
+            else:
+                sums = st.sums.reshape(-1).clone()
+                layout = (tuple(st.registry.names), tuple(st.in_force))
             ready = None
             if self._cuda:
                 ready = torch.cuda.Event()
@@ -228,7 +254,16 @@ class SummaryRound:
             self.closed_rounds += 1
             self.steps_closed += self.steps
             self._queue.put(
-                _Pending(sums, ready, self.version, self.slope, self.intercepts, self.steps, kept)
+                _Pending(
+                    sums,
+                    ready,
+                    self.version,
+                    self.slope,
+                    self.intercepts,
+                    self.steps,
+                    kept,
+                    layout,
+                )  # fmt: skip
             )
             if kept is not None:
                 self._cur = None  # handed to the sender with the round
@@ -245,6 +280,8 @@ class SummaryRound:
             est.info.zero_()
             est.grad.zero_()
             est.counts.zero_()
+        if self.strata is not None:
+            self.strata.zero()  # only ever sent: a fresh round starts from zero either way
         if self._cur is not None:
             self._cur.held.clear()
         self._t = 0
@@ -258,10 +295,20 @@ class SummaryRound:
                 return
             try:
                 t0 = time.perf_counter()
-                summary = self._unpack(item)
-                self.sender_seconds += time.perf_counter() - t0
-                self.sink.submit_summary(summary)
-                self.summaries += 1
+                if item.strata is None:
+                    summary = self._unpack(item)
+                    self.sender_seconds += time.perf_counter() - t0
+                    self.sink.submit_summary(summary)
+                    self.summaries += 1
+                else:
+                    parts = self._unpack_strata(item)
+                    self.sender_seconds += time.perf_counter() - t0
+                    for summary, stratum in parts:
+                        if stratum is None:
+                            self.sink.submit_summary(summary)
+                        else:
+                            self.sink.submit_summary(summary, stratum)
+                        self.summaries += 1
             except Exception:  # noqa: BLE001 - the sink's problem, never vLLM's
                 self.send_errors += 1
                 if self.send_errors == 1:
@@ -317,6 +364,48 @@ class SummaryRound:
             steps=item.steps,
             sketch=None if drawn is None else sketches.unpack(v[6 * k :], k),
         )
+
+    def _unpack_strata(self, item: _Pending) -> list[tuple[RoundSummary, str | None]]:
+        """A round's per-stratum summaries: ``(summary, stratum)``, None for the pair's
+        pooled rows (see the module docstring)."""
+        assert item.strata is not None
+        names, in_force = item.strata
+        host, _ = self._read(item, None)
+        k = self.k
+        sums = host.numpy().astype(np.float64).reshape(strata_mod.ROWS, k, 6)
+        picked: list[tuple[int, str | None, float, tuple[float, ...]]] = []
+        for i, name in enumerate(names):
+            if sums[i, :, 5].sum() > 0:
+                own = in_force[i] if i < len(in_force) else None
+                slope, b = (own[1], own[2]) if own is not None else (item.slope, item.intercepts)
+                picked.append((i, name, slope, b))
+        pool = strata_mod.POOL
+        if sums[pool, :, 5].sum() > 0 or not picked:
+            picked.append((pool, None, item.slope, item.intercepts))
+        # each summary counts at least one step; a round shorter than its summaries
+        # borrows from the next rounds, so the pair's steps still add up
+        owed = self.step_debt
+        steps = strata_mod.split_steps(max(item.steps - owed, 0), len(picked))
+        self.step_debt = max(owed - item.steps, 0) + sum(steps) - max(item.steps - owed, 0)
+        out: list[tuple[RoundSummary, str | None]] = []
+        for (i, stratum, slope, b), n in zip(picked, steps, strict=True):
+            s = sums[i]
+            out.append(
+                (
+                    make_summary(
+                        k,
+                        version=item.version,
+                        slope=slope,
+                        intercepts=b,
+                        info=s[:, 0:3],
+                        grad=s[:, 3:5],
+                        counts=np.rint(s[:, 5]),
+                        steps=n,
+                    ),
+                    stratum,
+                )
+            )
+        return out
 
     def _read(self, item: _Pending, kept: _Kept | None) -> tuple[torch.Tensor, Any]:
         """The round's sums and sketch on the host (in one copy), and the sketch's tensors

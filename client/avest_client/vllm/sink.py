@@ -39,7 +39,12 @@ class Sink(Protocol):
 
     def submit_summary(self, summary: RoundSummary) -> None:
         """Queue one round summary (summary mode); non-blocking. Called from the
-        shim's summary sender thread, once per round."""
+        shim's summary sender thread, once per round.
+
+        With strata (``AVEST_STRATA=1``) the shim calls ``submit_summary(summary,
+        stratum)`` for a summary of one stratum's drafts (docs/strata.md), and reads
+        ``latest_strata()`` (name -> :class:`Served`, pushed with the latest
+        coefficients; the same object until it changes) where the sink has it."""
         ...
 
     def latest_coefficients(self) -> Served | None:

@@ -49,6 +49,7 @@ class _Slot:
     meta: Any = None  # CUDA: int64 [3, R] tensor; CPU: (idx, sampled, rejected) arrays
     ready: Any = None  # CUDA: event recorded on the decode stream after the snapshot
     mask: np.ndarray | None = None  # exclusion flags by request-state index, at capture
+    strata: Any = None  # strata on: the registry's snapshot at capture (names by slot)
 
 
 class StepTransfer:
@@ -64,8 +65,11 @@ class StepTransfer:
         queue_size: int,
         exclusion: ExclusionRegistry | None = None,
         name: str = "avest-transfer",
+        strata: Any = None,
     ) -> None:
         self.sink = sink
+        #: strata on: the process's StrataRegistry (each row's stratum name is sent)
+        self.strata = strata
         self.device = torch.device(device)
         self.exclusion = exclusion
         self._cuda = self.device.type == "cuda" and torch.cuda.is_available()
@@ -121,6 +125,8 @@ class StepTransfer:
                 )
             ex = self.exclusion
             slot.mask = ex.current() if ex is not None and ex.active else None
+            st = self.strata
+            slot.strata = st.snapshot() if st is not None else None
         except BaseException:
             self.queue.give_back(slot)
             raise
@@ -148,7 +154,10 @@ class StepTransfer:
                 if rows is None:
                     continue
                 try:
-                    self.sink.submit(*rows)
+                    if rows[4] is None:
+                        self.sink.submit(*rows[:4])
+                    else:  # strata on: each row's stratum (docs/strata.md)
+                        self.sink.submit(*rows)
                     self.submitted += 1
                 except Exception:  # noqa: BLE001 - the sink's problem, never vLLM's
                     self.submit_errors += 1
@@ -157,7 +166,9 @@ class StepTransfer:
             finally:
                 q.done()  # flush() waits for this: the step is with the sink (or failed)
 
-    def _unpack(self, slot: _Slot) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    def _unpack(
+        self, slot: _Slot
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, list[str] | None]:
         if self._cuda:
             side, copied = self._side, self._copied
             assert side is not None and copied is not None and slot.pinned is not None
@@ -182,7 +193,10 @@ class StepTransfer:
             inside = (idx >= 0) & (idx < mask.shape[0])
             exclude = np.zeros(idx.shape[0], dtype=bool)
             exclude[inside] = mask[idx[inside]]
-        return features, verified, accepted, exclude
+        names = None
+        if slot.strata is not None and self.strata is not None:
+            names = self.strata.row_names(slot.strata, idx)
+        return features, verified, accepted, exclude, names
 
     # ------------------------------------------------------------ control
     def flush(self, timeout: float | None = None) -> bool:

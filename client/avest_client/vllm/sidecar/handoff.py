@@ -12,6 +12,7 @@ import threading
 from collections import deque
 from typing import Any
 
+from avest_client._stream import StratumSummary
 from avest_client.forwarder import Forwarder
 from avest_wire.summary import RoundSummary
 
@@ -58,6 +59,8 @@ class Handoff:
                 item = self._held.popleft()
                 if isinstance(item, RoundSummary):
                     fwd.submit_summary(item)
+                elif isinstance(item, StratumSummary):
+                    fwd.submit_summary(item.summary, item.stratum)
                 else:
                     fwd.submit(*item)
             self.forwarder = fwd

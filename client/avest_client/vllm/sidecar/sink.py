@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from avest_client._stream import Backoff
+from avest_client._stream import Backoff, StratumSummary
 from avest_client.client import EstimatorClient
 from avest_client.forwarder import Forwarder
 from avest_client.ledger import Stats
@@ -123,6 +123,9 @@ class SidecarSink:
         # What the step reads (written by the supervisor only).
         self._connected = False
         self._coef: Served | None = None
+        #: Each stratum's pushed set for the coefficients in ``_coef`` (same object
+        #: until they change; empty: none pushed, or for other coefficients).
+        self._strata: dict[str, Served] = {}
         self._handoff = Handoff(config.queue_size)
         self._registrar = Registrar(
             config, pair_key, self.labels, self._client, self._backoff, self._stop
@@ -147,6 +150,11 @@ class SidecarSink:
     def latest_coefficients(self) -> Served | None:
         return self._coef
 
+    def latest_strata(self) -> dict[str, Served]:
+        """Each stratum's set pushed with the coefficients :meth:`latest_coefficients`
+        holds (docs/strata.md); the same object until it changes. Do not modify it."""
+        return self._strata
+
     def latest_calibration(self) -> tuple[tuple[float, ...], tuple[float, ...], bool] | None:
         """The calibration table pushed with the stream's coefficients (None before any)."""
         fwd = self._handoff.forwarder
@@ -158,20 +166,28 @@ class SidecarSink:
         num_verified: np.ndarray,
         num_accepted: np.ndarray,
         exclude: np.ndarray | None = None,
+        strata: list[str] | None = None,
     ) -> None:
+        """``strata``: each row's stratum (docs/strata.md), None for pooled traffic."""
         if self._closed or self._forked:
             return
-        fwd = self._handoff.offer((features, num_verified, num_accepted, exclude))
+        fwd = self._handoff.offer((features, num_verified, num_accepted, exclude, strata))
         if fwd is not None:
-            fwd.submit(features, num_verified, num_accepted, exclude)
+            fwd.submit(features, num_verified, num_accepted, exclude, strata)
 
-    def submit_summary(self, summary: RoundSummary) -> None:
-        """Queue one round summary (summary mode); non-blocking, like :meth:`submit`."""
+    def submit_summary(self, summary: RoundSummary, stratum: str | None = None) -> None:
+        """Queue one round summary (summary mode; ``stratum``: the stratum whose drafts
+        it sums, None for the worker's pooled round); non-blocking, like :meth:`submit`."""
         if self._closed or self._forked:
             return
-        fwd = self._handoff.offer(summary)
+        if stratum is None:
+            fwd = self._handoff.offer(summary)
+            if fwd is not None:
+                fwd.submit_summary(summary)
+            return
+        fwd = self._handoff.offer(StratumSummary(summary, stratum))
         if fwd is not None:
-            fwd.submit_summary(summary)
+            fwd.submit_summary(summary, stratum)
 
     def close(self, timeout: float | None = None) -> None:
         """Send what is queued and wait for its acknowledgements, for at most ``timeout`` s.
@@ -233,9 +249,30 @@ class SidecarSink:
             return
         serves = self._health.serves(fwd, fwd.stats, time.monotonic())
         best = reg.serve(fwd.latest_coefficients())
-        if best != self._coef:
-            self._coef = best
+        # the strata first: a step that sees new coefficients sees their strata too
+        strata = self._strata_for(fwd, best)
+        if strata is not None:  # None: a push half read; both values next tick
+            if strata != self._strata:
+                self._strata = strata
+            if best != self._coef:
+                self._coef = best
         self._connected = serves and reg.registrations > 0
+
+    @staticmethod
+    def _strata_for(fwd: Forwarder, best: Served | None) -> dict[str, Served] | None:
+        """The strata pushed with ``best``: none when it is not the pushed coefficients
+        (the registration's warm start, a poll after a restart); None while the stream's
+        latest push is half stored (its strata still an older push's)."""
+        if best is None:
+            return {}
+        reader = getattr(fwd, "latest_strata", None)
+        pushed: dict[str, Served] = reader() if reader is not None else {}
+        latest = fwd.latest_coefficients()
+        if latest is None:
+            return {}
+        if any(s.version != latest.version for s in pushed.values()):
+            return None
+        return pushed if latest.version == best.version else {}
 
     def _register(self, now: float) -> None:
         fwd = self._handoff.forwarder
