@@ -1,0 +1,225 @@
+"""A unary call next to saturated streams, three server shapes. A minimal
+reproduction, no avest code (bench/RESULTS.md, issue 29).
+
+The server (a subprocess) serves a bidirectional stream whose handler spends
+``--work-us`` of CPU on each message (a stand-in for checks and fold) and acks it,
+and a unary call that answers at once, as:
+
+- ``aio``: grpc.aio, the work on the event loop (avest's shape: the stream
+  handlers check, the pair's owner task folds, all on the loop);
+- ``aio-thread``: grpc.aio, the work on one thread of its own, the loop doing
+  I/O only (each stream waits for its message's work before it reads the next);
+- ``sync``: grpcio's synchronous server, a thread per call.
+
+``--streams`` client streams send flat out (at most ``--window`` unacknowledged
+each) from ``--procs`` processes, opening at once; after ``--settle`` seconds one
+client calls the unary every 50 ms on a connection opened before the load.
+Printed as JSON, one line per shape: the unary's latency p50 / p99, the streams'
+acked messages per second, how long the streams waited for their first ack (how
+fast the server takes new calls), and (aio) the loop's lag, a ``sleep(0.01)``
+measured against the clock. A stream that fails fails the run.
+
+    python bench/loop_latency.py [--streams 300] [--work-us 300] [--seconds 40] [--settle 28]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import statistics
+import time
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+
+def _burn(us: float) -> None:
+    end = time.perf_counter() + us / 1e6
+    while time.perf_counter() < end:
+        pass
+
+
+def _serve_aio(ports: Any, work_us: float, lags: Any, offload: bool = False) -> None:
+    async def main() -> None:
+        worker = futures.ThreadPoolExecutor(1)
+        loop = asyncio.get_running_loop()
+
+        async def stream(requests: Any, context: Any) -> Any:
+            async for _ in requests:
+                if offload:  # the work on a thread of its own, the loop free for I/O
+                    await loop.run_in_executor(worker, _burn, work_us)
+                else:
+                    _burn(work_us)
+                yield b"a" * 40
+
+        async def unary(request: bytes, context: Any) -> bytes:
+            return b"r" * 40
+
+        async def lag() -> None:
+            loop = asyncio.get_running_loop()
+            while True:
+                t = loop.time()
+                await asyncio.sleep(0.01)
+                lags.put(loop.time() - t - 0.01)
+
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server.add_generic_rpc_handlers((_handlers(stream, unary),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        task = asyncio.create_task(lag())
+        ports.put(port)
+        await server.wait_for_termination()
+        task.cancel()
+
+    asyncio.run(main())
+
+
+def _serve_sync(ports: Any, work_us: float, lags: Any, threads: int) -> None:
+    def stream(requests: Any, context: Any) -> Any:
+        for _ in requests:
+            _burn(work_us)
+            yield b"a" * 40
+
+    def unary(request: bytes, context: Any) -> bytes:
+        return b"r" * 40
+
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=threads),
+        options=[("grpc.so_reuseport", 0)],
+        maximum_concurrent_rpcs=threads,
+    )
+    server.add_generic_rpc_handlers((_handlers(stream, unary),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    ports.put(port)
+    server.wait_for_termination()
+
+
+def _handlers(stream: Any, unary: Any) -> Any:
+    return grpc.method_handlers_generic_handler(
+        "floor.Floor",
+        {
+            "Stream": grpc.stream_stream_rpc_method_handler(stream),
+            "Unary": grpc.unary_unary_rpc_method_handler(unary),
+        },
+    )
+
+
+def _clients(port: int, streams: int, window: int, seconds: float, acked: Any) -> None:
+    async def one(channel: grpc.aio.Channel, stop: float) -> tuple[int, float]:
+        start = time.perf_counter()
+        call = channel.stream_stream("/floor.Floor/Stream")()
+        sent = got = 0
+        first = float("nan")
+        while time.perf_counter() < stop:
+            while sent - got < window:
+                await call.write(b"m" * 6900)
+                sent += 1
+            await call.read()
+            if got == 0:
+                first = time.perf_counter() - start
+            got += 1
+        call.cancel()
+        return got, first
+
+    async def main() -> None:
+        stop = time.perf_counter() + seconds
+        channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}") for _ in range(8)]
+        counts = await asyncio.gather(
+            *(one(channels[i % 8], stop) for i in range(streams)), return_exceptions=True
+        )
+        errors = [repr(c) for c in counts if not isinstance(c, tuple)]
+        done = [c for c in counts if isinstance(c, tuple)]
+        acked.put((sum(c[0] for c in done), [c[1] for c in done], errors))
+        for c in channels:
+            await c.close()
+
+    asyncio.run(main())
+
+
+def run(
+    kind: str, streams: int, work_us: float, seconds: float, procs: int, window: int,
+    settle: float,
+) -> dict:  # fmt: skip
+    ctx = mp.get_context("spawn")
+    ports, lags, acked = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    if kind in ("aio", "aio-thread"):
+        args = (ports, work_us, lags, kind == "aio-thread")
+        server = ctx.Process(target=_serve_aio, args=args, daemon=True)
+    else:
+        args = (ports, work_us, lags, streams + 16)
+        server = ctx.Process(target=_serve_sync, args=args, daemon=True)
+    server.start()
+    port = ports.get(timeout=30)
+    # the probe's connection opens before the load (opening one under it is another
+    # question): every call below is a call on an open connection
+    unary = grpc.insecure_channel(f"127.0.0.1:{port}").unary_unary("/floor.Floor/Unary")
+    unary(b"q", timeout=30)
+    clients = [
+        ctx.Process(
+            target=_clients, args=(port, streams // procs, window, seconds, acked), daemon=True
+        )
+        for _ in range(procs)
+    ]
+    for c in clients:
+        c.start()
+    time.sleep(settle)  # the streams open and fill
+    samples = []
+    end = time.perf_counter() + seconds - settle - 1.0
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        unary(b"q", timeout=60)
+        samples.append(time.perf_counter() - t)
+        time.sleep(max(0.0, 0.05 - (time.perf_counter() - t)))
+    total, firsts = 0, []
+    for _ in clients:
+        got, first, errors = acked.get(timeout=120)
+        firsts += first
+        if errors:  # a benchmark of streams that failed times nothing: say so
+            server.kill()
+            raise SystemExit(f"{len(errors)} streams failed, the first: {errors[0]}")
+        total += got
+    loop_lags = []
+    while not lags.empty():
+        loop_lags.append(lags.get())
+    server.kill()
+    samples.sort()
+    out = {
+        "server": kind,
+        "streams": streams,
+        "work_us": work_us,
+        "unary_calls": len(samples),
+        "unary_p50_ms": round(1e3 * statistics.median(samples), 1),
+        "unary_p99_ms": round(1e3 * samples[int(0.99 * (len(samples) - 1))], 1),
+        "acked_per_s": round(total / seconds),
+        # from a stream's call to its first ack: how fast the server takes new calls
+        "stream_first_ack_p50_s": round(statistics.median(firsts), 2),
+        "stream_first_ack_max_s": round(max(firsts), 2),
+    }
+    if loop_lags:
+        loop_lags.sort()
+        out["loop_lag_p50_ms"] = round(1e3 * statistics.median(loop_lags), 1)
+        out["loop_lag_p99_ms"] = round(1e3 * loop_lags[int(0.99 * (len(loop_lags) - 1))], 1)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--streams", type=int, default=300)
+    p.add_argument("--work-us", type=float, default=300.0)
+    p.add_argument("--seconds", type=float, default=40.0)
+    p.add_argument("--procs", type=int, default=2)
+    p.add_argument("--window", type=int, default=4)
+    p.add_argument("--settle", type=float, default=28.0, help="s before the first probe")
+    p.add_argument("--server", choices=["aio", "aio-thread", "sync", "all"], default="all")
+    a = p.parse_args(argv)
+    kinds = ["aio", "aio-thread", "sync"] if a.server == "all" else [a.server]
+    for kind in kinds:
+        print(json.dumps(run(kind, a.streams, a.work_us, a.seconds, a.procs, a.window, a.settle)))
+
+
+if __name__ == "__main__":
+    main()
