@@ -103,12 +103,14 @@ def bench_shim_steps(batch: int, k: int, steps: int, rounds: int) -> dict[str, d
     # and more than a round: no round holds one tensor twice, even across blocks
     inputs = torch_steps(batch, k, max(128, steps // rounds), seed=1)
     out = {}
-    for name, mode, sketch in (
-        ("raw", "raw", True),
-        ("summary + sketch", "summary", True),
-        ("summary, no sketch", "summary", False),
+    for name, mode, sketch, strata in (
+        ("raw", "raw", True, 0),
+        ("summary + sketch", "summary", True, 0),
+        ("summary, no sketch", "summary", False, 0),
+        # AVEST_STRATA=1 (strata carry no sketch yet): against the line above
+        ("summary, 4 strata", "summary", False, 4),
     ):
-        est, sink = summary_shim(mode, batch, k, sketch)
+        est, sink = summary_shim(mode, batch, k, sketch, strata=strata)
         plain = StandinAcceptanceEstimator(batch, k, CPU)
         rt = est._avest
         try:
@@ -130,7 +132,12 @@ def bench_shim_steps(batch: int, k: int, steps: int, rounds: int) -> dict[str, d
             "added_median_us": float(np.median(shim_t)) - base,
             "summaries": float(len(sink.summaries)),
             "sketches": float(sum(s.sketch is not None for s in sink.summaries)),
+            "strata": float(len(set(sink.strata) - {None})),
         }
+        if strata and out[name]["strata"] < strata:
+            raise SystemExit(
+                f"bench: {name!r}: summaries named {out[name]['strata']:.0f} strata, not {strata}"
+            )
     return out
 
 

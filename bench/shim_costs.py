@@ -43,6 +43,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -101,22 +102,42 @@ class SummarySink(BenchSink):
     def __init__(self, k: int) -> None:
         super().__init__(True, k=k)
         self.summaries: list[Any] = []
+        #: Each summary's stratum (None: the pair's, without strata).
+        self.strata: list[str | None] = []
 
-    def submit_summary(self, summary: Any) -> None:
+    def submit_summary(self, summary: Any, stratum: str | None = None) -> None:
         self.summaries.append(summary)
+        self.strata.append(stratum)
 
 
 def summary_shim(
-    mode: str, batch: int, k: int, sketch: bool = True, base: type = StandinAcceptanceEstimator
+    mode: str,
+    batch: int,
+    k: int,
+    sketch: bool = True,
+    base: type = StandinAcceptanceEstimator,
+    strata: int = 0,
 ) -> tuple[Any, SummarySink]:
+    """The shim over ``base`` with an in-memory sink; ``strata`` > 0: strata on, the
+    batch's slots admitted at that many temperatures (greedy, 0.3, 0.7, 1.2 under the
+    default edges 0.5 and 1), round-robin."""
     sink = SummarySink(k)
+    config = ShimConfig(address="bench", queue_size=64, mode=mode, sketch=sketch, strata=strata > 0)
     cls = make_sidecar_estimator(
         base,
         lambda config, pair: sink,
-        config=ShimConfig(address="bench", queue_size=64, mode=mode, sketch=sketch),
+        config=config,
         pair_resolver=lambda kk: PairKey("bench-target", "bench-draft", "draft_model", kk),
     )
-    return cls(batch, k, CPU), sink
+    est = cls(batch, k, CPU)
+    if strata:
+        from avest_client.vllm import strata as strata_mod
+
+        temperatures = (0.0, 0.3, 0.7, 1.2)[:strata]
+        for slot in range(batch):
+            t = temperatures[slot % len(temperatures)]
+            strata_mod.REGISTRY.record(slot, SimpleNamespace(temperature=t))
+    return est, sink
 
 
 def fresh_steps(batch: int, k: int, n: int, seed: int = 0) -> Steps:
