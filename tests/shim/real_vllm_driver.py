@@ -196,6 +196,17 @@ def main() -> int:
     table_checks: list[dict] = []
     t_ready = time.monotonic()
 
+    strata_on = os.environ.get("AVEST_STRATA") == "1"
+    if strata_on:
+        # A mixed batch: what vLLM's Sampler.add_request (the hook the plugin wraps)
+        # records as each request is admitted, half greedy and half at T = 0.8.
+        from avest_client.vllm import strata as strata_mod
+
+        check(rt.strata is not None, "strata built (AVEST_STRATA=1)")
+        for slot in range(reqs):
+            t = 0.0 if slot % 2 == 0 else 0.8
+            strata_mod.REGISTRY.record(slot, SimpleNamespace(temperature=t))
+
     rng = np.random.default_rng(11)
     gen = torch.Generator().manual_seed(11)
     rows: dict[str, list[np.ndarray]] = {
@@ -209,9 +220,10 @@ def main() -> int:
         for pos in range(k):
             logits = torch.randn(len(live), VOCAB, generator=gen) * float(rng.uniform(1, 6))
             spec._maybe_predict_acceptance(logits, idx, torch.tensor(pos, dtype=torch.int64))
-        table_checks.append(
-            table_check(est, idx, spec.draft_token_confidence_probs[: len(live)].clone())
-        )
+        if not strata_on:  # with strata served, confidences are each stratum's
+            table_checks.append(
+                table_check(est, idx, spec.draft_token_confidence_probs[: len(live)].clone())
+            )
         # the target's verdicts, drawn from the predictions; a random verification depth
         p = est.predictions[idx].numpy()
         depth = rng.integers(1, k + 1, size=len(live))
@@ -249,6 +261,9 @@ def main() -> int:
         rt.apply(est, update)
     stats = est.avest_stats()
     np.savez(out / "steps.npz", **{n: np.concatenate(v) for n, v in rows.items()})
+    if strata_on:  # the sets in force at the end, and every slot's last predictions
+        assert rt.strata is not None
+        stats["strata_in_force"] = [None if s is None else s[0] for s in rt.strata.in_force]
     result = {
         "mode": mode,
         "shim_class": type(est).__name__,

@@ -40,6 +40,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -267,3 +268,24 @@ def test_the_served_calibration_table_inside_vllms_real_predict(python, start_si
     ops = got["table_ops"]
     assert ops["calls"] == TABLE_STEPS * K
     assert ops["host_syncs"] == [] and ops["max_sequences_per_size"] == 1, ops
+
+
+def test_a_mixed_batch_with_strata_on_vllms_real_classes(python, start_sidecar, tmp_path):
+    """AVEST_STRATA=1 in summary mode, half the requests greedy and half at T = 0.8: the
+    sidecar receives one round summary per stratum, fits both and pushes their sets
+    back; the strata's drafts add up to the pair's (every slot has a stratum)."""
+    live = start_sidecar(tmp_path / "live", refit_interval=SIDECAR_REFIT, default_rule="vllm")
+    got = drive(python, live.grpc_address, "summary", tmp_path, AVEST_STRATA="1")
+    st = got["stats"]
+    assert st["governed"] and got["local_refits"] == 0
+    assert sorted(st["strata"]["names"]) == ["greedy", "t0.5-1"]
+    strata = httpx.get(f"{live.http_url}/v1/pairs/{got['pair_id']}/strata", timeout=10).json()
+    by_name = {s["stratum"]: s for s in strata["strata"]}
+    assert set(by_name) == {"greedy", "t0.5-1"}
+    assert all(s["drafts"] > 0 and s["rounds"] >= 1 for s in by_name.values())
+    with EstimatorClient(live.grpc_address) as client:
+        pair = client.pair(got["pair_id"])
+    assert sum(s["drafts"] for s in by_name.values()) == pair.drafts_observed
+    assert strata["fallback_rows"] == 0
+    # the sidecar's sets came back and govern predict at the end
+    assert sorted(n for n in st["strata_in_force"] if n) == ["greedy", "t0.5-1"]
