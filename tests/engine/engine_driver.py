@@ -5,7 +5,7 @@
 ``CONFIG_JSON`` holds ``speculate`` (draft-model speculation with ``k``
 drafts), ``adaptive`` (adaptive verification), ``batches`` (how many prompts
 each ``generate`` call takes, in order), ``tokens`` (per prompt),
-``temperature`` and ``eager`` (no CUDA graphs; default true, as on a CPU). The engine follows vLLM's own environment
+``temperature`` (or ``temperatures``, one per prompt) and ``eager`` (no CUDA graphs; default true, as on a CPU). The engine follows vLLM's own environment
 (``VLLM_ENABLE_V1_MULTIPROCESSING``, ``VLLM_USE_V2_MODEL_RUNNER``, ...), and
 avest's plugin its own (``AVEST_ADDRESS``, ``AVEST_MODE``, ...).
 
@@ -71,14 +71,24 @@ def main(models: Path, out: Path, config: dict) -> None:
         max_num_seqs=8, kv_cache_memory_bytes=64 << 20, seed=0,
         enforce_eager=config.get("eager", True), **kwargs,
     )  # fmt: skip
-    params = SamplingParams(
-        temperature=config["temperature"], max_tokens=config["tokens"], ignore_eos=True, seed=0
-    )
+
+    def sampling(temperature: float, seed: int) -> SamplingParams:
+        return SamplingParams(
+            temperature=temperature, max_tokens=config["tokens"], ignore_eos=True, seed=seed
+        )
+
+    # one temperature for every prompt, or (``temperatures``) one per prompt, in order
+    per_prompt = config.get("temperatures")
     tokens: list[list[int]] = []
     first = 0
     for i, size in enumerate(config["batches"]):
         if i and config.get("pause"):
             wait_for_resume(out, i)
+        params = (
+            [sampling(t, first + j) for j, t in enumerate(per_prompt[first : first + size])]
+            if per_prompt
+            else sampling(config["temperature"], 0)
+        )
         results = llm.generate(prompts[first : first + size], params, use_tqdm=False)
         tokens += [list(r.outputs[0].token_ids) for r in results]
         first += size

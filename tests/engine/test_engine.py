@@ -175,10 +175,12 @@ def engine_env(out: Path, *, avest: str | None, mode: str = "summary", subproces
 
 def start_engine(python: Path, models: Path, out: Path, env: dict[str, str], *,
                  speculate: bool = True, batches: tuple[int, ...] = (PROMPTS,),
-                 pause: bool = False) -> subprocess.Popen[str]:  # fmt: skip
+                 pause: bool = False,
+                 temperatures: list[float] | None = None) -> subprocess.Popen[str]:  # fmt: skip
     config = {
         "speculate": speculate, "adaptive": True, "k": K, "batches": list(batches),
         "tokens": TOKENS, "temperature": 0.0, "pause": pause, "eager": DEVICE == "cpu",
+        "temperatures": temperatures,
     }  # fmt: skip
     log = open(out / "engine.log", "w")  # noqa: SIM115 - closed by finish()
     return subprocess.Popen(
@@ -530,3 +532,28 @@ def test_draft_length_by_batch_size(python: Path, models: Path, runs: Runs, tmp_
     assert not off, (off, list(zip(scheduled, per_step, strict=True)))
     # ... and the check is not empty: steps at length 0 ran well after the switch
     assert sum(lengths[i] == 0 and i not in after_drafting for i in range(len(lengths))) >= 3
+
+
+def test_a_mixed_batch_with_strata(python: Path, models: Path, runs: Runs, tmp_path: Path) -> None:
+    """``AVEST_STRATA=1`` in summary mode, half the prompts greedy and half at T = 0.8 in one
+    batch: the greedy ones give the tokens of the engine without speculation, and the
+    sidecar gets one round summary per stratum, whose drafts add up to the pair's."""
+    service = serve(tmp_path / "sidecar")
+    out = tmp_path / "strata"
+    out.mkdir()
+    temperatures = [0.0 if i % 2 == 0 else 0.8 for i in range(PROMPTS)]
+    try:
+        env = engine_env(out, avest=service.grpc_address, subprocess_core=False,
+                         AVEST_STRATA="1", AVEST_ROUND_STEPS=str(REFIT))  # fmt: skip
+        run = finish(start_engine(python, models, out, env, temperatures=temperatures), out)
+        pair = the_pair(service)
+        strata = get(service, f"/v1/pairs/{pair['id']}/strata")
+    finally:
+        stop_process(service.proc)
+    greedy = [i for i, t in enumerate(temperatures) if t == 0.0]
+    assert [run.tokens[i] for i in greedy] == [runs.plain.tokens[i] for i in greedy]
+    by_name = {s["stratum"]: s for s in strata["strata"]}
+    assert set(by_name) == {"greedy", "t0.5-1"}, strata
+    assert all(s["drafts"] > 0 for s in by_name.values())
+    assert sum(s["drafts"] for s in by_name.values()) == pair["observed_drafts"]
+    assert strata["fallback_rows"] == 0
