@@ -107,8 +107,9 @@ def bench_shim_steps(batch: int, k: int, steps: int, rounds: int) -> dict[str, d
         ("raw", "raw", True, 0),
         ("summary + sketch", "summary", True, 0),
         ("summary, no sketch", "summary", False, 0),
-        # AVEST_STRATA=1 (strata carry no sketch yet): against the line above
-        ("summary, 4 strata", "summary", False, 4),
+        # AVEST_STRATA=1: each against its line above without strata
+        ("summary + sketch, 4 strata", "summary", True, 4),
+        ("summary, no sketch, 4 strata", "summary", False, 4),
     ):
         est, sink = summary_shim(mode, batch, k, sketch, strata=strata)
         plain = StandinAcceptanceEstimator(batch, k, CPU)

@@ -20,7 +20,10 @@ Used by ``bench/bench_summary.py`` (its shim section).
   (steps kept by reference, the default), the same forced to copy the
   per-step vectors (the fallback for reused buffers: the per-step work of
   the previous version plus building three views), without the sketch,
-  and raw mode.
+  raw mode, and summary mode with the sketch and strata (``AVEST_STRATA=1``,
+  the batch admitted at four temperatures, one per default stratum: the
+  rounds summed per stratum by the sender, each stratum's summary with its
+  sketch).
 * :func:`compare_trees`: both, before and after, alternating processes on an
   earlier checkout's code and this tree's.
 * :func:`bench_record`: ``SummaryRound.record`` alone in blocks of one
@@ -129,10 +132,13 @@ def summary_shim(
         config=config,
         pair_resolver=lambda kk: PairKey("bench-target", "bench-draft", "draft_model", kk),
     )
-    est = cls(batch, k, CPU)
     if strata:
         from avest_client.vllm import strata as strata_mod
 
+        # a registry of this shim's own (the process's is one per worker)
+        strata_mod.REGISTRY = strata_mod.StrataRegistry()
+    est = cls(batch, k, CPU)
+    if strata:
         temperatures = (0.0, 0.3, 0.7, 1.2)[:strata]
         for slot in range(batch):
             t = temperatures[slot % len(temperatures)]
@@ -160,7 +166,13 @@ def fresh_steps(batch: int, k: int, n: int, seed: int = 0) -> Steps:
 
 
 def check_summaries(
-    name: str, sink: SummarySink, rounds: Any, *, sketch: bool, copies: bool = False
+    name: str,
+    sink: SummarySink,
+    rounds: Any,
+    *,
+    sketch: bool,
+    copies: bool = False,
+    strata: int = 0,
 ) -> None:
     """Raise :class:`SystemExit` unless the summary path ``name`` timed worked, by count:
     no round summary refused on the host, at least one reached ``sink``, each covers
@@ -168,7 +180,9 @@ def check_summaries(
     least half the rounds: the rest may have been skipped because the sender fell
     behind, which ``sketches_skipped`` counts) and with none where none is; the steps
     kept by reference unless ``copies`` (a driver that hands a round one tensor twice
-    switches the shim to copying: the variant would time the fallback)."""
+    switches the shim to copying: the variant would time the fallback); with ``strata``,
+    summaries that name that many strata and no round sent pooled (not summed per
+    stratum)."""
     got = sink.summaries
     problems = []
     refused = int(getattr(rounds, "send_errors", 0))
@@ -195,6 +209,13 @@ def check_summaries(
             if copy_mode
             else "the steps were kept by reference, not copied"
         )
+    if strata:
+        named = len(set(sink.strata) - {None})
+        if named < strata:
+            problems.append(f"summaries named {named} strata, not {strata}")
+        pooled = int(getattr(rounds, "strata_rounds_pooled", 0))
+        if pooled:
+            problems.append(f"{pooled} rounds sent pooled, not summed per stratum")
     if problems:
         raise SystemExit(f"bench: {name!r} timed a path that failed: " + "; ".join(problems))
 
@@ -239,12 +260,13 @@ def _timed_phase(est: Any, plain: Any, steps: Steps, n: int, blocks: int, gap_s:
     return times
 
 
-#: bench_overhead's variants: ``(name, mode, sketch, forced copies)``.
+#: bench_overhead's variants: ``(name, mode, sketch, forced copies, strata)``.
 OVERHEAD_VARIANTS = (
-    ("summary + sketch (by reference)", "summary", True, False),
-    ("summary + sketch (copies)", "summary", True, True),
-    ("summary, no sketch", "summary", False, False),
-    ("raw", "raw", True, False),
+    ("summary + sketch (by reference)", "summary", True, False, 0),
+    ("summary + sketch (copies)", "summary", True, True, 0),
+    ("summary, no sketch", "summary", False, False, 0),
+    ("raw", "raw", True, False, 0),
+    ("summary + sketch, 4 strata", "summary", True, False, 4),
 )
 
 
@@ -255,14 +277,14 @@ def bench_overhead(
     blocks: int = 10,
     gap_s: float = 0.0005,
     base: type[NullEstimator] = NullEstimator,
-    variants: tuple[tuple[str, str, bool, bool], ...] = OVERHEAD_VARIANTS,
+    variants: tuple[tuple[str, str, bool, bool, int], ...] = OVERHEAD_VARIANTS,
 ) -> dict[str, dict[str, float]]:
     """The shim's own work per step, each variant around ``base``; raises SystemExit
     (:func:`check_summaries`, :func:`check_raw`) if a variant's path failed."""
     steps = fresh_steps(batch, k, 256, seed=5)
     out: dict[str, dict[str, float]] = {}
-    for name, mode, sketch, copy in variants:
-        est, sink = summary_shim(mode, batch, k, sketch, base=base)
+    for name, mode, sketch, copy, strata in variants:
+        est, sink = summary_shim(mode, batch, k, sketch, base=base, strata=strata)
         rounds = est._avest.rounds
         if copy:
             rounds.copy_mode = True
@@ -276,7 +298,7 @@ def bench_overhead(
         finally:
             est.avest_close()
         if rounds is not None:
-            check_summaries(name, sink, rounds, sketch=sketch, copies=copy)
+            check_summaries(name, sink, rounds, sketch=sketch, copies=copy, strata=strata)
         else:
             check_raw(name, est, sink)
         base_us = statistics.median(plain_t)

@@ -537,7 +537,8 @@ def test_draft_length_by_batch_size(python: Path, models: Path, runs: Runs, tmp_
 def test_a_mixed_batch_with_strata(python: Path, models: Path, runs: Runs, tmp_path: Path) -> None:
     """``AVEST_STRATA=1`` in summary mode, half the prompts greedy and half at T = 0.8 in one
     batch: the greedy ones give the tokens of the engine without speculation, and the
-    sidecar gets one round summary per stratum, whose drafts add up to the pair's."""
+    sidecar gets one round summary per stratum, whose drafts add up to the pair's, each
+    with its sketch."""
     service = serve(tmp_path / "sidecar")
     out = tmp_path / "strata"
     out.mkdir()
@@ -557,3 +558,5 @@ def test_a_mixed_batch_with_strata(python: Path, models: Path, runs: Runs, tmp_p
     assert all(s["drafts"] > 0 for s in by_name.values())
     assert sum(s["drafts"] for s in by_name.values()) == pair["observed_drafts"]
     assert strata["fallback_rows"] == 0
+    # each stratum's summaries carried its sketch: its calibration counts its drafts
+    assert all(s["calibration"]["count"] == s["drafts"] for s in by_name.values()), strata

@@ -7,14 +7,36 @@ token of the test servers (``SetCostCurves`` is an admin action).
 from __future__ import annotations
 
 import sys
+import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from avest_client.vllm import contract, costs, exclusion
+from avest_client.vllm import sketch as sketches
 from tests.support.server import ADMIN_TOKEN, ServerHandle
 from tests.support.standin import StandinAcceptanceEstimator
+
+
+@pytest.fixture
+def held_sender(
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """``(entered, release)``: the rounds' sender holds in its first ``sketch.build``
+    (a round's sketch, or its per-stratum sums) once ``entered`` is set, until the test
+    sets ``release`` (set at teardown in any case)."""
+    build, entered, release = sketches.build, threading.Event(), threading.Event()
+
+    def held_once(*args: object, **kwargs: object) -> object:
+        if not entered.is_set():
+            entered.set()
+            assert release.wait(30), "the test never released the sender"
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(sketches, "build", held_once)
+    yield entered, release
+    release.set()
 
 
 @pytest.fixture(autouse=True)

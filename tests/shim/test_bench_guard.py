@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from avest_client.vllm import strata as strata_mod
 from avest_wire.messages import summary_from_pb, summary_to_pb
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
@@ -38,11 +39,13 @@ def received(shim_costs: ModuleType, monkeypatch: pytest.MonkeyPatch) -> list[An
     got: list[Any] = []
     keep = shim_costs.SummarySink.submit_summary
 
-    def submit_summary(self: Any, summary: Any) -> None:
+    def submit_summary(self: Any, summary: Any, stratum: str | None = None) -> None:
         got.append(summary)
-        keep(self, summary)
+        keep(self, summary, stratum)
 
     monkeypatch.setattr(shim_costs.SummarySink, "submit_summary", submit_summary)
+    # the strata variant gives its shim a registry of its own: the process's is restored
+    monkeypatch.setattr(strata_mod, "REGISTRY", strata_mod.REGISTRY)
     return got
 
 
@@ -62,6 +65,10 @@ def test_summaries_with_sketches_are_built_and_accepted(
     plain = res["summary, no sketch"]
     assert plain["summaries"] >= 2 and plain["sketches"] == 0 and plain["drafts"] > 0
     assert res["raw"]["raw_steps"] > 0
+    # four strata: one summary per stratum per round (each with its sketch unless the
+    # sender fell behind: the check fails the benchmark on a round sent pooled)
+    strata = res["summary + sketch, 4 strata"]
+    assert strata["summaries"] >= 8 and strata["sketches"] > 0 and strata["drafts"] > 0
 
     record = shim_costs.bench_record(TINY["batch"], TINY["k"], blocks=3)
     assert record["summaries"] == record["sketches"] == 6
@@ -129,3 +136,15 @@ def test_a_sink_that_receives_nothing_fails_the_benchmark(
     monkeypatch.setattr(shim_costs.SummarySink, "submit_summary", lambda self, summary: None)
     with pytest.raises(SystemExit, match="the sink received no round summary"):
         shim_costs.bench_overhead(**TINY)
+
+
+def test_strata_that_never_reach_the_summaries_fail_the_benchmark(
+    shim_costs: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Admissions that never reach the registry: every row is the pair's pooled
+    traffic, and the strata variant would time one coefficient set."""
+    monkeypatch.setattr(strata_mod, "REGISTRY", strata_mod.REGISTRY)
+    monkeypatch.setattr(strata_mod.StrataRegistry, "record", lambda *a, **kw: None)
+    (variant,) = [v for v in shim_costs.OVERHEAD_VARIANTS if v[4]]
+    with pytest.raises(SystemExit, match=r"'summary \+ sketch, 4 strata'.* named 0 strata"):
+        shim_costs.bench_overhead(**TINY, variants=(variant,))

@@ -7,17 +7,20 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import httpx
 import numpy as np
 import pytest
 import torch
 
 from avest_client import EstimatorClient
+from avest_client.summary import RoundAccumulator
 from avest_client.types import Served
 from avest_client.vllm import strata
 from avest_client.vllm.config import ConfigError, ShimConfig
 from avest_client.vllm.estimator import make_sidecar_estimator
 from avest_client.vllm.exclusion import ExclusionRegistry, install_sampler_hook
 from avest_client.vllm.sidecar.sink import SidecarSink
+from avest_wire.bins import AUC_SLOTS
 from avest_wire.pair import PairKey
 from tests.support.sidecar import FAST, sink_of, wait_until
 from tests.support.standin import StandinAcceptanceEstimator
@@ -51,6 +54,15 @@ def shim(sink: FakeSink, **cfg):  # noqa: ANN003, ANN201
     config = ShimConfig(**{"strata": True, "round_steps": 10, **cfg})
     cls = make_sidecar_estimator(StandinAcceptanceEstimator, FakeSinkFactory(sink), config=config)
     return cls(MAX_REQS, K, CPU)
+
+
+def pooled_mixed_shim(registry: strata.StrataRegistry, **cfg):  # noqa: ANN003, ANN201
+    """The shim on a sink that pushed the pair's set, the mixed batch admitted."""
+    sink = FakeSink()
+    sink.push(*POOLED)
+    est = shim(sink, **cfg)
+    admit_mixed(registry)
+    return est, sink
 
 
 def logits_for(x: torch.Tensor) -> torch.Tensor:
@@ -92,7 +104,7 @@ def run(est, steps, confs: list | None = None) -> None:  # noqa: ANN001
         conf = propose(est, x)
         if confs is not None:
             confs.append(conf)
-        est.step(SLOTS, sampled, rejected)
+        est.step(SLOTS.clone(), sampled, rejected)  # fresh, as vLLM's: kept by reference
         rounds = est._avest.rounds if est._avest is not None else None
         if rounds is not None:
             assert rounds.flush(10)
@@ -141,6 +153,161 @@ def test_a_mixed_batch_sends_one_summary_per_stratum_adding_up_to_what_was_grade
     plain.avest_close()
 
 
+def _dense(sketch) -> tuple[np.ndarray, ...]:  # noqa: ANN001
+    hist = np.zeros(K * 2 * AUC_SLOTS)
+    hist[sketch.cells] = sketch.counts
+    return hist, sketch.ece, sketch.psum, sketch.nll
+
+
+def test_each_strata_summary_sums_and_sketches_its_own_rows_at_its_own_set(registry):
+    """Every stratum's summary carries a sketch whose drafts are its counts; summed over
+    the run, each stratum's sums and sketches are the host reference over that
+    stratum's rows, scored at the set they were predicted with (greedy's own once
+    pushed, the pair's otherwise), with slots readmitted into another stratum
+    mid-round, excluded rows in none and rows of no stratum in the pooled summary's."""
+    sink = FakeSink()
+    sink.push(*POOLED)
+    est = shim(sink)
+    rt = est._avest
+    admit_mixed(registry, excluded=(0, 1))
+    for slot in range(12, 16):  # past the bound: the pair's pooled rows
+        registry.slots[slot] = strata.POOL
+        rt.strata.slot[slot] = strata.POOL
+    steps = make_steps(47, seed=7)
+    refs: dict[str | None, RoundAccumulator] = {}
+    for t, (x, sampled, rejected) in enumerate(steps):
+        if t == 6:
+            sink.strata = {"greedy": GREEDY_SET}
+        if t == 23:  # slot 7 readmitted at T = 0.8, slot 9 greedy, in the middle of a round
+            registry.record(7, SimpleNamespace(temperature=0.8))
+            registry.record(9, SimpleNamespace(temperature=0.0))
+        recorded = rt.rounds.version is not None
+        index = rt.strata.slot[:16].numpy().copy()
+        in_force = list(rt.strata.in_force)
+        propose(est, x)
+        est.step(SLOTS.clone(), sampled, rejected)  # fresh, as vLLM's: kept by reference
+        assert rt.rounds.flush(10)  # the sender never holds both sets: no sketch skipped
+        if not recorded:
+            continue
+        verified = sampled.numpy() - 1 + rejected.numpy()
+        for i in set(index.tolist()) - {strata.EXCLUDED}:
+            name = None if i == strata.POOL else registry.names[i]
+            own = None if i == strata.POOL else in_force[i]
+            slope, b = (own[1], own[2]) if own is not None else (POOLED[1], POOLED[2])
+            acc = refs.setdefault(name, RoundAccumulator(K))
+            acc.add(x.numpy(), verified, sampled.numpy() - 1,
+                    float(np.float32(slope)), np.asarray(b, dtype=np.float32).astype(np.float64),
+                    exclude=index != i)  # fmt: skip
+    assert rt.rounds.flush(10)
+    assert rt.rounds.send_errors == 0 and rt.rounds.sketches_skipped == 0
+    assert set(sink.summary_strata) == {"greedy", "t0.5-1", None}
+    assert any(s.slope == GREEDY_SET.slope for s in sink.summaries)  # greedy's own set served
+    got: dict[str | None, list[np.ndarray]] = {}
+    for summary, name in zip(sink.summaries, sink.summary_strata, strict=True):
+        assert summary.sketch is not None
+        np.testing.assert_array_equal(summary.sketch.drafts_per_position(), summary.counts)
+        parts = (summary.info, summary.grad, summary.counts, *_dense(summary.sketch))
+        before = got.setdefault(name, [np.zeros_like(p) for p in parts])
+        got[name] = [a + b for a, b in zip(before, parts, strict=True)]
+    assert set(got) == set(refs)
+    for name, acc in refs.items():
+        want = acc.take(1, POOLED[1], POOLED[2])
+        assert want is not None and want.sketch is not None
+        info, grad, counts, hist, ece, psum, nll = got[name]
+        np.testing.assert_array_equal(counts, want.counts)
+        np.testing.assert_allclose(info, want.info, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(grad, want.grad, rtol=1e-4, atol=1e-4)
+        whist, wece, wpsum, wnll = _dense(want.sketch)
+        assert hist.sum() == whist.sum() > 0, name
+        # float32 eta on the device: a draft on a bin edge may land one slot over
+        assert np.abs(hist - whist).sum() <= 2 + 0.002 * whist.sum(), name
+        assert np.abs(ece - wece).sum() <= 2, name
+        np.testing.assert_allclose(psum, wpsum, rtol=1e-3, atol=0.05)
+        np.testing.assert_allclose(nll, wnll, rtol=1e-4)
+    est.avest_close()
+
+
+def test_without_the_sketch_strata_are_still_summed_from_the_rounds_steps(registry):
+    """``AVEST_SKETCH=0`` with strata: the round still keeps its steps (the per-stratum
+    sums come from them), and the summaries go without sketches, none counted skipped."""
+    est, sink = pooled_mixed_shim(registry, sketch=False)
+    rt = est._avest
+    assert rt.rounds.keep_steps and not rt.rounds.keep_sketch
+    steps = make_steps(21, seed=10)
+    run(est, steps)
+    assert sink.summary_strata == ["greedy", "t0.5-1"] * 2
+    assert all(s.sketch is None for s in sink.summaries)
+    assert rt.rounds.sketches_skipped == 0 and rt.rounds.strata_rounds_pooled == 0
+    for r, part in enumerate((steps[1:11], steps[11:21])):
+        two = sink.summaries[2 * r : 2 * r + 2]
+        np.testing.assert_array_equal(two[0].counts, graded_counts(part, slice(0, 8)))
+        np.testing.assert_array_equal(two[1].counts, graded_counts(part, slice(8, 16)))
+    est.avest_close()
+
+
+def test_a_round_not_summed_per_stratum_goes_as_vllms_pooled_sums(registry):
+    """A caller that hands every step the same idx_mapping tensor: the first round's
+    references may be overwritten, so it is not summed per stratum; it goes as one
+    summary of vLLM's own sums without a stratum (counted), nothing of it lost; the
+    shim copies the vectors from then on and the next rounds are per stratum."""
+    est, sink = pooled_mixed_shim(registry)
+    rt = est._avest
+    steps = make_steps(31, seed=8)
+    for x, sampled, rejected in steps:
+        propose(est, x)
+        est.step(SLOTS, sampled, rejected)  # one tensor for every step
+        assert rt.rounds.flush(10)
+    assert rt.rounds.copy_mode
+    assert sink.summary_strata == [None] + ["greedy", "t0.5-1"] * 2
+    first = sink.summaries[0]
+    assert first.sketch is None and first.steps == 10
+    np.testing.assert_array_equal(first.counts, graded_counts(steps[1:11]))
+    assert rt.rounds.strata_rounds_pooled == 1 == est.avest_stats()["strata_rounds_pooled"]
+    for r, part in enumerate((steps[11:21], steps[21:31])):
+        two = sink.summaries[1 + 2 * r : 3 + 2 * r]
+        assert all(s.sketch is not None for s in two)
+        np.testing.assert_array_equal(two[0].counts, graded_counts(part, slice(0, 8)))
+        np.testing.assert_array_equal(two[1].counts, graded_counts(part, slice(8, 16)))
+    est.avest_close()
+
+
+def test_a_round_without_free_buffers_is_summed_per_stratum_on_the_step(registry, held_sender):
+    """The sender held on purpose in the first round's sums: the rounds that start while
+    it holds both buffer sets add their per-stratum sums up on the step, exactly (no
+    sketch, counted as skipped); none goes pooled, and the first rounds keep theirs."""
+    entered, release = held_sender
+    est, sink = pooled_mixed_shim(registry)
+    rt = est._avest
+    steps = make_steps(41, seed=9)
+    try:
+        for i, (x, sampled, rejected) in enumerate(steps):
+            propose(est, x)
+            est.step(SLOTS.clone(), sampled, rejected)
+            if i == 10:  # round 1 (steps 1-10) is with the sender, which holds in it
+                assert entered.wait(30), "the sender never started the first round"
+    finally:
+        release.set()
+    assert rt.rounds.flush(10)
+    # rounds 1-2 had buffer sets; rounds 3-4 (steps 21-40) started with none free
+    assert sink.summary_strata == ["greedy", "t0.5-1"] * 4
+    assert [s.sketch is not None for s in sink.summaries] == [True] * 4 + [False] * 4
+    assert rt.rounds.sketches_skipped == 2 and rt.rounds.strata_rounds_pooled == 0
+    for r in range(4):
+        part = steps[1 + 10 * r : 11 + 10 * r]
+        for j, rows in enumerate((slice(0, 8), slice(8, 16))):
+            got = sink.summaries[2 * r + j]
+            want = RoundAccumulator(K, sketch=False)
+            for x, sampled, rejected in part:
+                a = sampled.numpy()[rows] - 1
+                want.add(x.numpy()[rows], a + rejected.numpy()[rows], a,
+                         float(np.float32(POOLED[1])),
+                         np.asarray(POOLED[2], dtype=np.float32).astype(np.float64))  # fmt: skip
+            np.testing.assert_array_equal(got.counts, want.counts)
+            np.testing.assert_allclose(got.info, want.info, rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(got.grad, want.grad, rtol=1e-4, atol=1e-4)
+    est.avest_close()
+
+
 def test_predict_uses_each_slots_stratum_set_once_pushed(registry):
     sink = FakeSink()
     sink.push(*POOLED)
@@ -153,16 +320,18 @@ def test_predict_uses_each_slots_stratum_set_once_pushed(registry):
     run(est, steps[:3])
     conf = propose(est, steps[3][0])
     np.testing.assert_array_equal(conf, propose(base, steps[3][0]))  # nothing pushed yet
-    est.step(SLOTS, *steps[3][1:])
+    est.step(SLOTS.clone(), *steps[3][1:])
     sink.strata = {"greedy": GREEDY_SET}
-    est.step(SLOTS[:0], SLOTS[:0], SLOTS[:0])  # a boundary: the round ends, the set loads
+    empty = SLOTS[:0].clone()
+    est.step(empty, empty.clone(), empty.clone())  # a boundary: the round ends, the set loads
     assert est._avest.strata.in_force[0] == ("greedy", 1.3, GREEDY_SET.intercepts)
     x = steps[4][0]
     conf = propose(est, x)
     want = torch.sigmoid(1.3 * x[:8] + torch.tensor(GREEDY_SET.intercepts))
     torch.testing.assert_close(conf[:8], want, rtol=1e-6, atol=1e-7)
     assert torch.equal(conf[8:], propose(base, x)[8:])  # no set: vLLM's value, bit for bit
-    est.step(SLOTS, *steps[4][1:])
+    est.step(SLOTS.clone(), *steps[4][1:])
+    assert est._avest.rounds.flush(10)  # the rounds before the load are sent: then cleared
     sink.summaries.clear()
     sink.summary_strata.clear()
     run(est, steps[5:25])
@@ -299,7 +468,9 @@ def test_a_live_sidecar_fits_the_strata_and_pushes_their_sets_back(start_sidecar
     rt = est._avest
     for x, sampled, rejected in steps:
         propose(est, x)
-        est.step(SLOTS, sampled, rejected)
+        est.step(SLOTS.clone(), sampled, rejected)  # fresh, as vLLM's: kept by reference
+        if mode == "summary":
+            assert rt.rounds.flush(10)  # the sender never holds both sets: every sketch sent
         if rt.strata.in_force[0] is not None and rt.strata.in_force[1] is not None:
             break
     if mode == "summary":
@@ -313,8 +484,15 @@ def test_a_live_sidecar_fits_the_strata_and_pushes_their_sets_back(start_sidecar
             pair = client.pair(sink.pair_id)
             # the split steps add up (a round shorter than its summaries borrows steps)
             assert pair.steps_observed == rt.rounds.steps_closed + rt.rounds.step_debt
+        # every summary carried its stratum's sketch: each stratum's calibration counts
+        # exactly its drafts (the sketches as the worker scored them)
+        assert rt.rounds.sketches_skipped == 0
+        body = httpx.get(f"{srv.http_url}/v1/pairs/{sink.pair_id}/strata", timeout=10).json()
+        cal = {s["stratum"]: (s["calibration"]["count"], s["drafts"]) for s in body["strata"]}
+        assert set(cal) == {"greedy", "t0.5-1"}
+        assert all(count == drafts > 0 for count, drafts in cal.values()), cal
     wait_until(lambda: set(sink.latest_strata()) >= {"greedy", "t0.5-1"}, what="strata pushed")
-    est.step(SLOTS[:0], SLOTS[:0], SLOTS[:0])
+    est.step(SLOTS[:0].clone(), SLOTS[:0].clone(), SLOTS[:0].clone())
     served = {s[0]: s for s in rt.strata.in_force if s is not None}
     assert set(served) == {"greedy", "t0.5-1"}
     x = steps[0][0]

@@ -112,21 +112,11 @@ def test_rounds_of_a_chosen_length_carry_the_same_sums(round_steps, lengths):
     est.avest_close()
 
 
-def test_a_slow_sender_skips_the_sketch_and_counts_it(monkeypatch):
+def test_a_slow_sender_skips_the_sketch_and_counts_it(held_sender):
     """The sender still holds both buffer sets when a round starts (held on purpose in
     the first round's sketch): that round goes without a sketch, counted in
     ``sketches_skipped``, and still carries its sums; the rounds after it get sketches."""
-    from avest_client.vllm import sketch as sketches
-
-    build, entered, release = sketches.build, threading.Event(), threading.Event()
-
-    def held_once(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        if not entered.is_set():
-            entered.set()
-            assert release.wait(30), "the test never released the sender"
-        return build(*args, **kwargs)
-
-    monkeypatch.setattr(sketches, "build", held_once)
+    entered, release = held_sender
     sink = FakeSink()
     sink.push(*POOLED)
     est = _shim(sink, round_steps=40)
@@ -264,7 +254,8 @@ def test_summaries_reach_the_sidecar_which_pools_and_pushes_back(
     est = make_shim(srv.grpc_address, mode="summary")
     if not sketch:
         rounds = est._avest.rounds
-        rounds.keep_sketch, rounds._cur = False, None  # as built with AVEST_SKETCH=0
+        rounds.keep_sketch = rounds.keep_steps = False  # as built with AVEST_SKETCH=0
+        rounds._cur = None
     sink = sink_of(est)
     assert sink.wait_connected(10)
     for s in trace:

@@ -18,7 +18,8 @@ variable               default     meaning
                                    device); ``raw``: every step's drafts
 ``AVEST_RAW_SAMPLE``   ``0``       summary mode: also send this fraction of steps raw
                                    (0 to 1; e.g. for ``avest record``)
-``AVEST_SKETCH``       ``1``       summary mode: keep the calibration sketch (0 = off)
+``AVEST_SKETCH``       ``1``       summary mode: keep the calibration sketch (0 = off;
+                                   with strata the round still keeps its steps)
 ``AVEST_ROUND_STEPS``  ``0``       summary mode: steps per summary; 0 = vLLM's
                                    ``REFIT_INTERVAL`` (100). Longer rounds send
                                    fewer summaries (a sidecar's load is workers /

@@ -157,8 +157,6 @@ class _Runtime:
         if recording:
             # keep what the round's sketch needs before vLLM's next propose overwrites it
             rounds.record(est, idx_mapping, num_sampled, num_rejected)
-            if st is not None:
-                st.accumulate(est, idx_mapping, num_sampled, num_rejected)
         if update is not None:
             # before the base step, as in raw mode: the step's sums use the
             # stored predictions, and the next draft graph reads the new values
@@ -208,6 +206,7 @@ class _Runtime:
             "summaries": rounds.summaries if rounds else 0,
             "summary_errors": rounds.send_errors if rounds else 0,
             "sketches_skipped": rounds.sketches_skipped if rounds else 0,
+            "strata_rounds_pooled": rounds.strata_rounds_pooled if rounds else 0,
             "copy_mode": rounds.copy_mode if rounds else False,
             "local_refits": None,  # filled by the estimator (vLLM's own refit counter)
             "governed": self.governor.governed,

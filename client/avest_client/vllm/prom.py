@@ -32,6 +32,8 @@ metric                                     type     meaning
 ``avest_shim_local_refits_total``          counter  vLLM's own refits (sidecar absent)
 ``avest_shim_skipped_refits_total``        counter  local refits skipped while pooled
 ``avest_shim_sketches_skipped_total``      counter  round summaries sent without a sketch
+``avest_shim_strata_rounds_pooled_total``  counter  strata: rounds sent as one pooled summary
+                                                    (not summed per stratum)
 =========================================  =======  ========================================
 """
 
@@ -55,6 +57,7 @@ COUNTERS: dict[str, Callable[[dict[str, Any]], int]] = {
     "avest_shim_local_refits": lambda s: int(s.get("local_refits") or 0),
     "avest_shim_skipped_refits": lambda s: int(s.get("skipped_refits") or 0),
     "avest_shim_sketches_skipped": lambda s: int(s.get("sketches_skipped") or 0),
+    "avest_shim_strata_rounds_pooled": lambda s: int(s.get("strata_rounds_pooled") or 0),
 }
 _HELP = {
     "avest_shim_steps_forwarded": "Raw decode steps the avest shim handed to the sidecar's queue.",
@@ -64,6 +67,9 @@ _HELP = {
     "avest_shim_local_refits": "vLLM's own estimator refits (pooled coefficients not governing).",
     "avest_shim_skipped_refits": "Local refits skipped because pooled coefficients govern.",
     "avest_shim_sketches_skipped": "Round summaries sent without a calibration sketch.",
+    "avest_shim_strata_rounds_pooled": (
+        "Rounds sent as one pooled summary of vLLM's sums, not summed per stratum."
+    ),
 }
 
 _lock = threading.Lock()

@@ -48,13 +48,21 @@ local refits (sidecar absent) are not sent; vLLM refits on them as usual.
 Exclusion flags do not apply in summary mode: the sums are vLLM's own, which
 include every request.
 
-With strata (``AVEST_STRATA=1``, :mod:`avest_client.vllm.strata`) a round sends the
-per-stratum sums the shim keeps beside vLLM's instead of vLLM's: one summary per
-stratum with drafts, each at the set its drafts were scored with (the stratum's
-own, or the pair's), the round's steps split among them; rows of no stratum (slots
-not seen admitted, strata past the bound) in one summary without a stratum, as the
-pair's pooled traffic; excluded requests' rows in none. Such rounds carry no sketch
-(a sketch per stratum is not built yet).
+With strata (``AVEST_STRATA=1``, :mod:`avest_client.vllm.strata`) the step does no
+more than without them but for one copy of the slots' stratum indices at a step that
+follows an admission (``max_num_reqs`` int64 into the round's set, ``round_steps x
+max_num_reqs`` per set; the round keeps its steps whatever ``AVEST_SKETCH`` says). The
+sender computes, from the round's kept steps, vLLM's IRLS sums per stratum with each
+stratum's sketch (:func:`~avest_client.vllm.sketch.build`), every draft scored again at
+the set it was predicted with (its stratum's own, or the pair's), and sends one summary
+per stratum with drafts; rows of no stratum (slots not seen admitted, strata past the
+bound) in one summary without a stratum, as the pair's pooled traffic; excluded
+requests' rows in none. A round that starts while the sender still holds both sets is
+summed per stratum on the step instead (:meth:`~avest_client.vllm.strata.StrataState.accumulate`,
+a few device ops a step until the round ends) and goes without sketches. A round whose
+references turned out to be reused buffers cannot be summed per stratum: it goes as
+one pooled summary of vLLM's own sums, without a sketch, counted in
+``strata_rounds_pooled`` (nothing of it is lost, its strata miss one round).
 """
 
 from __future__ import annotations
@@ -74,7 +82,7 @@ import torch
 from avest_client.vllm import sketch as sketches
 from avest_client.vllm import strata as strata_mod
 from avest_client.vllm.sketch import Held
-from avest_wire.summary import RoundSummary, make_summary
+from avest_wire.summary import RoundSummary, Sketch, make_summary
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +97,11 @@ class _Kept:
     held: list[Held | int] = field(default_factory=list)
     ring: torch.Tensor | None = None  # copy mode: [round_steps, 3, max_num_reqs] int64
     ring_np: Any = None  # CPU: a numpy view of ``ring``
+    #: strata: each request slot's local stratum index, copied into row t at the round's
+    #: first step and at each step t that follows an admission ([round_steps, max_num_reqs])
+    strata: torch.Tensor | None = None
+    strata_slots: list[Any] = field(default_factory=list)  # per row (a numpy view on CPU)
+    strata_copied: list[int] = field(default_factory=list)  # the steps that copied, rising
 
 
 @dataclass
@@ -102,8 +115,10 @@ class _Pending:
     intercepts: tuple[float, ...]
     steps: int
     kept: _Kept | None  # None: no sketch for this round
-    #: strata: the names by local index and the sets in force (None: vLLM's sums)
+    #: strata: the names by local index and the sets in force (None: without strata)
     strata: tuple[tuple[str, ...], tuple[strata_mod.StratumSet | None, ...]] | None = None
+    #: strata, a round summed on the step: its per-stratum sums ([ROWS, K, 6], flattened)
+    strata_sums: torch.Tensor | None = None
 
 
 class SummaryRound:
@@ -121,13 +136,14 @@ class SummaryRound:
         strata: strata_mod.StrataState | None = None,
     ) -> None:
         self.sink = sink
-        #: Per-stratum sums to send instead of vLLM's (None: vLLM's, as without strata).
+        #: Strata: per-stratum summaries instead of vLLM's sums (None: without strata).
         self.strata = strata
-        if strata is not None:
-            sketch = False
         self.k = k
         self.device = torch.device(device)
+        #: Sketches sent (AVEST_SKETCH), and round steps kept: for the sketch, and with
+        #: strata for the per-stratum sums too (whatever AVEST_SKETCH says)
         self.keep_sketch = sketch and max_num_reqs > 0
+        self.keep_steps = (sketch or strata is not None) and max_num_reqs > 0
         self.round_steps = round_steps
         self.max_num_reqs = max_num_reqs
         self._cuda = self.device.type == "cuda" and torch.cuda.is_available()
@@ -135,7 +151,7 @@ class SummaryRound:
         self._free: deque[_Kept] = deque()
         #: Set once a round showed reused buffers: the per-step vectors are copied too.
         self.copy_mode = False
-        if self.keep_sketch:
+        if self.keep_steps:
             # What vLLM's next propose overwrites, kept for the round: the features
             # buffer. Two sets: one fills while the sender builds the last round's sketch.
             for _ in range(2):
@@ -143,7 +159,14 @@ class SummaryRound:
                     round_steps, max_num_reqs, k, dtype=torch.float32, device=self.device
                 )
                 slots = list(f.unbind(0)) if self._cuda else list(f.numpy())
-                self._free.append(_Kept(f, slots))
+                kept = _Kept(f, slots)
+                if strata is not None:
+                    s = torch.zeros(
+                        round_steps, max_num_reqs, dtype=torch.int64, device=self.device
+                    )
+                    kept.strata = s
+                    kept.strata_slots = list(s.unbind(0)) if self._cuda else list(s.numpy())
+                self._free.append(kept)
             self._cur = self._free.popleft()
         self._side = torch.cuda.Stream(self.device) if self._cuda else None
         #: Rounds sent without a sketch because the sender still held both buffer sets,
@@ -151,6 +174,13 @@ class SummaryRound:
         self.sketches_skipped = 0
         self._src: Any = None
         self._src_np: Any = None
+        #: strata, CPU: a numpy view of the slots' stratum indices (stable, like features)
+        self._slot_np: Any = None if strata is None or self._cuda else strata.slot.numpy()
+        #: strata: the registry's admissions when the open round last copied the slots
+        self._registry = None if strata is None else strata.registry
+        self._admissions = -1
+        #: strata: rounds sent as one pooled summary of vLLM's sums (see the docstring)
+        self.strata_rounds_pooled = 0
         self._t = 0  # steps the open round kept
         self._pos = torch.arange(k, device=self.device)
         #: The pooled coefficients the open round's drafts are scored with (None: local).
@@ -182,7 +212,12 @@ class SummaryRound:
         """
         t = self._t
         kept = self._cur
-        if kept is None or t >= self.round_steps:
+        st = self.strata
+        if kept is None:  # no set of buffers for this round (the sender behind, or none)
+            if st is not None:  # strata: summed on the step (see the module docstring)
+                st.accumulate(est, idx_mapping, num_sampled, num_rejected)
+            return
+        if t >= self.round_steps:
             return
         src = est.features
         if self._cuda:
@@ -191,6 +226,16 @@ class SummaryRound:
             if src is not self._src:  # vLLM's buffer is stable: view it once
                 self._src, self._src_np = src, src.numpy()
             np.copyto(kept.slots[t], self._src_np)  # no torch dispatch on the CPU
+        if st is not None:
+            # each slot's stratum as this step had it: copied again only after admissions
+            seen = self._registry.admissions  # type: ignore[union-attr]
+            if t == 0 or seen != self._admissions:
+                self._admissions = seen
+                if self._cuda:
+                    kept.strata_slots[t].copy_(st.slot, non_blocking=True)
+                else:
+                    np.copyto(kept.strata_slots[t], self._slot_np)
+                kept.strata_copied.append(t)
         if self.copy_mode:
             kept.held.append(self._copy(kept, t, idx_mapping, num_sampled, num_rejected))
         else:
@@ -238,19 +283,16 @@ class SummaryRound:
             # vLLM's sums are cleared below: copy them (one small device op); the
             # sketch is built by the sender thread from the kept steps.
             st = self.strata
-            layout = None
-            if st is None:
-                sums = torch.cat(
-                    [est.info.reshape(-1), est.grad.reshape(-1), est.counts.reshape(-1)]
-                )
-            else:
-                sums = st.sums.reshape(-1).clone()
-                layout = (tuple(st.registry.names), tuple(st.in_force))
+            sums = torch.cat([est.info.reshape(-1), est.grad.reshape(-1), est.counts.reshape(-1)])
+            layout = None if st is None else (tuple(st.registry.names), tuple(st.in_force))
             ready = None
             if self._cuda:
                 ready = torch.cuda.Event()
                 ready.record()
             kept = self._cur if self._t else None
+            strata_sums = None
+            if st is not None and self._cur is None:  # summed on the step
+                strata_sums = st.sums.reshape(-1).clone()
             self.closed_rounds += 1
             self.steps_closed += self.steps
             self._queue.put(
@@ -263,11 +305,12 @@ class SummaryRound:
                     self.steps,
                     kept,
                     layout,
+                    strata_sums,
                 )  # fmt: skip
             )
             if kept is not None:
                 self._cur = None  # handed to the sender with the round
-        if self._cur is None and self.keep_sketch:
+        if self._cur is None and self.keep_steps:
             # the next round fills a set the sender gave back; none free: no sketch
             # for that round (counted by the sender as skipped)
             with contextlib.suppress(IndexError):
@@ -281,9 +324,10 @@ class SummaryRound:
             est.grad.zero_()
             est.counts.zero_()
         if self.strata is not None:
-            self.strata.zero()  # only ever sent: a fresh round starts from zero either way
+            self.strata.zero()
         if self._cur is not None:
             self._cur.held.clear()
+            self._cur.strata_copied.clear()
         self._t = 0
         self.steps = 0
 
@@ -317,7 +361,9 @@ class SummaryRound:
                 self.handled += 1
 
     def _sketch_of(self, item: _Pending, kept: _Kept) -> list[torch.Tensor] | None:
-        """The round's sketch, or None if its references may be reused buffers.
+        """The round's sketch (with strata: each group's IRLS sums, then its sketches; the
+        groups are each named stratum, the pair's pooled rows, excluded rows), or None
+        if its references may be reused buffers.
 
         Steps kept by reference are trusted only while no round showed shared
         storage; once one did, a round that still holds references (it filled
@@ -336,9 +382,38 @@ class SummaryRound:
                 assert ring is not None
                 h = (ring[t, 0, :h], ring[t, 1, :h], ring[t, 2, :h])
             held.append(h)
-        return sketches.build(kept.features, held, item.slope, item.intercepts, self._pos)
+        pair = (item.slope, *item.intercepts)
+        if item.strata is None:
+            coef = torch.tensor([pair], dtype=torch.float32)
+            return sketches.build(kept.features, held, coef, self._pos)
+        names, in_force = item.strata
+        sets = [pair] * (len(names) + 2)
+        for i, own in enumerate(in_force[: len(names)]):
+            if own is not None:
+                sets[i] = (own[1], *own[2])
+        coef = torch.tensor(sets, dtype=torch.float32)
+        group_of = torch.full((strata_mod.ROWS,), len(names) + 1, dtype=torch.int64)
+        group_of[: len(names)] = torch.arange(len(names))
+        group_of[strata_mod.POOL] = len(names)
+        assert kept.strata is not None
+        # step t's slots: the row of the last copy at or before it
+        copied = np.asarray(kept.strata_copied, dtype=np.int64)
+        last = np.searchsorted(copied, np.arange(len(held)), side="right") - 1
+        at = torch.from_numpy(copied[last]).to(kept.strata.device)
+        return sketches.build(
+            kept.features,
+            held,
+            coef,
+            self._pos,
+            slots=kept.strata.index_select(0, at),
+            group_of=group_of,
+            irls=True,
+            sketch=self.keep_sketch,
+        )
 
-    def _unpack(self, item: _Pending) -> RoundSummary:
+    def _read_round(self, item: _Pending) -> tuple[np.ndarray, bool]:
+        """The round on the host as float64: vLLM's sums, then what :meth:`_sketch_of`
+        built (True) or nothing (False); its kept steps given back for the step to refill."""
         kept = item.kept
         try:
             host, drawn = self._read(item, kept)
@@ -347,22 +422,40 @@ class SummaryRound:
                 if self._side is not None:
                     self._side.synchronize()  # nothing of this round may still read the set
                 kept.held.clear()  # drop the round's references: vLLM's allocator may reuse them
+                kept.strata_copied.clear()
                 self._free.append(kept)  # its steps are read: the step may refill it
         if drawn is None and self.keep_sketch:
             self.sketches_skipped += 1
-        v = host.numpy().astype(np.float64)
+        return host.numpy().astype(np.float64), drawn is not None
+
+    def _unpack(self, item: _Pending) -> RoundSummary:
+        v, drawn = self._read_round(item)
         k = self.k
-        info, grad, counts = v[: 3 * k], v[3 * k : 5 * k], v[5 * k : 6 * k]
+        sketch = sketches.unpack(v[6 * k :], k)[0] if drawn else None
+        return self._summary(item, v[: 6 * k], sketch, item.steps, None)
+
+    def _summary(
+        self,
+        item: _Pending,
+        sums: np.ndarray,
+        sketch: Sketch | None,
+        steps: int,
+        own: strata_mod.StratumSet | None,
+    ) -> RoundSummary:
+        """One summary of ``sums`` (vLLM's layout: ``a, b, c`` per position, ``g0, g1``,
+        ``n``) with ``sketch``, at the round's set or a stratum's own (``own``)."""
+        k = self.k
+        slope, intercepts = (item.slope, item.intercepts) if own is None else (own[1], own[2])
         return make_summary(
             k,
             version=item.version,
-            slope=item.slope,
-            intercepts=item.intercepts,
-            info=info,
-            grad=grad,
-            counts=np.rint(counts),
-            steps=item.steps,
-            sketch=None if drawn is None else sketches.unpack(v[6 * k :], k),
+            slope=slope,
+            intercepts=intercepts,
+            info=sums[: 3 * k],
+            grad=sums[3 * k : 5 * k],
+            counts=np.rint(sums[5 * k : 6 * k]),
+            steps=steps,
+            sketch=sketch,
         )
 
     def _unpack_strata(self, item: _Pending) -> list[tuple[RoundSummary, str | None]]:
@@ -370,47 +463,46 @@ class SummaryRound:
         pooled rows (see the module docstring)."""
         assert item.strata is not None
         names, in_force = item.strata
-        host, _ = self._read(item, None)
+        v, drawn = self._read_round(item)
         k = self.k
-        sums = host.numpy().astype(np.float64).reshape(strata_mod.ROWS, k, 6)
-        picked: list[tuple[int, str | None, float, tuple[float, ...]]] = []
-        for i, name in enumerate(names):
-            if sums[i, :, 5].sum() > 0:
-                own = in_force[i] if i < len(in_force) else None
-                slope, b = (own[1], own[2]) if own is not None else (item.slope, item.intercepts)
-                picked.append((i, name, slope, b))
-        pool = strata_mod.POOL
-        if sums[pool, :, 5].sum() > 0 or not picked:
-            picked.append((pool, None, item.slope, item.intercepts))
+        n = len(names)
+        # (sums in vLLM's layout, sketch, stratum, its own set)
+        picked: list[tuple[np.ndarray, Sketch | None, str | None, strata_mod.StratumSet | None]]
+        groups = n + 2  # the named strata, the pair's pooled rows, excluded rows
+        per: np.ndarray | None = None  # [group, position, stat]
+        drawn_sketches: list[Sketch | None] = [None] * groups
+        if item.strata_sums is not None:  # summed on the step, by local index: no sketches
+            rows = [*range(n), strata_mod.POOL, strata_mod.EXCLUDED]
+            per = v[6 * k :].reshape(strata_mod.ROWS, k, 6)[rows]
+        elif drawn:  # summed by the sender, with each group's sketch unless AVEST_SKETCH=0
+            per = v[6 * k : 6 * k * (groups + 1)].reshape(groups, k, 6)
+            if self.keep_sketch:
+                drawn_sketches = list(sketches.unpack(v[6 * k * (groups + 1) :], k, groups))
+        if per is None:  # not summed per stratum: vLLM's sums, as the pair's pooled traffic
+            self.strata_rounds_pooled += 1
+            picked = [(v[: 6 * k], None, None, None)]
+        else:
+            picked = []
+            for g in range(n + 1):
+                if per[g, :, 5].sum() > 0 or (g == n and not picked):
+                    sums = np.concatenate([per[g, :, 0:3].ravel(), per[g, :, 3:5].ravel(),
+                                           per[g, :, 5]])  # fmt: skip
+                    own = in_force[g] if g < min(n, len(in_force)) else None
+                    picked.append((sums, drawn_sketches[g], names[g] if g < n else None, own))
         # each summary counts at least one step; a round shorter than its summaries
         # borrows from the next rounds, so the pair's steps still add up
         owed = self.step_debt
         steps = strata_mod.split_steps(max(item.steps - owed, 0), len(picked))
         self.step_debt = max(owed - item.steps, 0) + sum(steps) - max(item.steps - owed, 0)
-        out: list[tuple[RoundSummary, str | None]] = []
-        for (i, stratum, slope, b), n in zip(picked, steps, strict=True):
-            s = sums[i]
-            out.append(
-                (
-                    make_summary(
-                        k,
-                        version=item.version,
-                        slope=slope,
-                        intercepts=b,
-                        info=s[:, 0:3],
-                        grad=s[:, 3:5],
-                        counts=np.rint(s[:, 5]),
-                        steps=n,
-                    ),
-                    stratum,
-                )
-            )
-        return out
+        return [
+            (self._summary(item, sums, sketch, m, own), name)
+            for (sums, sketch, name, own), m in zip(picked, steps, strict=True)
+        ]
 
     def _read(self, item: _Pending, kept: _Kept | None) -> tuple[torch.Tensor, Any]:
         """The round's sums and sketch on the host (in one copy), and the sketch's tensors
         (None: no sketch)."""
-        parts = [item.sums]
+        parts = [item.sums] + ([] if item.strata_sums is None else [item.strata_sums])
         drawn: list[torch.Tensor] | None = None
         if not self._cuda:
             if kept is not None:

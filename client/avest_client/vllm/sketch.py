@@ -63,24 +63,46 @@ CPU_CHUNK = 16384
 def build(
     features: torch.Tensor,
     held: Sequence[Held],
-    slope: float,
-    intercepts: Sequence[float],
+    coef: torch.Tensor,
     positions: torch.Tensor,
+    *,
+    slots: torch.Tensor | None = None,
+    group_of: torch.Tensor | None = None,
+    irls: bool = False,
+    sketch: bool = True,
 ) -> list[torch.Tensor]:
-    """The sketch of a round: ``features`` [T, R, K] kept per step, ``held`` its T steps."""
+    """The sketch of a round: ``features`` [T, R, K] kept per step, ``held`` its T steps.
+
+    ``coef`` [G, K+1] holds G coefficient sets ``(slope, b_0 .. b_{K-1})``, one per
+    group of rows, and the result G sketches, group after group (:func:`unpack`). One
+    set (G = 1) scores every row. With strata, ``slots`` [T, R] holds each step's
+    local stratum index per request slot, as the step's sums used it, and ``group_of``
+    maps such an index to its group: each row is scored with its group's set and
+    counted in its group's sketch. ``irls``: first, each group's vLLM IRLS sums per
+    position (``[G, K, 6]``: ``a, b, c, g0, g1, n``, at the probability each row is
+    scored with), as vLLM's step adds them up; ``sketch=False``: those sums alone.
+    """
     device = features.device
     k = int(positions.shape[0])
+    g = int(coef.shape[0])
     f32 = dict(dtype=torch.float32, device=device)
-    acc = [
-        torch.zeros(k * 2 * AUC_SLOTS, **f32),
-        torch.zeros(k * ECE_BINS * 2, **f32),
-        torch.zeros(k * ECE_BINS, **f32),
-        torch.zeros(k, **f32),
-    ]
-    coef = torch.tensor((slope, *intercepts), dtype=torch.float32).to(device, non_blocking=True)
+    assert irls or sketch
+    acc = [torch.zeros(g * k * 6, **f32)] if irls else []
+    if sketch:
+        acc += [
+            torch.zeros(g * k * 2 * AUC_SLOTS, **f32),
+            torch.zeros(g * k * ECE_BINS * 2, **f32),
+            torch.zeros(g * k * ECE_BINS, **f32),
+            torch.zeros(g * k, **f32),
+        ]
+    coef = coef.to(device, torch.float32, non_blocking=True)
+    groups = None
+    if slots is not None:
+        assert group_of is not None
+        groups = (slots, group_of.to(device, non_blocking=True))
     rows = [int(h[0].shape[0]) for h in held]
     if device.type == "cuda":
-        _add(acc, features, held, rows, 0, coef, positions)
+        _add(acc, features, held, rows, 0, coef, positions, groups, irls, sketch)
         return acc
     start = 0
     while start < len(held):  # CPU: chunks of steps, each op under torch's intra-op grain
@@ -88,7 +110,8 @@ def build(
         while stop < len(held) and (stop == start or (n + rows[stop]) * k <= CPU_CHUNK):
             n += rows[stop]
             stop += 1
-        _add(acc, features, held[start:stop], rows[start:stop], start, coef, positions)
+        part = held[start:stop]
+        _add(acc, features, part, rows[start:stop], start, coef, positions, groups, irls, sketch)
         start = stop
     return acc
 
@@ -101,8 +124,12 @@ def _add(
     first: int,
     coef: torch.Tensor,
     positions: torch.Tensor,
+    groups: tuple[torch.Tensor, torch.Tensor] | None,
+    irls: bool,
+    sketch: bool,
 ) -> None:
-    """Add steps ``first ..`` (``held``, with ``rows`` requests each) to the sketch ``acc``."""
+    """Add steps ``first ..`` (``held``, with ``rows`` requests each) to ``acc``, as
+    :func:`build` laid it out."""
     device = features.device
     idx = torch.cat([h[0].reshape(-1) for h in held]).to(device, torch.int64)
     sampled = torch.cat([h[1][:n] for h, n in zip(held, rows, strict=True)])
@@ -111,27 +138,58 @@ def _add(
     base = np.repeat(np.arange(first, first + len(held), dtype=np.int64) * r, rows)
     flat = torch.from_numpy(base).to(device, non_blocking=True) + idx
     x = features.view(t * r, k).index_select(0, flat)  # [N, K]: as the step graded them
-    eta = torch.addcmul(coef[1:], x, coef[:1])  # as the draft graph computed it, in float32
+    if groups is None:
+        eta = torch.addcmul(coef[0, 1:], x, coef[0, :1])  # as the draft graph computed it
+        cell_pos = positions  # the sketch's (position) rows
+        group = None
+    else:
+        slots, group_of = groups
+        group = group_of[slots.reshape(-1).index_select(0, flat)]  # [N]: slots [>= T, R]
+        c = coef.index_select(0, group)  # [N, K+1]: each row's set
+        eta = c[:, :1] * x + c[:, 1:]  # as the strata's predict computed it, in float32
+        cell_pos = group[:, None] * k + positions  # the sketch's (group, position) rows
     accepted = (sampled.to(device, torch.int64) - 1).clamp_(min=0)[:, None]
     admitted = accepted + rejected.to(device, torch.int64)[:, None]
     obs = ((positions <= accepted) & (positions < admitted)).to(torch.float32)
     label = (positions < accepted).to(torch.int64)
-    slot = (eta * ETA_SCALE + ETA_OFFSET).clamp_(0.0, AUC_SLOTS - 1).to(torch.int64)
-    cell = (positions * 2 + label) * AUC_SLOTS + slot
-    hist, ece, psum, nll = acc
-    hist.index_add_(0, cell.view(-1), obs.view(-1))
     p = torch.sigmoid(eta)
-    b = positions * ECE_BINS + (p * ECE_BINS).to(torch.int64).clamp_(max=ECE_BINS - 1)
+    if irls:  # vLLM's IRLS statistics, as its step accumulates them
+        w = p * (1.0 - p) * obs
+        res = (label - p) * obs
+        wx = w * x
+        stats = torch.stack((wx * x, wx, w, res * x, res, obs), dim=-1).view(-1, k * 6)
+        if group is None:
+            acc[0].add_(stats.sum(0))
+        else:
+            acc[0].view(-1, k * 6).index_add_(0, group, stats)
+    if not sketch:
+        return
+    hist, ece, psum, nll = acc[-4:]
+    slot = (eta * ETA_SCALE + ETA_OFFSET).clamp_(0.0, AUC_SLOTS - 1).to(torch.int64)
+    hist.index_add_(0, ((cell_pos * 2 + label) * AUC_SLOTS + slot).view(-1), obs.view(-1))
+    b = cell_pos * ECE_BINS + (p * ECE_BINS).to(torch.int64).clamp_(max=ECE_BINS - 1)
     ece.index_add_(0, (b * 2 + label).view(-1), obs.view(-1))
     psum.index_add_(0, b.view(-1), (p * obs).view(-1))
-    nll.add_(((torch.nn.functional.softplus(eta) - label * eta) * obs).sum(0))
+    loss = (torch.nn.functional.softplus(eta) - label * eta) * obs
+    if group is None:
+        nll.add_(loss.sum(0))
+    else:
+        nll.view(-1, k).index_add_(0, group, loss)
 
 
-def unpack(v: npt.NDArray[np.float64], k: int) -> Sketch:
-    """The :class:`Sketch` of :func:`build`'s tensors, concatenated and read to the host."""
+def unpack(v: npt.NDArray[np.float64], k: int, groups: int = 1) -> list[Sketch]:
+    """The :class:`Sketch` of each group of :func:`build`'s tensors, concatenated and read
+    to the host."""
     n_hist, n_ece, n_psum = k * 2 * AUC_SLOTS, k * ECE_BINS * 2, k * ECE_BINS
-    hist = v[:n_hist]
-    ece = v[n_hist : n_hist + n_ece].reshape(k, ECE_BINS, 2)
-    psum = v[n_hist + n_ece : n_hist + n_ece + n_psum]
-    nll = v[n_hist + n_ece + n_psum :]
-    return Sketch.from_dense(hist, ece[:, :, 0], ece[:, :, 1], psum, nll)
+    g = groups
+    hist = v[: g * n_hist].reshape(g, n_hist)
+    at = g * n_hist
+    ece = v[at : at + g * n_ece].reshape(g, k, ECE_BINS, 2)
+    at += g * n_ece
+    psum = v[at : at + g * n_psum].reshape(g, n_psum)
+    at += g * n_psum
+    nll = v[at : at + g * k].reshape(g, k)
+    return [
+        Sketch.from_dense(hist[i], ece[i, :, :, 0], ece[i, :, :, 1], psum[i], nll[i])
+        for i in range(g)
+    ]

@@ -24,13 +24,16 @@ what it was). docs/strata.md has the whole picture; the worker's part:
   token's slot picks a row of a small ``[S, K+1]`` table; rows whose stratum
   has a served set rewrite the confidence vLLM wrote with that set's logistic,
   the others keep vLLM's value bit for bit (so with no set served, which is
-  always so while local refits govern, vLLM's confidences are untouched). The
-  prediction each draft was scored with is kept (``pred``) for the round sums.
-* **Per-stratum round sums** (:meth:`StrataState.accumulate`, on the step):
-  vLLM's IRLS statistics per stratum, ``[S, K, 6]`` on the device, added with
-  one ``index_add_``: nothing on the host per step. The table changes only at
-  round boundaries, so every round's sums of a stratum are at the one set its
-  drafts were scored with (:attr:`StrataState.in_force`).
+  always so while local refits govern, vLLM's confidences are untouched).
+* **Per-stratum round sums**, off the step: the round keeps each step's slot
+  indices beside its features (:mod:`.rounds`, a copy only at steps after an
+  admission), and the round's sender computes vLLM's IRLS statistics per
+  stratum with its sketch (:mod:`.sketch`), each draft scored again at the set
+  it was predicted with. A round that finds no free set of round buffers (the
+  sender behind) adds them up on the step instead (:meth:`StrataState.accumulate`,
+  ``[S, K, 6]`` on the device, one ``index_add_``). The table changes only at
+  round boundaries, so every round's drafts of a stratum were scored at one set
+  (:attr:`StrataState.in_force`).
 """
 
 from __future__ import annotations
@@ -118,6 +121,8 @@ class StrataRegistry:
         self.named = np.full(0, POOL, dtype=np.int64)
         #: :attr:`names` as a tuple (replaced when a name is added).
         self.names_tuple: tuple[str, ...] = ()
+        #: Admissions recorded (a round copies the slots' indices when it moved).
+        self.admissions = 0
         #: Admissions past the bound (their stratum is pooled), and errors.
         self.overflow = 0
         self.errors = 0
@@ -186,6 +191,7 @@ class StrataRegistry:
             self.errors += 1
             named = POOL
         i = EXCLUDED if excluded else named
+        self.admissions += 1
         if req_idx >= self.slots.shape[0]:
             grown = np.full(max(req_idx + 1, 2 * self.slots.shape[0], 256), POOL, dtype=np.int64)
             grown[: self.slots.shape[0]] = self.slots
@@ -242,9 +248,7 @@ class StrataState:
         self.table = torch.zeros(ROWS, k + 1, dtype=torch.float32, device=dev)
         #: 1.0 where the index's own set is served, else 0.0 (the pair's set).
         self.served = torch.zeros(ROWS, dtype=torch.float32, device=dev)
-        #: The prediction each draft was scored with (a last row for padding tokens).
-        self.pred = torch.zeros(max_num_reqs + 1, k, dtype=torch.float32, device=dev)
-        #: The open round's sums: per index and position a_k, b_k, c_k, g0_k, g1_k, n_k.
+        #: A round summed on the step: per index and position a_k, b_k, c_k, g0_k, g1_k, n_k.
         self.sums = torch.zeros(ROWS, k, 6, dtype=torch.float32, device=dev)
         self._pos = torch.arange(k, device=dev)
         #: The sets the table serves now, by local index (None: the pair's).
@@ -308,8 +312,8 @@ class StrataState:
         confidence_probs: torch.Tensor,
     ) -> None:
         """After vLLM's ``predict`` (and the pair's calibration map): the confidences
-        of tokens whose slot's stratum has a served set, at that set; the prediction
-        every token was scored with into ``pred``. Fixed shapes, no host sync."""
+        of tokens whose slot's stratum has a served set, at that set. Fixed shapes, no
+        host sync."""
         req, valid, step, batch = predicted_tokens(num_tokens, idx_mapping, draft_step, self.k)
         safe = req.clamp(min=0)
         s = self.slot[safe]
@@ -320,10 +324,6 @@ class StrataState:
         use = valid & (self.served[s] > 0.5)
         current = confidence_probs[batch, step]
         confidence_probs[batch, step] = torch.where(use, own.to(confidence_probs.dtype), current)
-        scored = torch.where(use, own, est.predictions[safe, step])
-        # padding tokens write the spare last row, never a live slot's
-        rows = torch.where(valid, req, torch.full_like(req, self.max_num_reqs))
-        self.pred[rows, step] = scored
 
     # --------------------------------------------------------------- step
     def accumulate(
@@ -334,7 +334,9 @@ class StrataState:
         num_rejected: torch.Tensor,
     ) -> None:
         """Add this step's verified drafts to their strata's round sums (vLLM's IRLS
-        statistics, at the predictions the drafts were scored with)."""
+        statistics at the prediction each draft was scored with: its stratum's served
+        set, else vLLM's own; the table is the one the step's drafts were predicted
+        with). Only for a round without kept steps (see the module docstring)."""
         idx = idx_mapping.to(torch.int64)
         r = int(idx.shape[0])
         if r == 0:
@@ -342,16 +344,18 @@ class StrataState:
         accepted = (num_sampled[:r].to(torch.int64) - 1).clamp_(min=0)[:, None]
         admitted = accepted + num_rejected[:r].to(torch.int64)[:, None]
         pos = self._pos[None, :]
-        observed = (pos <= accepted) & (pos < admitted)
+        obs = ((pos <= accepted) & (pos < admitted)).to(torch.float32)
         label = (pos < accepted).to(torch.float32)
+        s = self.slot[idx]
         x = est.features[idx]
-        p = self.pred[idx]
-        obs = observed.to(torch.float32)
+        coef = self.table[s]  # as apply() computed each draft's own prediction
+        own = torch.sigmoid(coef[:, :1] * x + coef[:, 1:])
+        p = torch.where(self.served[s][:, None] > 0.5, own, est.predictions[idx])
         w = p * (1.0 - p) * obs
         res = (label - p) * obs
         wx = w * x
         stats = torch.stack((wx * x, wx, w, res * x, res, obs), dim=-1)  # [R, K, 6]
-        self.sums.index_add_(0, self.slot[idx], stats)
+        self.sums.index_add_(0, s, stats)
 
     def zero(self) -> None:
         self.sums.zero_()
