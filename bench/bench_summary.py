@@ -61,6 +61,7 @@ from grpc_floor import grpc_floor
 from shim_costs import (
     bench_overhead,
     bench_record,
+    bench_strata_step,
     check_raw,
     check_summaries,
     compare_trees,
@@ -218,6 +219,7 @@ def main() -> None:
     if not a.ingest_only:
         res["shim_overhead"] = bench_overhead(a.batch, a.k, a.overhead_steps, gap_s=a.gap_ms / 1e3)
         res["record"] = bench_record(a.batch, a.k)
+        res["strata_step"] = bench_strata_step(a.batch, a.k)
     if not (a.shim_only or a.ingest_only):
         res["shim"] = bench_shim_steps(a.batch, a.k, a.steps, a.rounds)
         res["bytes"] = bench_bytes(a.batch, a.k, a.bytes_steps)

@@ -324,6 +324,38 @@ def bench_overhead(
     return out
 
 
+def bench_strata_step(batch: int, k: int, n: int = 2000, repeats: int = 2) -> dict[str, float]:
+    """The step's own work with 4 strata against one set: the shim around
+    :class:`NullEstimator`, one set and 4 strata in turn (``repeats`` times each, ``n``
+    steps), the sender flushed at every round's end so that it never runs beside a
+    timed step (what :func:`bench_overhead` cannot separate on a two-core machine).
+    Median per-step µs of each; raises SystemExit if either path failed."""
+    steps = fresh_steps(batch, k, 256, seed=6)
+    clock = time.perf_counter_ns
+    medians: dict[int, list[float]] = {0: [], 4: []}
+    for _ in range(repeats):
+        for strata in (0, 4):
+            est, sink = summary_shim("summary", batch, k, True, base=NullEstimator, strata=strata)
+            rounds = est._avest.rounds
+            times = []
+            try:
+                for j in range(n):
+                    s = steps[j % len(steps)]
+                    est.device_work(s)
+                    t0 = clock()
+                    est.step(s.idx, s.sampled, s.rejected)
+                    times.append((clock() - t0) / 1e3)
+                    if rounds.steps == 0 and not rounds.flush(30):  # a round just ended
+                        raise SystemExit("bench: strata step: the sender held a round 30 s")
+            finally:
+                est.avest_close()
+            name = "summary + sketch, 4 strata" if strata else "summary + sketch"
+            check_summaries(f"{name} (step alone)", sink, rounds, sketch=True, strata=strata)
+            medians[strata].append(statistics.median(times[n // 10 :]))
+    one, four = statistics.median(medians[0]), statistics.median(medians[4])
+    return {"one_set_us": one, "strata_us": four, "added_us": four - one}
+
+
 def fill_sums(est: StandinAcceptanceEstimator, steps: Steps) -> None:
     """vLLM's sums of a round of ``steps`` (what its step kernels add up), from zero."""
     est.info.zero_()
@@ -411,6 +443,12 @@ def print_shim_costs(res: dict[str, Any], batch: int, k: int, gap_ms: float) -> 
             f"{name:<32} {r['median_us']:>8.2f} {r['plain_median_us']:>9.2f} "
             f"{r['added_median_us']:>+9.2f} {r['added_p5_us']:>+9.2f} "
             f"{sent:<34} {r['sender_ms_per_round']:>8.1f}"
+        )
+    if "strata_step" in res:
+        r = res["strata_step"]
+        print(
+            f"the step alone (sender flushed at each round's end): one set {r['one_set_us']:.2f} "
+            f"µs, 4 strata {r['strata_us']:.2f} µs ({r['added_us']:+.2f})"
         )
     r = res["record"]
     print(

@@ -70,6 +70,9 @@ def test_summaries_with_sketches_are_built_and_accepted(
     strata = res["summary + sketch, 4 strata"]
     assert strata["summaries"] >= 8 and strata["sketches"] > 0 and strata["drafts"] > 0
 
+    step = shim_costs.bench_strata_step(TINY["batch"], TINY["k"], n=120, repeats=1)
+    assert step["one_set_us"] > 0 and step["strata_us"] > 0
+
     record = shim_costs.bench_record(TINY["batch"], TINY["k"], blocks=3)
     assert record["summaries"] == record["sketches"] == 6
 

@@ -65,6 +65,13 @@ def pooled_mixed_shim(registry: strata.StrataRegistry, **cfg):  # noqa: ANN003, 
     return est, sink
 
 
+def vllm_alone_at_the_pairs_set() -> StandinAcceptanceEstimator:
+    base = StandinAcceptanceEstimator(MAX_REQS, K, CPU)
+    base.slope.fill_(POOLED[1])
+    base.intercepts.copy_(torch.tensor(POOLED[2]))
+    return base
+
+
 def logits_for(x: torch.Tensor) -> torch.Tensor:
     """Logits whose ``logit(q_max)`` is ``x`` (>= 0): ``[x + log 2, 0, 0]``."""
     z = torch.zeros(x.shape[0], 3)
@@ -122,10 +129,7 @@ def graded_counts(steps, rows: slice = slice(None)) -> np.ndarray:  # noqa: ANN0
 
 
 def test_a_mixed_batch_sends_one_summary_per_stratum_adding_up_to_what_was_graded(registry):
-    sink = FakeSink()
-    sink.push(*POOLED)
-    est = shim(sink)
-    admit_mixed(registry)
+    est, sink = pooled_mixed_shim(registry)
     steps = make_steps(21)
     run(est, steps)
     # step 0 ran under vLLM's coefficients (not sent); two rounds of 10 steps follow
@@ -245,6 +249,43 @@ def test_without_the_sketch_strata_are_still_summed_from_the_rounds_steps(regist
     est.avest_close()
 
 
+def test_the_first_round_after_the_sidecar_returns_takes_the_buffers_given_back(
+    registry, held_sender
+):
+    """The sidecar is lost while the sender holds both buffer sets (held on purpose): the
+    sets come back while local refits govern, and the first round once pooled
+    coefficients return keeps its steps again (sums and sketches by the sender), not
+    summed on the step."""
+    entered, release = held_sender
+    est, sink = pooled_mixed_shim(registry)
+    rt = est._avest
+    steps = iter(make_steps(40, seed=11))
+
+    def step() -> None:
+        x, sampled, rejected = next(steps)
+        propose(est, x)
+        est.step(SLOTS.clone(), sampled, rejected)
+
+    for _ in range(21):  # step 0 local; rounds 1-10 (held in the sender) and 11-20 handed
+        step()
+    assert entered.wait(30), "the sender never started the first round"
+    assert rt.rounds._cur is None  # both sets with the sender
+    sink.is_connected = False
+    step()  # lost: the open round ends (no set free for the next), local refits govern
+    release.set()
+    assert rt.rounds.flush(10) and len(rt.rounds._free) == 2
+    step()
+    sink.is_connected = True
+    sink.push(4, 0.6, [0.4, 0.1, -0.2, -0.5])
+    sent = len(sink.summaries)
+    for _ in range(12):
+        step()
+    assert rt.rounds.flush(10)
+    later = sink.summaries[sent:]
+    assert [s.version for s in later] == [4, 4] and all(s.sketch is not None for s in later)
+    est.avest_close()
+
+
 def test_a_round_not_summed_per_stratum_goes_as_vllms_pooled_sums(registry):
     """A caller that hands every step the same idx_mapping tensor: the first round's
     references may be overwritten, so it is not summed per stratum; it goes as one
@@ -309,13 +350,8 @@ def test_a_round_without_free_buffers_is_summed_per_stratum_on_the_step(registry
 
 
 def test_predict_uses_each_slots_stratum_set_once_pushed(registry):
-    sink = FakeSink()
-    sink.push(*POOLED)
-    est = shim(sink)
-    admit_mixed(registry)
-    base = StandinAcceptanceEstimator(MAX_REQS, K, CPU)  # vLLM alone, at the pair's set
-    base.slope.fill_(POOLED[1])
-    base.intercepts.copy_(torch.tensor(POOLED[2]))
+    est, sink = pooled_mixed_shim(registry)
+    base = vllm_alone_at_the_pairs_set()
     steps = make_steps(25, seed=1)
     run(est, steps[:3])
     conf = propose(est, steps[3][0])
@@ -373,9 +409,7 @@ def test_excluded_requests_are_in_no_summary_and_predicted_with_the_pairs_set(re
     steps = make_steps(11, seed=3)
     confs: list[torch.Tensor] = []
     run(est, steps, confs)
-    base = StandinAcceptanceEstimator(MAX_REQS, K, CPU)
-    base.slope.fill_(POOLED[1])
-    base.intercepts.copy_(torch.tensor(POOLED[2]))
+    base = vllm_alone_at_the_pairs_set()
     assert torch.equal(confs[-1][:2], propose(base, steps[-1][0])[:2])
     assert sink.summary_strata == ["greedy", "t0.5-1"]
     np.testing.assert_array_equal(sink.summaries[0].counts, graded_counts(steps[1:11], slice(2, 8)))
@@ -383,10 +417,7 @@ def test_excluded_requests_are_in_no_summary_and_predicted_with_the_pairs_set(re
 
 
 def test_slots_of_no_known_stratum_are_the_pairs_pooled_summary(registry):
-    sink = FakeSink()
-    sink.push(*POOLED)
-    est = shim(sink)
-    admit_mixed(registry)
+    est, sink = pooled_mixed_shim(registry)
     for slot in range(8, 16):  # readmitted past the bound: pooled
         registry.slots[slot] = strata.POOL
         est._avest.strata.slot[slot] = strata.POOL
@@ -504,10 +535,7 @@ def test_a_live_sidecar_fits_the_strata_and_pushes_their_sets_back(start_sidecar
 
 
 def test_a_round_shorter_than_its_summaries_borrows_steps_from_the_next(registry):
-    sink = FakeSink()
-    sink.push(*POOLED)
-    est = shim(sink)
-    admit_mixed(registry)
+    est, sink = pooled_mixed_shim(registry)
     steps = make_steps(12, seed=6)
     run(est, steps[:1])  # step 0 local: pooled coefficients govern from its end
     sink.push(4, *POOLED[1:])  # an update ends the next round after one step

@@ -207,11 +207,19 @@ class SummaryRound:
         """Keep what the sketch needs of this step (before vLLM's next propose overwrites it).
 
         One device copy (the features buffer whole into the step's slot) and
-        three references; in copy mode three more copies. Nothing is computed
-        per step: the sender builds the sketch of the whole round.
+        three references; in copy mode three more copies; with strata, a copy
+        of the slots' stratum indices after an admission. Nothing is computed
+        per step: the sender builds the sketch (and the strata's sums) of the
+        whole round. A round whose first step finds no free set of buffers
+        keeps none (with strata: sums on the step).
         """
         t = self._t
         kept = self._cur
+        if kept is None and self.steps == 0 and self.keep_steps:
+            # a round's first step: a set the sender gave back since the last round
+            # ended (a round ended while none was free, or before the sidecar was lost)
+            with contextlib.suppress(IndexError):
+                kept = self._cur = self._free.popleft()
         st = self.strata
         if kept is None:  # no set of buffers for this round (the sender behind, or none)
             if st is not None:  # strata: summed on the step (see the module docstring)
@@ -285,14 +293,14 @@ class SummaryRound:
             st = self.strata
             sums = torch.cat([est.info.reshape(-1), est.grad.reshape(-1), est.counts.reshape(-1)])
             layout = None if st is None else (tuple(st.registry.names), tuple(st.in_force))
-            ready = None
-            if self._cuda:
-                ready = torch.cuda.Event()
-                ready.record()
-            kept = self._cur if self._t else None
             strata_sums = None
             if st is not None and self._cur is None:  # summed on the step
                 strata_sums = st.sums.reshape(-1).clone()
+            ready = None
+            if self._cuda:  # after every copy the sender reads
+                ready = torch.cuda.Event()
+                ready.record()
+            kept = self._cur if self._t else None
             self.closed_rounds += 1
             self.steps_closed += self.steps
             self._queue.put(

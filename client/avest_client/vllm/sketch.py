@@ -146,7 +146,7 @@ def _add(
         slots, group_of = groups
         group = group_of[slots.reshape(-1).index_select(0, flat)]  # [N]: slots [>= T, R]
         c = coef.index_select(0, group)  # [N, K+1]: each row's set
-        eta = c[:, :1] * x + c[:, 1:]  # as the strata's predict computed it, in float32
+        eta = torch.addcmul(c[:, 1:], x, c[:, :1])  # as the strata's predict computed it
         cell_pos = group[:, None] * k + positions  # the sketch's (group, position) rows
     accepted = (sampled.to(device, torch.int64) - 1).clamp_(min=0)[:, None]
     admitted = accepted + rejected.to(device, torch.int64)[:, None]

@@ -319,7 +319,8 @@ class StrataState:
         s = self.slot[safe]
         coef = self.table[s]  # [n, K+1]
         x = est.features[safe, step]
-        eta = coef[:, 0] * x + coef.gather(1, (step + 1)[:, None])[:, 0]
+        # (addcmul: as the round's sender scores the draft again, bit for bit)
+        eta = torch.addcmul(coef.gather(1, (step + 1)[:, None])[:, 0], x, coef[:, 0])
         own = torch.sigmoid(eta)
         use = valid & (self.served[s] > 0.5)
         current = confidence_probs[batch, step]
@@ -349,7 +350,7 @@ class StrataState:
         s = self.slot[idx]
         x = est.features[idx]
         coef = self.table[s]  # as apply() computed each draft's own prediction
-        own = torch.sigmoid(coef[:, :1] * x + coef[:, 1:])
+        own = torch.sigmoid(torch.addcmul(coef[:, 1:], x, coef[:, :1]))
         p = torch.where(self.served[s][:, None] > 0.5, own, est.predictions[idx])
         w = p * (1.0 - p) * obs
         res = (label - p) * obs
