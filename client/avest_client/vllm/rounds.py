@@ -483,7 +483,7 @@ class SummaryRound:
             rows = [*range(n), strata_mod.POOL, strata_mod.EXCLUDED]
             per = v[6 * k :].reshape(strata_mod.ROWS, k, 6)[rows]
         elif drawn:  # summed by the sender, with each group's sketch unless AVEST_SKETCH=0
-            per = v[6 * k : 6 * k * (groups + 1)].reshape(groups, k, 6)
+            per = v[6 * k : 6 * k * (groups + 1)].reshape(6, groups, k).transpose(1, 2, 0)
             if self.keep_sketch:
                 drawn_sketches = list(sketches.unpack(v[6 * k * (groups + 1) :], k, groups))
         if per is None:  # not summed per stratum: vLLM's sums, as the pair's pooled traffic

@@ -79,7 +79,7 @@ def build(
     local stratum index per request slot, as the step's sums used it, and ``group_of``
     maps such an index to its group: each row is scored with its group's set and
     counted in its group's sketch. ``irls``: first, each group's vLLM IRLS sums per
-    position (``[G, K, 6]``: ``a, b, c, g0, g1, n``, at the probability each row is
+    position (``[6, G, K]``: ``a, b, c, g0, g1, n``, at the probability each row is
     scored with), as vLLM's step adds them up; ``sketch=False``: those sums alone.
     """
     device = features.device
@@ -157,11 +157,12 @@ def _add(
         w = p * (1.0 - p) * obs
         res = (label - p) * obs
         wx = w * x
-        stats = torch.stack((wx * x, wx, w, res * x, res, obs), dim=-1).view(-1, k * 6)
-        if group is None:
-            acc[0].add_(stats.sum(0))
-        else:
-            acc[0].view(-1, k * 6).index_add_(0, group, stats)
+        sums = acc[0].view(6, -1, k)  # a stat at a time: [N, K] ops, one thread each on the CPU
+        for j, stat in enumerate((wx * x, wx, w, res * x, res, obs)):
+            if group is None:
+                sums[j, 0].add_(stat.sum(0))
+            else:
+                sums[j].index_add_(0, group, stat)
     if not sketch:
         return
     hist, ece, psum, nll = acc[-4:]
