@@ -19,6 +19,7 @@ from avest_client.vllm import strata
 from avest_client.vllm.config import ConfigError, ShimConfig
 from avest_client.vllm.estimator import make_sidecar_estimator
 from avest_client.vllm.exclusion import ExclusionRegistry, install_sampler_hook
+from avest_client.vllm.rounds import SummaryRound
 from avest_client.vllm.sidecar.sink import SidecarSink
 from avest_wire.bins import AUC_SLOTS
 from avest_wire.pair import PairKey
@@ -596,3 +597,44 @@ def test_raw_steps_go_without_strata_when_a_row_has_none(registry):
     assert est._avest.transfer.flush(10)
     assert [r.strata for r in sink.received] == [None, None]
     est.avest_close()
+
+
+def test_on_cuda_a_round_summed_on_the_step_is_copied_before_the_senders_event(
+    registry, monkeypatch
+):
+    """The order ``end()`` enqueues its work in on CUDA (traced on the CPU with a
+    recording event): the sender's side stream waits on ``ready`` and then reads vLLM's
+    sums and the strata's sums, so both copies come before the event is recorded."""
+    log: list[str] = []
+
+    class Event:
+        def record(self, stream=None) -> None:  # noqa: ANN001
+            log.append("ready")
+
+    st = strata.StrataState(MAX_REQS, K, CPU, registry=registry)
+    rounds = SummaryRound(FakeSink(), K, CPU, True, max_num_reqs=MAX_REQS, strata=st)
+    rounds._queue.put(None)  # the sender stops: only end() is traced
+    rounds._thread.join(10)
+    rounds._cuda, rounds._cur = True, None  # the sender holds both sets: summed on the step
+    rounds._free.clear()
+    clone, cat = torch.Tensor.clone, torch.cat
+
+    def logged_clone(t: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # noqa: ANN002, ANN003
+        log.append("strata")
+        return clone(t, *args, **kwargs)
+
+    def logged_cat(parts, *args, **kwargs) -> torch.Tensor:  # noqa: ANN001, ANN002, ANN003
+        log.append("vllm")
+        return cat(parts, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "Event", Event)
+        m.setattr(torch.Tensor, "clone", logged_clone)
+        m.setattr(torch, "cat", logged_cat)
+        rounds.start(1, 0.5, (0.0,) * K)
+        rounds.steps = 3
+        rounds.end(StandinAcceptanceEstimator(MAX_REQS, K, CPU))
+    item = rounds._queue.get_nowait()
+    assert item.strata_sums is not None and item.ready is not None
+    assert log == ["vllm", "strata", "ready"]
+    st.close()
