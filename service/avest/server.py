@@ -19,7 +19,6 @@ import socket
 import ssl
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -31,6 +30,7 @@ from avest.grpc.gate import Gate
 from avest.grpc.interceptor import RpcInterceptor
 from avest.grpc.service import EstimatorService
 from avest.http.api import build_http
+from avest.http.bridge import Heartbeat, HttpThread, LoopBridge
 from avest.http.protocol import guarded_protocol, quiet_loop_errors
 from avest.metrics.registry import Metrics
 from avest.policy.access import Access, is_loopback
@@ -47,14 +47,6 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EstimatorService"].full_name
 
 class BindError(OSError):
     """A listen address cannot be bound (in use, or not an address of this host)."""
-
-
-class _EmbeddedUvicorn(uvicorn.Server):
-    """uvicorn without its own signal handling: the service handles SIGTERM."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 class Server:
@@ -77,8 +69,9 @@ class Server:
         #: Listeners whose traffic (tokens, or open writes) is readable on the network.
         self.exposure: list[str] = []
         self._grpc: grpc.aio.Server | None = None
-        self._http: _EmbeddedUvicorn | None = None
-        self._http_task: asyncio.Task[None] | None = None
+        self._http: HttpThread | None = None
+        #: The event loop's heartbeat, which /healthz reads on the HTTP thread.
+        self.heartbeat = Heartbeat()
         self._stopped = asyncio.Event()
 
     @property
@@ -218,8 +211,9 @@ class Server:
                 f"{exc.strerror or exc}"
             ) from None
         self.http_port = sock.getsockname()[1]
+        api = build_http(self.app, self.metrics, self.settings, self.access)
         config = uvicorn.Config(
-            build_http(self.app, self.metrics, self.settings, self.access),
+            LoopBridge(api, asyncio.get_running_loop(), self.heartbeat),
             log_level=self.settings.log_level if self.settings.log_level != "info" else "warning",
             log_config=None,
             lifespan="off",
@@ -229,12 +223,9 @@ class Server:
             timeout_keep_alive=max(1, int(s.handshake_timeout_s)),
             **http_tls(s),
         )
-        self._http = _EmbeddedUvicorn(config)
-        self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]), name="avest-http")
-        while not self._http.started:
-            if self._http_task.done():
-                self._http_task.result()
-            await asyncio.sleep(0.01)
+        self.heartbeat.start(asyncio.get_running_loop())
+        self._http = HttpThread(config, sock)
+        await self._http.start()
         log.debug(  # `avest serve` and `avest demo` print their own "avest serving" line
             "avest serving grpc=%s http=%s data=%s",
             self.grpc_address,
@@ -285,10 +276,9 @@ class Server:
             await self._grpc.stop(min(left(), 1.0))
         # A chunk under way when the deadline passes still finishes: leave it room.
         await self.app.close(deadline=deadline - min(1.0, 0.2 * grace))
-        if self._http is not None and self._http_task is not None:
-            self._http.should_exit = True
-            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(self._http_task, timeout=max(left(), 0.1))
+        if self._http is not None:
+            await self._http.stop(left())
+        self.heartbeat.stop()
         log.info("avest stopped in %.2fs", time.monotonic() - started)
 
     async def wait(self) -> None:

@@ -141,7 +141,9 @@ def test_the_sidecar_has_probes_requests_and_runs_as_the_images_user() -> None:
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert c["readinessProbe"]["httpGet"]["port"] in ("http", ports["http"])
-    assert c["livenessProbe"]["grpc"]["port"] == ports["grpc"]
+    # Liveness reads /healthz, answered off the service's event loop (its heartbeat).
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["livenessProbe"]["httpGet"]["port"] in ("http", ports["http"])
     assert c["startupProbe"]["httpGet"]["path"] == "/healthz"
     assert set(c["resources"]["requests"]) == {"cpu", "memory"}
     assert "memory" in c["resources"]["limits"]

@@ -1,13 +1,15 @@
-"""Admin HTTP API (FastAPI), served by uvicorn in the service's process.
+"""Admin HTTP API (FastAPI), served by uvicorn on a thread of its own (:mod:`avest.http.bridge`).
 
-Every handler is ``async def`` so that it runs on the event loop thread, the
-thread that owns the registry (a plain ``def`` would run in a worker thread
-and read the state while the loop mutates it); each one is cheap and does no
-blocking I/O.
+Every handler is ``async def`` and runs on the service's event loop thread, the
+thread that owns the registry, to which the bridge hands each request (a plain
+``def`` would run in a worker thread and read the state while the loop mutates
+it); each one is cheap and does no blocking I/O.
 
 ==========================================  ==========================================
-``GET /healthz``                            liveness: 200 while the loop answers (and the
-                                            version)
+``GET /healthz``                            liveness: 200 while the event loop turns (and
+                                            the version), 503 once it has not turned for
+                                            10 s; answered on the HTTP thread
+                                            (:mod:`avest.http.bridge`)
 ``GET /readyz``                             200 once started (naming the pairs set
                                             aside); 503 before, while draining, while
                                             store writes fail, and when no stored pair
@@ -221,7 +223,9 @@ def build_http(app: Any, metrics: Any, settings: Any, access: Access | None = No
 
     @api.get("/healthz", response_model=Status, response_model_exclude_none=True, tags=["health"])
     async def healthz() -> Status:
-        """Liveness: the process and its event loop answer; the release serving."""
+        """Liveness: the service's event loop turns; the release serving. In the service
+        the HTTP thread answers it from the loop's heartbeat (:mod:`avest.http.bridge`),
+        503 once the loop has not turned for 10 s; this route documents it."""
         return Status(status="ok", version=__version__)
 
     @api.get(

@@ -1,0 +1,98 @@
+"""The admin HTTP server on its own thread: /healthz reads the event loop's heartbeat.
+
+A probe must not wait behind a saturated service loop (an overloaded service is
+alive), and must fail once the loop stops turning (a wedged one is not); every
+other route still runs on the loop that owns the state.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+import avest
+
+
+def _hold_loop(handle: Any, seconds: float) -> threading.Event:
+    """Block the service's event loop for ``seconds``; the event is set once it is blocked."""
+    blocked = threading.Event()
+
+    def hold() -> None:
+        blocked.set()
+        time.sleep(seconds)
+
+    handle.loop.call_soon_threadsafe(hold)
+    assert blocked.wait(10), "the service loop never ran the blocking callback"
+    return blocked
+
+
+def test_healthz_answers_while_the_loop_is_busy_and_readyz_waits_for_it(
+    start_server: Callable[..., Any], tmp_path
+) -> None:  # noqa: ANN001
+    handle = start_server(tmp_path / "data")
+    url = handle.http_url
+    assert httpx.get(url + "/readyz", timeout=10).status_code == 200
+    _hold_loop(handle, 6.0)
+    t0 = time.monotonic()
+    r = httpx.get(url + "/healthz", timeout=5)
+    answered_s = time.monotonic() - t0
+    assert r.status_code == 200
+    assert r.json() == {"status": "ok", "version": avest.__version__}
+    assert answered_s < 5.0
+    # Readiness reads the state, on the loop: it waits until the loop turns again.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.get(url + "/readyz", timeout=1.0)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                break
+        except httpx.TimeoutException:
+            pass
+    else:
+        pytest.fail("/readyz never answered once the loop turned again")
+
+
+def test_healthz_is_503_while_the_loop_does_not_turn(
+    start_server: Callable[..., Any], tmp_path
+) -> None:  # noqa: ANN001
+    handle = start_server(tmp_path / "data")
+    url = handle.http_url
+    handle.server.heartbeat.stale_after_s = 0.5
+    _hold_loop(handle, 4.0)
+    time.sleep(1.0)
+    r = httpx.get(url + "/healthz", timeout=5)
+    assert r.status_code == 503
+    body = r.json()
+    assert body["status"] == "unresponsive"
+    assert "event loop has not turned for" in body["reason"]
+    # Healthy again once the loop runs its heartbeat.
+    deadline = time.monotonic() + 30
+    while httpx.get(url + "/healthz", timeout=5).status_code != 200:
+        assert time.monotonic() < deadline, "/healthz stayed 503 after the loop turned again"
+        time.sleep(0.1)
+
+
+def test_a_client_that_leaves_mid_request_leaves_the_api_serving(
+    start_server: Callable[..., Any], tmp_path
+) -> None:  # noqa: ANN001
+    # The request is handed to the loop while the loop is held; the client gives
+    # up; the handler's relay is cancelled, and the API still answers afterwards.
+    handle = start_server(tmp_path / "data")
+    url = handle.http_url
+    _hold_loop(handle, 2.0)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.get(url + "/v1/pairs", timeout=0.5)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            r = httpx.get(url + "/v1/pairs", timeout=2)
+            break
+        except httpx.TimeoutException:
+            assert time.monotonic() < deadline
+    assert r.status_code == 200 and r.json()["pairs"] == []
