@@ -7,6 +7,7 @@ other route still runs on the loop that owns the state.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -96,3 +97,18 @@ def test_a_client_that_leaves_mid_request_leaves_the_api_serving(
         except httpx.TimeoutException:
             assert time.monotonic() < deadline
     assert r.status_code == 200 and r.json()["pairs"] == []
+
+
+def test_admin_connections_send_small_writes_at_once(
+    start_server: Callable[..., Any], tmp_path
+) -> None:  # noqa: ANN001
+    # uvicorn writes a response's head and body apart: with Nagle's algorithm on, the
+    # body waited for the client's delayed ACK, 40 ms on every admin response.
+    handle = start_server(tmp_path / "data")
+    with httpx.Client(base_url=handle.http_url, timeout=10) as http:
+        assert http.get("/healthz").status_code == 200
+        connections = list(handle.server._http.server.server_state.connections)
+        assert connections, "the request's keep-alive connection is not open"
+        for protocol in connections:
+            sock = protocol.transport.get_extra_info("socket")
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1

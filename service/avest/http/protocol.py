@@ -11,6 +11,8 @@ for at most ``timeout_keep_alive`` seconds and can never fill the table.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import time
 from typing import Any
 
@@ -25,6 +27,7 @@ def guarded_protocol(max_connections: int) -> type[H11Protocol]:
     class GuardedH11(H11Protocol):
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             self.opened_at = time.monotonic()
+            no_delay(transport)
             super().connection_made(transport)
             if len(self.connections) > max_connections and not self._evict_idle():
                 _logs.warning(
@@ -64,6 +67,18 @@ def guarded_protocol(max_connections: int) -> type[H11Protocol]:
             super().data_received(data)
 
     return GuardedH11
+
+
+def no_delay(transport: asyncio.BaseTransport) -> None:
+    """Send small writes at once (TCP_NODELAY). uvicorn writes a response's head and
+    body apart; with Nagle's algorithm the body waits for the client's delayed ACK of
+    the head, 40 ms on Linux, on every response. asyncio turns Nagle off itself only
+    for sockets made with ``IPPROTO_TCP``, and the listening socket the server binds
+    (``socket.socket(family)``) hands its connections protocol 0."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def quiet_loop_errors(loop: asyncio.AbstractEventLoop) -> None:
