@@ -24,9 +24,10 @@ from tests.support.serve import stop_process
 ROUND_STEPS = 100
 
 
-def summary_body(k: int, batch: int = 256) -> bytes:
-    """A realistic summary (100 steps of B x K drafts) serialized as ObserveRequest's field."""
-    acc = RoundAccumulator(k)
+def summary_body(k: int, batch: int = 256, reached: bool = False) -> bytes:
+    """A realistic summary (100 steps of B x K drafts) serialized as ObserveRequest's field;
+    ``reached``: with its reached counts (the vLLM plugin sends them with one round in ten)."""
+    acc = RoundAccumulator(k, reached=reached)
     for x, d, a in make_steps(ROUND_STEPS, batch, k, seed=3):
         acc.add(x, d, a, 0.5, [-0.2] * k)
     s = acc.take(0, 0.5, [-0.2] * k)
@@ -116,7 +117,9 @@ async def ingest(address: str, pair_id: str, body: bytes, workers: int, streams:
     }
 
 
-def bench_handler(k: int, n: int = 1000, repeats: int = 3) -> dict[str, float]:
+def bench_handler(
+    k: int, n: int = 1000, repeats: int = 3, reached: bool = False
+) -> dict[str, float]:
     """The server's work per summary without gRPC, in this process: parse the message,
     validate it (``summary_from_pb``), apply it (``Pair.observe``, a refit every 1,000
     summaries as in the ingest runs). CPU microseconds per summary, best of ``repeats``."""
@@ -124,7 +127,7 @@ def bench_handler(k: int, n: int = 1000, repeats: int = 3) -> dict[str, float]:
     from avest.state.pairs import Registry, RuleConfig
     from avest_wire.pair import PairKey
 
-    body = summary_body(k)
+    body = summary_body(k, reached=reached)
     best: dict[str, float] = {}
     for _ in range(repeats):
         reg = Registry(RuleConfig())

@@ -5,7 +5,8 @@ A :class:`~avest_wire.summary.RoundSummary` is what a forwarder queues with
 round (``info`` [K, 3], ``grad`` [K, 2], ``counts`` [K], as vLLM's estimator
 keeps them), the coefficients (and their version) the round's predictions
 were made with, the steps and labelled drafts it covers, and optionally a
-calibration sketch in the contract's bins (:mod:`avest_wire.bins`). It takes
+calibration sketch in the contract's bins (:mod:`avest_wire.bins`) and the
+features of the drafts that reached each position (``reached``). It takes
 the next sequence number like a step, so summaries and raw steps share one
 ledger: acknowledgements, resends after a reconnect and drops work the same.
 
@@ -16,19 +17,31 @@ way ``avest replay --summary`` sends a trace in summary mode.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import numpy.typing as npt
 
-from avest_wire.bins import AUC_SLOTS, ECE_BINS, eta_slot, probability_bin
-from avest_wire.summary import RoundSummary, Sketch, make_summary
+from avest_wire.bins import (
+    AUC_SLOTS,
+    ECE_BINS,
+    FEATURE_BINS,
+    eta_slot,
+    feature_bin,
+    probability_bin,
+)
+from avest_wire.summary import Reached, RoundSummary, Sketch, make_summary
 
 
 class RoundAccumulator:
     """A worker's open round on the host: fold raw steps, take a summary (numpy, float64)."""
 
-    def __init__(self, k: int, sketch: bool = True) -> None:
+    def __init__(self, k: int, sketch: bool = True, reached: bool = False) -> None:
+        """``reached``: the summaries also count the features of the drafts that reached
+        each position (the vLLM plugin sends them with one round in ten)."""
         self.k = k
         self.sketch = sketch
+        self.keep_reached = reached
         self.clear()
 
     def clear(self) -> None:
@@ -40,6 +53,7 @@ class RoundAccumulator:
         self.ece = np.zeros((k, ECE_BINS, 2))
         self.psum = np.zeros((k, ECE_BINS))
         self.nll = np.zeros(k)
+        self.reached = np.zeros(k * FEATURE_BINS)
         self.steps = 0
 
     def add(
@@ -75,6 +89,14 @@ class RoundAccumulator:
         self.grad[:, 1] += r.sum(0)
         self.counts += m.sum(0)
         self.steps += 1
+        if self.keep_reached:
+            # position i reached: drafts 0 .. i-1 accepted; a request with nothing
+            # verified is left out (trimmed whole, or no drafts: a raw step cannot tell)
+            got = (pos <= a) & (d >= 1)
+            if exclude is not None:
+                got &= ~np.asarray(exclude, dtype=bool)[:, None]
+            rows, cols = np.nonzero(got)
+            np.add.at(self.reached, cols * FEATURE_BINS + feature_bin(x[rows, cols]), 1.0)
         if not self.sketch or not obs.any():
             return
         rows, cols = np.nonzero(obs)
@@ -106,5 +128,8 @@ class RoundAccumulator:
             steps=self.steps,
             sketch=sketch,
         )
+        if self.keep_reached:
+            reached = Reached.from_dense(self.reached, labelled=out.counts, steps=out.steps)
+            out = dataclasses.replace(out, reached=reached)
         self.clear()
         return out

@@ -13,10 +13,13 @@ import pytest
 
 from avest.core.schedule import MIN_DRAFTS, vllm_lengths
 from avest_client import EstimatorClient, FailedPreconditionError, NotFoundError
+from avest_client.summary import RoundAccumulator
+from avest_wire.messages import summary_to_pb
 from avest_wire.v1 import estimator_pb2 as pb
-from tests.support.live import TOKEN, Live, messages, observe, register
+from tests.support.live import TOKEN, Live, messages, observe, observe_requests, register
 from tests.support.metrics import scrape, select, value
 from tests.support.serve import CLI
+from tests.support.steps import trimmed_steps
 from tests.support.traces import load_trace
 
 K = 5
@@ -144,3 +147,58 @@ def test_the_command_prints_vllms_entry_and_a_table(fed: tuple[Live, str]) -> No
     thin = avest(register(live, k=K, target="another"), "--hardware", "steep")
     assert thin.returncode == 1 and len(thin.stderr.strip().splitlines()) == 1
     assert "NOT_FOUND" in thin.stderr  # no cost curves for a new pair
+
+
+def test_the_schedule_reads_every_draft_that_reached_a_position(
+    open_server: Callable[..., Live],
+) -> None:
+    # Steps as adaptive verification leaves them (drafts with x < 0 trimmed): three pairs
+    # see the same steps, as round summaries with reached counts, as raw steps, and as
+    # summaries without them (a worker that sends none).
+    live = open_server(min_refit_interval_ms=0)
+    steps = trimmed_steps(40, 60, K, seed=7)
+    ids = {name: register(live, k=K, refit_interval=1_000_000, run=name) for name in
+           ("summaries", "raw", "bare")}  # fmt: skip
+    for pair_id in ids.values():
+        _costs(live, pair_id, "steep", 0.5)
+    observe(live, observe_requests(steps, ids["raw"]))
+    for name, reached in (("summaries", True), ("bare", False)):
+        msgs = []
+        for seq, start in enumerate(range(0, len(steps), 10), start=1):
+            acc = RoundAccumulator(K, reached=reached)
+            for x, d, a in steps[start : start + 10]:
+                acc.add(x, d, a, 0.5, [-0.2] * K)  # the cold start the pair serves
+            s = acc.take(0, 0.5, [-0.2] * K)
+            assert s is not None
+            msgs.append(
+                pb.ObserveRequest(
+                    pair_id=ids[name],
+                    worker_id="w0",
+                    sequence=seq,
+                    k=K,
+                    summary=summary_to_pb(s),
+                )  # fmt: skip
+            )
+        assert observe(live, msgs) == len(msgs)
+    got = {}
+    for name, pair_id in ids.items():
+        r = live.http.get(f"/v1/pairs/{pair_id}/schedule", params={"hardware": "steep"})
+        assert r.status_code == 200, r.text
+        got[name] = r.json()
+    assert got["summaries"]["features"] == got["raw"]["features"] == "reached"
+    assert got["bare"]["features"] == "labelled"
+    # the same drafts counted either way give the same schedule, expected goodput and all
+    assert got["summaries"]["ranges"] == got["raw"]["ranges"]
+    # the labelled drafts alone miss the trimmed (unconfident) ones: a rosier expectation
+    ours = [r["expected_goodput"] for r in got["summaries"]["ranges"]]
+    rosy = [r["expected_goodput"] for r in got["bare"]["ranges"]]
+    assert ours != rosy
+    speculating = [r for r in got["bare"]["ranges"] if r["num_speculative_tokens"] > 0]
+    assert speculating, got["bare"]
+    start = speculating[0]["range_start"]
+    at = {r["range_start"]: r for r in got["summaries"]["ranges"]}
+    if (
+        start in at
+        and at[start]["num_speculative_tokens"] == speculating[0]["num_speculative_tokens"]
+    ):
+        assert at[start]["expected_goodput"] < speculating[0]["expected_goodput"]

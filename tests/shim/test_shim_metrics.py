@@ -94,6 +94,7 @@ def test_summary_mode_counters_reach_the_multiprocess_directory(tmp_path):
     assert m["avest_shim_copy_mode"][()] == 0
     assert m["avest_shim_sketches_skipped_total"][()] == 0
     assert m["avest_shim_strata_rounds_pooled_total"][()] == 0  # no strata
+    assert m["avest_shim_reached_skipped_total"][()] == 0
 
 
 def test_raw_mode_counts_forwarded_steps(tmp_path):

@@ -15,13 +15,14 @@ import torch
 from avest_client import EstimatorClient
 from avest_client.summary import RoundAccumulator
 from avest_client.types import Served
+from avest_client.vllm import rounds as rounds_mod
 from avest_client.vllm import strata
 from avest_client.vllm.config import ConfigError, ShimConfig
 from avest_client.vllm.estimator import make_sidecar_estimator
 from avest_client.vllm.exclusion import ExclusionRegistry, install_sampler_hook
 from avest_client.vllm.rounds import SummaryRound
 from avest_client.vllm.sidecar.sink import SidecarSink
-from avest_wire.bins import AUC_SLOTS
+from avest_wire.bins import AUC_SLOTS, FEATURE_BINS, FEATURE_OFFSET, FEATURE_SCALE
 from avest_wire.pair import PairKey
 from tests.support.sidecar import FAST, sink_of, wait_until
 from tests.support.standin import StandinAcceptanceEstimator
@@ -158,18 +159,33 @@ def test_a_mixed_batch_sends_one_summary_per_stratum_adding_up_to_what_was_grade
     plain.avest_close()
 
 
+def reached_of_rows(x: np.ndarray, sampled: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``[K, FEATURE_BINS]``: the drafts of ``rows`` past their prefill (``num_sampled
+    >= 1``) whose earlier drafts were accepted, binned in float32 as the device bins them."""
+    out = np.zeros((K, FEATURE_BINS))
+    fb = (np.clip(x, -40, 40).astype(np.float32) + np.float32(FEATURE_OFFSET)) * np.float32(
+        FEATURE_SCALE
+    )
+    fb = np.minimum(fb.astype(np.int64), FEATURE_BINS - 1)
+    for r in np.flatnonzero(rows & (sampled[: rows.size] >= 1)):
+        for i in range(min(int(sampled[r]) - 1, K - 1) + 1):
+            out[i, fb[r, i]] += 1
+    return out
+
+
 def _dense(sketch) -> tuple[np.ndarray, ...]:  # noqa: ANN001
     hist = np.zeros(K * 2 * AUC_SLOTS)
     hist[sketch.cells] = sketch.counts
     return hist, sketch.ece, sketch.psum, sketch.nll
 
 
-def test_each_strata_summary_sums_and_sketches_its_own_rows_at_its_own_set(registry):
+def test_each_strata_summary_sums_and_sketches_its_own_rows_at_its_own_set(registry, monkeypatch):
     """Every stratum's summary carries a sketch whose drafts are its counts; summed over
     the run, each stratum's sums and sketches are the host reference over that
     stratum's rows, scored at the set they were predicted with (greedy's own once
     pushed, the pair's otherwise), with slots readmitted into another stratum
     mid-round, excluded rows in none and rows of no stratum in the pooled summary's."""
+    monkeypatch.setattr(rounds_mod, "REACHED_EVERY", 1)  # every round carries its reached
     sink = FakeSink()
     sink.push(*POOLED)
     est = shim(sink)
@@ -180,6 +196,7 @@ def test_each_strata_summary_sums_and_sketches_its_own_rows_at_its_own_set(regis
         rt.strata.slot[slot] = strata.POOL
     steps = make_steps(47, seed=7)
     refs: dict[str | None, RoundAccumulator] = {}
+    reached: dict[str | None, np.ndarray] = {}
     for t, (x, sampled, rejected) in enumerate(steps):
         if t == 6:
             sink.strata = {"greedy": GREEDY_SET}
@@ -203,6 +220,10 @@ def test_each_strata_summary_sums_and_sketches_its_own_rows_at_its_own_set(regis
             acc.add(x.numpy(), verified, sampled.numpy() - 1,
                     float(np.float32(slope)), np.asarray(b, dtype=np.float32).astype(np.float64),
                     exclude=index != i)  # fmt: skip
+            mine = np.zeros(x.shape[0], dtype=bool)
+            mine[: index.size] = index == i
+            want_reached = reached.setdefault(name, np.zeros((K, FEATURE_BINS)))
+            want_reached += reached_of_rows(x.numpy(), sampled.numpy(), mine)
     assert rt.rounds.flush(10)
     assert rt.rounds.send_errors == 0 and rt.rounds.sketches_skipped == 0
     assert set(sink.summary_strata) == {"greedy", "t0.5-1", None}
@@ -211,15 +232,24 @@ def test_each_strata_summary_sums_and_sketches_its_own_rows_at_its_own_set(regis
     for summary, name in zip(sink.summaries, sink.summary_strata, strict=True):
         assert summary.sketch is not None
         np.testing.assert_array_equal(summary.sketch.drafts_per_position(), summary.counts)
-        parts = (summary.info, summary.grad, summary.counts, *_dense(summary.sketch))
+        assert summary.reached is not None
+        parts = (
+            summary.info,
+            summary.grad,
+            summary.counts,
+            *_dense(summary.sketch),
+            summary.reached.dense(),
+        )
         before = got.setdefault(name, [np.zeros_like(p) for p in parts])
         got[name] = [a + b for a, b in zip(before, parts, strict=True)]
     assert set(got) == set(refs)
     for name, acc in refs.items():
         want = acc.take(1, POOLED[1], POOLED[2])
         assert want is not None and want.sketch is not None
-        info, grad, counts, hist, ece, psum, nll = got[name]
+        info, grad, counts, hist, ece, psum, nll, got_reached = got[name]
         np.testing.assert_array_equal(counts, want.counts)
+        # the drafts of the stratum's rows that reached their position, by feature bin
+        np.testing.assert_array_equal(got_reached, reached[name])
         np.testing.assert_allclose(info, want.info, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(grad, want.grad, rtol=1e-4, atol=1e-4)
         whist, wece, wpsum, wnll = _dense(want.sketch)

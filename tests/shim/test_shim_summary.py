@@ -12,9 +12,10 @@ import torch
 
 from avest_client import EstimatorClient
 from avest_client.summary import RoundAccumulator
+from avest_client.vllm import rounds as rounds_mod
 from avest_client.vllm.config import ShimConfig
 from avest_client.vllm.estimator import make_sidecar_estimator
-from avest_wire.bins import AUC_SLOTS
+from avest_wire.bins import AUC_SLOTS, FEATURE_BINS, FEATURE_OFFSET, FEATURE_SCALE
 from tests.support.sidecar import make_shim, sink_of, wait_until
 from tests.support.standin import StandinAcceptanceEstimator
 from tests.support.tracedrive import drive, load_trace, steps, synthetic_trace, trace_steps
@@ -64,7 +65,23 @@ def _reference(trace, coef):
     return out
 
 
-def test_device_sums_and_sketch_equal_the_host_reference():
+def reached_reference(trace, k=5):
+    """Each step's requests past their prefill (the driver's all have ``num_sampled >=
+    1``): drafts ``0 .. a`` by feature bin, binned in float32 as the device bins them."""
+    want = np.zeros((k, FEATURE_BINS))
+    for s in trace:
+        x = s.features.numpy().astype(np.float32)
+        fb = (np.clip(x, -40, 40) + np.float32(FEATURE_OFFSET)) * np.float32(FEATURE_SCALE)
+        fb = np.minimum(fb.astype(np.int64), FEATURE_BINS - 1)
+        a = np.asarray(s.num_accepted)
+        for r in range(x.shape[0]):
+            for i in range(min(int(a[r]), k - 1) + 1):
+                want[i, fb[r, i]] += 1
+    return want
+
+
+def test_device_sums_and_sketch_equal_the_host_reference(monkeypatch):
+    monkeypatch.setattr(rounds_mod, "REACHED_EVERY", 1)  # every round: each one compared
     sink = FakeSink()
     sink.push(*POOLED)
     est = _shim(sink)
@@ -81,9 +98,28 @@ def test_device_sums_and_sketch_equal_the_host_reference():
         np.testing.assert_allclose(got.info, want.info, rtol=2e-4, atol=1e-3)
         np.testing.assert_allclose(got.grad, want.grad, rtol=2e-4, atol=1e-3)
         _assert_sketches_agree(got, want)
+        # every draft that reached its position, verified or not, by feature bin
+        assert got.reached is not None
+        np.testing.assert_array_equal(got.reached.dense(), reached_reference(part))
     assert est._refits == 0  # pooled rounds replace vLLM's local refits
     # vLLM's (and this driver's) per-step tensors are fresh: kept by reference, not copied
     assert not est._avest.rounds.copy_mode and est._avest.rounds.sketches_skipped == 0
+    est.avest_close()
+
+
+def test_one_round_in_ten_carries_its_reached_counts():
+    sink = FakeSink()
+    sink.push(*POOLED)
+    est = _shim(sink, round_steps=10)
+    trace = _trace(221)
+    _drive_rounds(est, trace)
+    assert est._avest.rounds.flush(10)
+    assert len(sink.summaries) == 22
+    carried = [i for i, s in enumerate(sink.summaries) if s.reached is not None]
+    assert carried == [0, 10, 20]
+    for i in carried:  # step 0 ran under vLLM's own coefficients: round i is 1 + 10 i ..
+        part = trace[1 + 10 * i : 11 + 10 * i]
+        np.testing.assert_array_equal(sink.summaries[i].reached.dense(), reached_reference(part))
     est.avest_close()
 
 

@@ -53,3 +53,33 @@ def replay(estimator, steps, first_scored):
             half.update(eta, obs, acc)
         estimator.observe(x, d, a)
     return whole.summary(), half.summary()
+
+
+def trimmed_steps(n: int, rows: int, k: int, seed: int) -> list[tuple[np.ndarray, ...]]:
+    """Steps as adaptive verification leaves them: a request's drafts are verified up to
+    its first one with ``x < 0`` (none at all for some), accepted up to a first rejection."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        x = rng.normal(1.0, 2.0, size=(rows, k)).astype(np.float32)
+        low = x < 0.0
+        d = np.where(low.any(axis=1), np.argmax(low, axis=1), k)
+        ok = rng.random((rows, k)) < 1.0 / (1.0 + np.exp(-x))
+        a = np.minimum(np.where(ok.all(axis=1), k, np.argmin(ok, axis=1)), d)
+        out.append((x, d.astype(np.int32), a.astype(np.int32)))
+    return out
+
+
+def reached_by_brute_force(steps: list[tuple[np.ndarray, ...]], k: int) -> np.ndarray:
+    """``[K, FEATURE_BINS]``: each request's drafts ``0 .. a`` (every earlier one
+    accepted) by feature bin, for requests with something verified, one by one."""
+    from avest_wire.bins import FEATURE_BINS, feature_bin
+
+    want = np.zeros((k, FEATURE_BINS))
+    for x, d, a in steps:
+        for r in range(x.shape[0]):
+            if d[r] == 0:
+                continue  # nothing verified: a raw step cannot tell trimmed from undrafted
+            for i in range(min(int(a[r]), k - 1) + 1):
+                want[i, feature_bin(float(x[r, i]))] += 1
+    return want

@@ -281,6 +281,7 @@ def test_every_message_and_field_is_covered():
         "DeletePairResponse",
         "RoundSummary",
         "CalibrationSketch",
+        "ReachedCounts",
         "StratumCoefficients",
     }
     assert set(pb.DESCRIPTOR.enum_types_by_name) == {"UpdateRule", "BudgetRule"}

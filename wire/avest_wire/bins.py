@@ -16,6 +16,10 @@ builder and the service's core.
   usual reliability-diagram resolution (15, as in Guo et al. 2017).
 - **Sketch cells**: ``(position * 2 + label) * AUC_SLOTS + slot``, label 1
   for an accepted draft; :data:`CELLS_PER_POSITION` per position.
+- **Feature bins**: the feature ``x = logit(q_max)`` in :data:`FEATURE_BINS`
+  equal bins on ``[-MAX_LOG_ODDS, MAX_LOG_ODDS]``; a round summary's counts of
+  the drafts that reached each position (``RoundSummary.reached``), cells
+  ``position * FEATURE_BINS + bin``.
 - **Calibration-layer knots**: the served monotone map is a table of
   :data:`CALIBRATION_SLOTS` knots over ``eta`` (bin centres of
   :data:`CALIBRATION_BINS` bins on ``[-CALIBRATION_ETA_MAX,
@@ -27,6 +31,8 @@ from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
+
+from avest_wire.limits import MAX_LOG_ODDS
 
 #: Equal-width bins of the linear predictor for the AUC histograms.
 AUC_BINS = 1024
@@ -43,6 +49,15 @@ CELLS_PER_POSITION = 2 * AUC_SLOTS
 #: same affine map in numpy (float64) and torch (float32) on every side.
 ETA_SCALE = AUC_BINS / (2.0 * ETA_RANGE)
 ETA_OFFSET = ETA_RANGE * ETA_SCALE + 1.0
+
+#: Equal bins of ``x`` on ``[-MAX_LOG_ODDS, MAX_LOG_ODDS]`` (0.25 wide): the mean of
+#: ``sigmoid(w x + b)`` over a bin moves by under 3e-4 against its value at the centre
+#: for ``w <= 1``; the vLLM clamp at +40 falls in the last bin.
+FEATURE_BINS = 320
+#: ``bin = min(trunc((clip(x, -40, 40) + FEATURE_OFFSET) * FEATURE_SCALE), FEATURE_BINS - 1)``:
+#: the same map in numpy (float64) and torch (float32) on every side.
+FEATURE_SCALE = FEATURE_BINS / (2.0 * MAX_LOG_ODDS)
+FEATURE_OFFSET = MAX_LOG_ODDS
 
 #: Inner bins of the calibration layer's table on ``[-CALIBRATION_ETA_MAX, ...)``:
 #: 32 bins of 0.5 in ``eta`` are fine enough for a monotone map and few enough that
@@ -66,6 +81,12 @@ def probability_bin(p: npt.ArrayLike) -> IntArray:
     """ECE bin of each probability in [0, 1]; 1.0 falls in the last bin."""
     b = (np.asarray(p, dtype=np.float64) * ECE_BINS).astype(np.intp)
     return np.minimum(b, ECE_BINS - 1)
+
+
+def feature_bin(x: npt.ArrayLike) -> IntArray:
+    """Feature bin of each ``x``: ``[-40, -39.75)`` is bin 0, 40 (the clamp) is the last."""
+    v = np.clip(np.asarray(x, dtype=np.float64), -MAX_LOG_ODDS, MAX_LOG_ODDS)
+    return np.minimum(((v + FEATURE_OFFSET) * FEATURE_SCALE).astype(np.intp), FEATURE_BINS - 1)
 
 
 def sketch_size(k: int) -> int:

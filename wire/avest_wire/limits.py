@@ -17,6 +17,10 @@ MAX_K = 64
 MAX_LOG_ODDS = 40.0
 #: Most decode steps one round summary may cover.
 MAX_SUMMARY_STEPS = 1_000_000
+#: Requests one decode step of a round summary may count (``RoundSummary.reached``
+#: at the first position): far above any batch (vLLM's ``max_num_seqs`` is in the
+#: hundreds), so that only a forged count meets it.
+MAX_STEP_REQUESTS = 65_536
 #: ``target_model`` and ``draft_model``.
 MAX_MODEL_BYTES = 256
 #: ``method`` (non-empty: vLLM always names its speculative method).

@@ -3,16 +3,21 @@ strata a message names (``ObserveRequest.strata``, ``RoundSummary.stratum``)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from avest_wire.bins import ECE_BINS
 from avest_wire.errors import InvalidInput
 from avest_wire.strata import MAX_STRATA, check_stratum
 from avest_wire.summary import (
+    Reached,
     RoundSummary,
     Sketch,
     build_summary,
     intake,
+    intake_reached,
+    make_reached,
     make_sketch,
     make_summary,
 )
@@ -33,6 +38,14 @@ def sketch_to_pb(sketch: Sketch) -> pb.CalibrationSketch:
     )
 
 
+def reached_to_pb(reached: Reached) -> pb.ReachedCounts:
+    cells = reached.cells
+    deltas = np.diff(cells, prepend=0) if cells.size else cells
+    return pb.ReachedCounts(
+        cell_deltas=deltas.tolist(), cell_counts=reached.counts.astype(np.int64).tolist()
+    )
+
+
 def summary_to_pb(summary: RoundSummary) -> pb.RoundSummary:
     return pb.RoundSummary(
         coefficients_version=int(summary.version),
@@ -45,6 +58,7 @@ def summary_to_pb(summary: RoundSummary) -> pb.RoundSummary:
         steps=int(summary.steps),
         drafts=int(summary.drafts),
         sketch=sketch_to_pb(summary.sketch) if summary.sketch is not None else None,
+        reached=reached_to_pb(summary.reached) if summary.reached is not None else None,
     )
 
 
@@ -107,10 +121,24 @@ def summary_from_pb(s: pb.RoundSummary, k: int) -> RoundSummary:
     if s.k != k:
         raise InvalidInput("summary.k", f"is {s.k}, the pair has K={k}")
     with_sketch = _with_sketch(s)
-    fast = intake_pb(s, k, with_sketch)
-    if fast is not None:
-        return fast
-    return _checked(s, k, with_sketch)
+    summary = intake_pb(s, k, with_sketch)
+    if summary is None:
+        summary = _checked(s, k, with_sketch)
+    if not s.HasField("reached"):
+        return summary
+    r = s.reached
+    reached = intake_reached(k, r.cell_deltas, r.cell_counts, summary.counts, summary.steps)
+    if reached is None:  # the thorough checks, which name what fails
+        deltas = np.asarray(r.cell_deltas, dtype=np.int64)
+        try:
+            if deltas.size > 1 and deltas[1:].min() < 1:
+                raise InvalidInput("cell_deltas", "gaps after the first cell must be >= 1")
+            reached = make_reached(
+                k, deltas.cumsum(), r.cell_counts, labelled=summary.counts, steps=summary.steps
+            )
+        except InvalidInput as exc:
+            raise InvalidInput(f"summary.reached.{exc.field}", exc.problem) from None
+    return dataclasses.replace(summary, reached=reached)
 
 
 def summary_from_checked_pb(s: pb.RoundSummary, k: int) -> RoundSummary:
@@ -135,7 +163,12 @@ def summary_from_checked_pb(s: pb.RoundSummary, k: int) -> RoundSummary:
             np.asarray(sk.logloss_sum, dtype=np.float64),
         )
     drafts = int(every[6 * k :].sum())
-    return build_summary(k, s.coefficients_version, float(s.slope), every, s.steps, drafts, sketch)
+    out = build_summary(k, s.coefficients_version, float(s.slope), every, s.steps, drafts, sketch)
+    if not s.HasField("reached"):
+        return out
+    cells = np.asarray(s.reached.cell_deltas, dtype=np.int64).cumsum()
+    reached = Reached(k, cells, np.asarray(s.reached.cell_counts, dtype=np.float64))
+    return dataclasses.replace(out, reached=reached)
 
 
 def _with_sketch(s: pb.RoundSummary) -> bool:

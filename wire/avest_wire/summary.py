@@ -37,10 +37,10 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from avest_wire.bins import AUC_SLOTS, CELLS_PER_POSITION, ECE_BINS
+from avest_wire.bins import AUC_SLOTS, CELLS_PER_POSITION, ECE_BINS, FEATURE_BINS
 from avest_wire.coefficients import check_k, slope_ok
 from avest_wire.errors import InvalidInput
-from avest_wire.limits import MAX_K, MAX_LOG_ODDS, MAX_SUMMARY_STEPS
+from avest_wire.limits import MAX_K, MAX_LOG_ODDS, MAX_STEP_REQUESTS, MAX_SUMMARY_STEPS
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -209,6 +209,129 @@ class Sketch:
 
 
 @dataclass(frozen=True)
+class Reached:
+    """The drafts that reached each position, verified or trimmed, by feature bin.
+
+    Position ``i`` of a request is reached when its drafts ``0 .. i-1`` were all
+    verified and accepted (vLLM drafts every position; adaptive verification may
+    trim it): the drafts whose distribution a draft-length schedule needs, where
+    the calibration sketch counts the verified ones only. ``cells``: ascending flat
+    indices ``position * FEATURE_BINS + bin`` (:func:`~avest_wire.bins.feature_bin`),
+    ``counts`` their drafts (whole, >= 1).
+    """
+
+    k: int
+    cells: IntArray
+    counts: FloatArray
+
+    def per_position(self) -> FloatArray:
+        per = np.bincount(self.cells // FEATURE_BINS, weights=self.counts, minlength=self.k)
+        return np.asarray(per, dtype=np.float64)
+
+    def dense(self) -> FloatArray:
+        """The counts ``[K, FEATURE_BINS]``."""
+        out = np.zeros(self.k * FEATURE_BINS)
+        out[self.cells] = self.counts
+        return out.reshape(self.k, FEATURE_BINS)
+
+    @classmethod
+    def from_dense(cls, counts: npt.ArrayLike, labelled: npt.ArrayLike, steps: int) -> Reached:
+        """Checked (:func:`make_reached`), from dense counts ``[K, FEATURE_BINS]`` (or flat),
+        rounded to whole drafts (a device adds them in float32)."""
+        c = np.rint(np.asarray(counts, dtype=np.float64).reshape(-1))
+        idx = np.flatnonzero(c)
+        return make_reached(c.size // FEATURE_BINS, idx, c[idx], labelled=labelled, steps=steps)
+
+
+def _sparse_cells(
+    k: int, cells: npt.ArrayLike, counts: npt.ArrayLike, per_position: int
+) -> tuple[IntArray, FloatArray]:
+    """A sparse histogram's cells (ascending, in ``[0, k * per_position)``) and their
+    counts (finite, >= 1), checked; :class:`InvalidInput` names the wire's field."""
+    check_k(k)
+    idx = np.asarray(cells, dtype=np.int64).reshape(-1)
+    cnt = np.asarray(counts, dtype=np.float64).reshape(-1)
+    if idx.shape != cnt.shape:
+        raise InvalidInput("cell_counts", f"has {cnt.size} entries, cell_deltas {idx.size}")
+    if idx.size and (idx[0] < 0 or idx[-1] >= k * per_position):
+        raise InvalidInput("cell_deltas", f"cells must lie in [0, {k * per_position})")
+    if idx.size > 1 and (idx[1:] <= idx[:-1]).any():
+        raise InvalidInput("cell_deltas", "cells must ascend (gaps >= 1)")
+    if idx.size and not (cnt.min() >= 1 and np.isfinite(cnt).all()):
+        raise InvalidInput("cell_counts", "must be >= 1")
+    return idx, cnt
+
+
+def make_reached(
+    k: int, cells: npt.ArrayLike, counts: npt.ArrayLike, *, labelled: npt.ArrayLike, steps: int
+) -> Reached:
+    """Check a round's reached counts (``cells``: absolute flat indices) into :class:`Reached`.
+
+    Besides the cells' range and order and whole counts >= 1, what a round's
+    ``labelled`` drafts per position (its summary's ``counts``) imply: each labelled
+    draft reached its position (``reached_i >= n_i``); position ``i + 1`` is reached
+    exactly by the drafts accepted at ``i``, at most those verified there
+    (``reached_{i+1} <= n_i``); the first position by at most
+    :data:`~avest_wire.limits.MAX_STEP_REQUESTS` a step of the round's ``steps``.
+    So one worker's counts weigh no more than its labelled drafts, but at the first
+    position (where the requests trimmed whole are counted too).
+    """
+    idx, cnt = _sparse_cells(k, cells, counts, FEATURE_BINS)
+    if (cnt % 1.0).any():
+        raise InvalidInput("cell_counts", "must be whole numbers >= 1")
+    out = Reached(k, idx, cnt)
+    per = out.per_position()
+    n = np.asarray(labelled, dtype=np.float64).reshape(-1)
+    short = per < n
+    if short.any():
+        i = int(np.argmax(short))
+        raise InvalidInput(
+            "cell_counts",
+            f"position {i} is reached by {per[i]:g} drafts, fewer than the {n[i]:g} labelled there",
+        )
+    over = per[1:] > n[:-1]
+    if over.any():
+        i = int(np.argmax(over)) + 1
+        raise InvalidInput(
+            "cell_counts",
+            f"position {i} is reached by {per[i]:g} drafts, more than the {n[i - 1]:g} "
+            f"labelled at position {i - 1} (only its accepted drafts reach the next)",
+        )
+    if per[0] > steps * MAX_STEP_REQUESTS:
+        raise InvalidInput(
+            "cell_counts",
+            f"position 0 is reached by {per[0]:g} drafts, more than {MAX_STEP_REQUESTS} "
+            f"requests in each of the round's {steps} steps",
+        )
+    return out
+
+
+def intake_reached(
+    k: int, deltas: npt.ArrayLike, counts: npt.ArrayLike, labelled: FloatArray, steps: int
+) -> Reached | None:
+    """:func:`make_reached`'s checks in fewer numpy calls, on the wire's form (``deltas``:
+    the first cell, then the gaps): the counts, or ``None`` when any check fails (then
+    run :func:`make_reached`, which says which)."""
+    gaps = np.asarray(deltas, dtype=np.int64)
+    cnt = np.asarray(counts, dtype=np.float64)
+    if gaps.ndim != 1 or gaps.shape != cnt.shape:
+        return None
+    if not gaps.size:
+        return None if labelled.any() else Reached(k, gaps, cnt)
+    if gaps[0] < 0 or (gaps.size > 1 and gaps[1:].min() < 1) or not cnt.min() >= 1:
+        return None
+    cells = gaps.cumsum()
+    if cells[-1] >= k * FEATURE_BINS or (cnt % 1.0).any():
+        return None
+    per = np.bincount(cells // FEATURE_BINS, weights=cnt, minlength=k)
+    if (per < labelled).any() or (per[1:] > labelled[:-1]).any():
+        return None
+    if per[0] > steps * MAX_STEP_REQUESTS:
+        return None
+    return Reached(k, cells, cnt)
+
+
+@dataclass(frozen=True)
 class RoundSummary:
     """One worker's round: sums at ``(slope, intercepts)`` of ``version``, steps, drafts."""
 
@@ -221,6 +344,9 @@ class RoundSummary:
     steps: int
     drafts: int
     sketch: Sketch | None = None
+    #: The drafts that reached each position, in this round and any since the last
+    #: summary that carried them (optional: a worker sends them with some rounds).
+    reached: Reached | None = None
 
     @property
     def k(self) -> int:
@@ -335,17 +461,7 @@ def make_sketch(
     logloss_sum: npt.ArrayLike,
 ) -> Sketch:
     """Check a sketch's parts (``cells``: absolute flat indices) into a :class:`Sketch`."""
-    check_k(k)
-    idx = np.asarray(cells, dtype=np.int64).reshape(-1)
-    cnt = np.asarray(cell_counts, dtype=np.float64).reshape(-1)
-    if idx.shape != cnt.shape:
-        raise InvalidInput("cell_counts", f"has {cnt.size} entries, cell_deltas {idx.size}")
-    if idx.size and (idx[0] < 0 or idx[-1] >= k * CELLS_PER_POSITION):
-        raise InvalidInput("cell_deltas", f"cells must lie in [0, {k * CELLS_PER_POSITION})")
-    if idx.size > 1 and (idx[1:] <= idx[:-1]).any():
-        raise InvalidInput("cell_deltas", "cells must ascend (gaps >= 1)")
-    if idx.size and not (cnt.min() >= 1 and np.isfinite(cnt).all()):
-        raise InvalidInput("cell_counts", "must be >= 1")
+    idx, cnt = _sparse_cells(k, cells, cell_counts, CELLS_PER_POSITION)
     grid = k * ECE_BINS
     sizes = [("ece_rejected", grid), ("ece_accepted", grid), ("ece_sum_predicted", grid)]
     sizes.append(("logloss_sum", k))

@@ -207,6 +207,7 @@ class _Runtime:
             "summary_errors": rounds.send_errors if rounds else 0,
             "sketches_skipped": rounds.sketches_skipped if rounds else 0,
             "strata_rounds_pooled": rounds.strata_rounds_pooled if rounds else 0,
+            "reached_skipped": rounds.reached_skipped if rounds else 0,
             "copy_mode": rounds.copy_mode if rounds else False,
             "local_refits": None,  # filled by the estimator (vLLM's own refit counter)
             "governed": self.governor.governed,

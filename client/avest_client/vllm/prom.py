@@ -34,6 +34,8 @@ metric                                     type     meaning
 ``avest_shim_sketches_skipped_total``      counter  round summaries sent without a sketch
 ``avest_shim_strata_rounds_pooled_total``  counter  strata: rounds sent as one pooled summary
                                                     (not summed per stratum)
+``avest_shim_reached_skipped_total``       counter  rounds whose reached counts failed their
+                                                    check (sent without them)
 =========================================  =======  ========================================
 """
 
@@ -58,6 +60,7 @@ COUNTERS: dict[str, Callable[[dict[str, Any]], int]] = {
     "avest_shim_skipped_refits": lambda s: int(s.get("skipped_refits") or 0),
     "avest_shim_sketches_skipped": lambda s: int(s.get("sketches_skipped") or 0),
     "avest_shim_strata_rounds_pooled": lambda s: int(s.get("strata_rounds_pooled") or 0),
+    "avest_shim_reached_skipped": lambda s: int(s.get("reached_skipped") or 0),
 }
 _HELP = {
     "avest_shim_steps_forwarded": "Raw decode steps the avest shim handed to the sidecar's queue.",
@@ -69,6 +72,9 @@ _HELP = {
     "avest_shim_sketches_skipped": "Round summaries sent without a calibration sketch.",
     "avest_shim_strata_rounds_pooled": (
         "Rounds sent as one pooled summary of vLLM's sums, not summed per stratum."
+    ),
+    "avest_shim_reached_skipped": (
+        "Rounds whose reached counts failed their check and were sent without them."
     ),
 }
 

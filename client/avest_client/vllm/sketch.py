@@ -10,8 +10,10 @@ round's ``N`` request rows (in one batch on CUDA; on the CPU in chunks of
 steps small enough that each op runs on one thread): the linear predictor
 ``eta = slope x + b_k`` in float32 with the round's coefficients (as the draft
 graph computed it); its AUC slot by label; its ECE bin with the probability;
-the log loss; all masked by the observed flag and added with ``index_add_``.
-:func:`unpack` reads the host copy back into a :class:`Sketch`.
+the log loss; all masked by the observed flag and added with ``index_add_``;
+and, last, the feature bin of every draft that reached its position (verified or
+trimmed: the round summary's ``reached``). :func:`unpack` reads the host copy
+back into a :class:`Sketch`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,17 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from avest_wire.bins import AUC_SLOTS, ECE_BINS, ETA_OFFSET, ETA_SCALE, sketch_size
+from avest_wire.bins import (
+    AUC_SLOTS,
+    ECE_BINS,
+    ETA_OFFSET,
+    ETA_SCALE,
+    FEATURE_BINS,
+    FEATURE_OFFSET,
+    FEATURE_SCALE,
+    sketch_size,
+)
+from avest_wire.limits import MAX_LOG_ODDS
 from avest_wire.summary import Sketch
 
 #: One step as the round kept it: ``(idx_mapping, num_sampled, num_rejected)``.
@@ -70,6 +82,7 @@ def build(
     group_of: torch.Tensor | None = None,
     irls: bool = False,
     sketch: bool = True,
+    reached: bool = True,
 ) -> list[torch.Tensor]:
     """The sketch of a round: ``features`` [T, R, K] kept per step, ``held`` its T steps.
 
@@ -81,6 +94,9 @@ def build(
     counted in its group's sketch. ``irls``: first, each group's vLLM IRLS sums per
     position (``[6, G, K]``: ``a, b, c, g0, g1, n``, at the probability each row is
     scored with), as vLLM's step adds them up; ``sketch=False``: those sums alone.
+    ``reached``: last, each group's drafts that reached their position by feature bin
+    (``[G, K * FEATURE_BINS]``): every draft of a request past its prefill whose
+    earlier drafts were all accepted, verified or not.
     """
     device = features.device
     k = int(positions.shape[0])
@@ -95,6 +111,8 @@ def build(
             torch.zeros(g * k * ECE_BINS, **f32),
             torch.zeros(g * k, **f32),
         ]
+    if reached:
+        acc.append(torch.zeros(g * k * FEATURE_BINS, **f32))
     coef = coef.to(device, torch.float32, non_blocking=True)
     groups = None
     if slots is not None:
@@ -102,7 +120,7 @@ def build(
         groups = (slots, group_of.to(device, non_blocking=True))
     rows = [int(h[0].shape[0]) for h in held]
     if device.type == "cuda":
-        _add(acc, features, held, rows, 0, coef, positions, groups, irls, sketch)
+        _add(acc, features, held, rows, 0, coef, positions, groups, irls, sketch, reached)
         return acc
     start = 0
     while start < len(held):  # CPU: chunks of steps, each op under torch's intra-op grain
@@ -111,7 +129,8 @@ def build(
             n += rows[stop]
             stop += 1
         part = held[start:stop]
-        _add(acc, features, part, rows[start:stop], start, coef, positions, groups, irls, sketch)
+        _add(acc, features, part, rows[start:stop], start, coef, positions, groups, irls, sketch,
+             reached)  # fmt: skip
         start = stop
     return acc
 
@@ -127,6 +146,7 @@ def _add(
     groups: tuple[torch.Tensor, torch.Tensor] | None,
     irls: bool,
     sketch: bool,
+    reached: bool,
 ) -> None:
     """Add steps ``first ..`` (``held``, with ``rows`` requests each) to ``acc``, as
     :func:`build` laid it out."""
@@ -163,9 +183,16 @@ def _add(
                 sums[j, 0].add_(stat.sum(0))
             else:
                 sums[j].index_add_(0, group, stat)
+    if reached:
+        # every draft of a request past its prefill whose earlier drafts were accepted
+        got = ((positions <= accepted) & (sampled.to(device) >= 1)[:, None]).to(torch.float32)
+        fbin = (x.clamp(-MAX_LOG_ODDS, MAX_LOG_ODDS) + FEATURE_OFFSET) * FEATURE_SCALE
+        fbin = fbin.to(torch.int64).clamp_(max=FEATURE_BINS - 1)
+        acc[-1].index_add_(0, (cell_pos * FEATURE_BINS + fbin).view(-1), got.view(-1))
     if not sketch:
         return
-    hist, ece, psum, nll = acc[-4:]
+    first = len(acc) - (5 if reached else 4)
+    hist, ece, psum, nll = acc[first : first + 4]
     slot = (eta * ETA_SCALE + ETA_OFFSET).clamp_(0.0, AUC_SLOTS - 1).to(torch.int64)
     hist.index_add_(0, ((cell_pos * 2 + label) * AUC_SLOTS + slot).view(-1), obs.view(-1))
     b = cell_pos * ECE_BINS + (p * ECE_BINS).to(torch.int64).clamp_(max=ECE_BINS - 1)
@@ -194,3 +221,10 @@ def unpack(v: npt.NDArray[np.float64], k: int, groups: int = 1) -> list[Sketch]:
         Sketch.from_dense(hist[i], ece[i, :, :, 0], ece[i, :, :, 1], psum[i], nll[i])
         for i in range(g)
     ]
+
+
+def reached_of(v: npt.NDArray[np.float64], k: int, groups: int = 1) -> npt.NDArray[np.float64]:
+    """Each group's reached counts ``[G, K * FEATURE_BINS]``: the tail of :func:`build`'s
+    tensors (built with ``reached``), concatenated and read to the host."""
+    n = groups * k * FEATURE_BINS
+    return v[v.size - n :].reshape(groups, k * FEATURE_BINS)

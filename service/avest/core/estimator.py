@@ -25,6 +25,7 @@ from avest.core.metrics import CalibrationState
 from avest.core.model import Coefficients, check_k, linear_predictor
 from avest.core.pooling import PendingSketches
 from avest.core.rules import REJECTED, Refit, UpdateRule, VllmRule
+from avest.core.schedule import FeatureHistogram
 from avest.core.stats import RoundStats, fold
 from avest.core.summary import rebase, summary_coefficients, summary_stats
 from avest.core.tracking import round_steps
@@ -51,6 +52,15 @@ class Batch:
     @property
     def labelled(self) -> int:
         return int(np.count_nonzero(self.observed))
+
+    def reached(self) -> BoolArray:
+        """``[R, K]``: the drafts that reached their position (every earlier draft
+        verified and accepted), verified or not. A raw step names a request with
+        nothing verified (``num_verified = 0``) alike whether adaptive verification
+        trimmed all its drafts or it drafted none: such rows are left out."""
+        drafted = self.observed[:, :1]
+        before = np.cumprod(self.accepted[:, :-1], axis=1, dtype=bool)
+        return np.asarray(np.concatenate([drafted, drafted & before], axis=1), dtype=bool)
 
 
 def make_batch(
@@ -114,6 +124,10 @@ class OnlineEstimator:
         self._calibration_round = CalibrationState.empty(self.k)
         self._calibration_total = CalibrationState.empty(self.k)
         self._calibration_recent = CalibrationState.empty(self.k)
+        # The features of the drafts that reached each position, verified or not
+        # (the draft-length schedule's input), aged like the recent calibration.
+        self._reached_round = FeatureHistogram.empty(self.k)
+        self._reached_recent = FeatureHistogram.empty(self.k)
         self._pending.clear()
         if self._layer is not None:
             self._layer = Recalibrator(self._layer.config)
@@ -156,6 +170,7 @@ class OnlineEstimator:
         layer = self.recalibrator
         served = eta if layer is None else layer.apply(eta)
         self._calibration_round.update(served, batch.observed, batch.accepted)
+        self._reached_round.add(batch.features, batch.reached())
         if layer is not None:
             layer.observe(eta, batch.observed, batch.accepted)
         self.drafts += batch.labelled
@@ -189,6 +204,8 @@ class OnlineEstimator:
         if stats is None:
             stats = self.contribution(summary)
         self.round_stats.add_(stats)
+        if summary.reached is not None:
+            self._reached_round.counts.reshape(-1)[summary.reached.cells] += summary.reached.counts
         if summary.sketch is not None:
             # Folded when something reads the round (avest.core.pooling).
             self._pending.add(summary.sketch)
@@ -247,6 +264,9 @@ class OnlineEstimator:
         self._calibration_recent.scale(self.recent_decay)
         self._calibration_recent.merge(self._calibration_round)
         self._calibration_round = CalibrationState.empty(self.k)
+        self._reached_recent.scale(self.recent_decay)
+        self._reached_recent.merge(self._reached_round)
+        self._reached_round = FeatureHistogram.empty(self.k)
         return result
 
     @property
@@ -264,6 +284,14 @@ class OnlineEstimator:
         """Calibration with older rounds down-weighted by ``recent_decay`` per round."""
         self.settle()
         return self._calibration_recent + self._calibration_round
+
+    @property
+    def recent_reached(self) -> FeatureHistogram:
+        """The features of the drafts that reached each position (verified or trimmed),
+        older rounds down-weighted by ``recent_decay`` per round."""
+        out = self._reached_recent.copy()
+        out.merge(self._reached_round)
+        return out
 
     # -- scoring ----------------------------------------------------------
 
@@ -309,6 +337,11 @@ class OnlineEstimator:
             ("calibration_round", self._calibration_round),
         ):
             out.update({f"{name}.{n}": v for n, v in state.to_arrays().items()})
+        for name, held in (("recent", self._reached_recent), ("round", self._reached_round)):
+            # sparse, [2, cells]: flat index and count (a dense K = 64 histogram is 164 kB)
+            counts = held.counts.reshape(-1)
+            cells = np.flatnonzero(counts)
+            out[f"reached.{name}"] = np.stack([cells.astype(np.float64), counts[cells]])
         out.update({f"rule.{n}": v for n, v in self.rule.state().items()})
         if self._layer is not None:
             out.update({f"recal.{n}": v for n, v in self._layer.to_arrays().items()})
@@ -331,6 +364,12 @@ class OnlineEstimator:
         self._calibration_total = CalibrationState.from_arrays(part("calibration."))
         self._calibration_recent = CalibrationState.from_arrays(part("calibration_recent."))
         self._calibration_round = CalibrationState.from_arrays(part("calibration_round."))
+        for name in ("recent", "round"):
+            histogram = FeatureHistogram.empty(self.k)
+            held = arrays.get(f"reached.{name}")  # absent from snapshots before 0.2
+            if held is not None and held.size:
+                histogram.counts.reshape(-1)[held[0].astype(np.intp)] = held[1]
+            setattr(self, f"_reached_{name}", histogram)
         self._pending.clear()
         self.rule.reset(self.start)
         self.rule.load_state(part("rule."))

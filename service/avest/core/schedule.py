@@ -64,7 +64,7 @@ from avest.core.draft_length import best_lengths, draft_ms
 from avest.core.histogram import EtaHistogram
 from avest.core.model import Coefficients
 from avest.core.numeric import sigmoid
-from avest_wire.bins import AUC_BINS, ETA_RANGE
+from avest_wire.bins import AUC_BINS, ETA_RANGE, FEATURE_BINS, feature_bin
 from avest_wire.errors import InvalidInput
 from avest_wire.limits import MAX_LOG_ODDS
 
@@ -88,10 +88,6 @@ __all__ = [
     "vllm_lengths",
 ]
 
-#: Equal bins of ``x`` on ``[-MAX_LOG_ODDS, MAX_LOG_ODDS]`` (0.25 wide): the mean of
-#: ``sigmoid(w x + b)`` over a bin moves by under 3e-4 against its value at the centre
-#: for ``w <= 1``; the vLLM clamp at +40 falls in the last bin.
-FEATURE_BINS = 320
 #: At most this many batch-size ranges. The best length moves with the pad buckets of
 #: the verify curve (on a profile captured at powers of two it changes inside nearly every
 #: bucket); twelve ranges keep every shipped profile's schedule within 0.1 % of the
@@ -176,7 +172,7 @@ class FeatureHistogram:
             raise InvalidInput("mask", f"must have the features' shape {list(x.shape)}")
         keep = keep & np.isfinite(x)
         rows, pos = np.nonzero(keep)
-        bins = _feature_bin(x[rows, pos])
+        bins = feature_bin(x[rows, pos])
         np.add.at(self.counts, (pos, bins), 1.0)
 
     def add_eta(self, histogram: EtaHistogram | npt.ArrayLike, at: Coefficients) -> None:
@@ -202,7 +198,7 @@ class FeatureHistogram:
         slope = at.slope if abs(at.slope) > 1e-9 else 1e-9
         for i, b in enumerate(at.intercept_array()):
             used = counts[i] > 0
-            bins = _feature_bin((eta[used] - b) / slope)
+            bins = feature_bin((eta[used] - b) / slope)
             np.add.at(self.counts[i], bins, counts[i, used])
 
     def merge(self, other: FeatureHistogram) -> None:
@@ -218,12 +214,6 @@ class FeatureHistogram:
 
     def copy(self) -> FeatureHistogram:
         return FeatureHistogram(self.counts)
-
-
-def _feature_bin(x: FloatArray) -> npt.NDArray[np.intp]:
-    scaled = (np.clip(x, -MAX_LOG_ODDS, MAX_LOG_ODDS) + MAX_LOG_ODDS) / (2 * MAX_LOG_ODDS)
-    bins = np.minimum((scaled * FEATURE_BINS).astype(np.intp), FEATURE_BINS - 1)
-    return np.asarray(bins, dtype=np.intp)
 
 
 def reached(num_accepted: npt.ArrayLike, num_verified: npt.ArrayLike, drafted: int) -> BoolArray:

@@ -69,6 +69,12 @@ class ScheduleOut(BaseModel):
         description="vLLM's speculative_config entry: [range_start, range_end, length]"
     )
     ranges: list[ScheduleRangeOut]
+    features: str = Field(
+        description="Whose features the schedule read: 'reached' (every draft that reached "
+        "each position, verified or trimmed) or 'labelled' (the recent calibration's verified "
+        "drafts, while workers send no reached counts: under adaptive verification it leans "
+        "toward confident drafts)"
+    )
 
 
 def _concurrencies(text: str) -> list[int]:
@@ -170,6 +176,7 @@ def draft_length_router(app: Any) -> APIRouter:
             coefficients_version=served.version,
             num_speculative_tokens_per_batch_size=served.schedule.to_vllm(),
             ranges=[ScheduleRangeOut(**r.fields()) for r in served.ranges()],
+            features=served.features,
         )
 
     return router

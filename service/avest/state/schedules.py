@@ -1,9 +1,14 @@
 """Each pair's draft-length schedule per hardware label, for both adapters.
 
 The schedule (:mod:`avest.core.schedule`) is computed from what the pair holds now:
-its coefficients, the recent distribution of its features (read back from the recent
-calibration histogram of the linear predictor, which counts the labelled drafts, at
-the coefficients in force) and the cost curves of one hardware label. Its inputs are
+its coefficients, the recent distribution of its features and the cost curves of one
+hardware label. The features are those of the drafts that reached each position,
+verified or trimmed (:attr:`~avest.core.estimator.OnlineEstimator.recent_reached`: from
+raw steps, and from round summaries that carry ``reached``); until
+:data:`~avest.core.schedule.MIN_DRAFTS` of those reached the first position, they are
+read back from the recent calibration histogram of the linear predictor at the
+coefficients in force (:data:`LABELLED`), which counts the verified drafts only and so,
+under adaptive verification, leans toward confident ones. Its inputs are
 copied on the event loop, the computation (tens of milliseconds) runs on a worker
 thread, and the result is kept per pair, hardware and coefficients version: asking
 again at the same version costs nothing, and the schedule kept is the one in force
@@ -27,6 +32,9 @@ from avest.state.pairs import Pair
 #: Methods whose drafter proposes every position in one pass (its cost is paid once,
 #: whatever the length); any other drafter pays per position.
 PARALLEL_METHODS = frozenset({"dspark", "dflash"})
+#: Where a schedule's features came from: every draft that reached each position, or
+#: (workers that send no reached counts) the recent calibration's labelled drafts.
+REACHED, LABELLED = "reached", "labelled"
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,7 @@ class PairSchedule:
     version: int
     schedule: Schedule
     costs: CostTable
+    features: str = REACHED  # REACHED or LABELLED
 
     def ranges(self) -> list[ScheduledRange]:
         s = self.schedule
@@ -113,8 +122,11 @@ class Schedules:
         if kept is not None and kept.version == version and kept.costs is costs:
             return kept
         coefficients = pair.estimator.coefficients
-        recent = pair.estimator.recent_calibration.histogram()
-        drafts = float(recent.totals()[0])
+        features: FeatureHistogram | EtaHistogram = pair.estimator.recent_reached
+        source = REACHED
+        if features.totals()[0] < MIN_DRAFTS:
+            features, source = pair.estimator.recent_calibration.histogram(), LABELLED
+        drafts = float(features.totals()[0])
         if drafts < MIN_DRAFTS:
             raise Conflict(
                 "pair_id",
@@ -124,9 +136,9 @@ class Schedules:
         per_position = drafter_of(pair) == "autoregressive"
         previous = kept.schedule if kept is not None else None
         schedule = await asyncio.to_thread(
-            _compute, coefficients, recent, costs, per_position, previous
+            _compute, coefficients, features, costs, per_position, previous
         )
-        served = PairSchedule(pair.id, label, version, schedule, costs)
+        served = PairSchedule(pair.id, label, version, schedule, costs, source)
         self.latest[(pair.id, label)] = served
         return served
 
@@ -141,13 +153,16 @@ class Schedules:
 
 def _compute(
     coefficients: Coefficients,
-    recent: EtaHistogram,
+    recent: FeatureHistogram | EtaHistogram,
     costs: CostTable,
     per_position: bool,
     previous: Schedule | None,
 ) -> Schedule:
-    features = FeatureHistogram.empty(coefficients.k)
-    features.add_eta(recent, coefficients)
+    if isinstance(recent, FeatureHistogram):
+        features = recent
+    else:
+        features = FeatureHistogram.empty(coefficients.k)
+        features.add_eta(recent, coefficients)
     return compute_schedule(
         coefficients, features, costs, per_position=per_position, previous=previous
     )

@@ -408,7 +408,7 @@ class DeletePairResponse(_message.Message):
     def __init__(self, pair: _Optional[_Union[Pair, _Mapping]] = ...) -> None: ...
 
 class RoundSummary(_message.Message):
-    __slots__ = ("coefficients_version", "slope", "intercepts", "k", "info", "grad", "counts", "steps", "drafts", "sketch", "stratum")
+    __slots__ = ("coefficients_version", "slope", "intercepts", "k", "info", "grad", "counts", "steps", "drafts", "sketch", "stratum", "reached")
     COEFFICIENTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     SLOPE_FIELD_NUMBER: _ClassVar[int]
     INTERCEPTS_FIELD_NUMBER: _ClassVar[int]
@@ -420,6 +420,7 @@ class RoundSummary(_message.Message):
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     SKETCH_FIELD_NUMBER: _ClassVar[int]
     STRATUM_FIELD_NUMBER: _ClassVar[int]
+    REACHED_FIELD_NUMBER: _ClassVar[int]
     coefficients_version: int
     slope: float
     intercepts: _containers.RepeatedScalarFieldContainer[float]
@@ -431,7 +432,16 @@ class RoundSummary(_message.Message):
     drafts: int
     sketch: CalibrationSketch
     stratum: str
-    def __init__(self, coefficients_version: _Optional[int] = ..., slope: _Optional[float] = ..., intercepts: _Optional[_Iterable[float]] = ..., k: _Optional[int] = ..., info: _Optional[_Iterable[float]] = ..., grad: _Optional[_Iterable[float]] = ..., counts: _Optional[_Iterable[float]] = ..., steps: _Optional[int] = ..., drafts: _Optional[int] = ..., sketch: _Optional[_Union[CalibrationSketch, _Mapping]] = ..., stratum: _Optional[str] = ...) -> None: ...
+    reached: ReachedCounts
+    def __init__(self, coefficients_version: _Optional[int] = ..., slope: _Optional[float] = ..., intercepts: _Optional[_Iterable[float]] = ..., k: _Optional[int] = ..., info: _Optional[_Iterable[float]] = ..., grad: _Optional[_Iterable[float]] = ..., counts: _Optional[_Iterable[float]] = ..., steps: _Optional[int] = ..., drafts: _Optional[int] = ..., sketch: _Optional[_Union[CalibrationSketch, _Mapping]] = ..., stratum: _Optional[str] = ..., reached: _Optional[_Union[ReachedCounts, _Mapping]] = ...) -> None: ...
+
+class ReachedCounts(_message.Message):
+    __slots__ = ("cell_deltas", "cell_counts")
+    CELL_DELTAS_FIELD_NUMBER: _ClassVar[int]
+    CELL_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    cell_deltas: _containers.RepeatedScalarFieldContainer[int]
+    cell_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, cell_deltas: _Optional[_Iterable[int]] = ..., cell_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CalibrationSketch(_message.Message):
     __slots__ = ("cell_deltas", "cell_counts", "ece_rejected", "ece_accepted", "ece_sum_predicted", "logloss_sum")
