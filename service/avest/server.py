@@ -71,7 +71,7 @@ class Server:
         self._grpc: grpc.aio.Server | None = None
         self._http: HttpThread | None = None
         #: The event loop's heartbeat, which /healthz reads on the HTTP thread.
-        self.heartbeat = Heartbeat()
+        self.heartbeat = Heartbeat(late=self.metrics.loop_lag.observe)
         self._stopped = asyncio.Event()
 
     @property

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 import avest
+from avest.metrics.names import LOOP_LAG
 
 
 def _hold_loop(handle: Any, seconds: float = 60.0) -> threading.Event:
@@ -119,3 +120,29 @@ def test_admin_connections_send_small_writes_at_once(
         for protocol in connections:
             sock = protocol.transport.get_extra_info("socket")
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+
+
+def test_a_held_loop_shows_in_its_lag_histogram(start_server: Callable[..., Any], tmp_path) -> None:  # noqa: ANN001
+    handle = start_server(tmp_path / "data")
+
+    def lag() -> tuple[float, float]:
+        text = httpx.get(handle.http_url + "/metrics", timeout=10).text
+        got = {}
+        for line in text.splitlines():
+            for part in ("_sum", "_count"):
+                if line.startswith(f"{LOOP_LAG}{part} "):
+                    got[part] = float(line.split()[1])
+        return got["_sum"], got["_count"]
+
+    before_sum, _ = lag()
+    release = _hold_loop(handle)
+    time.sleep(1.5)
+    release.set()
+    deadline = time.monotonic() + 30
+    while True:  # the beat that was due while the loop was held runs at least 1 s late
+        total, count = lag()
+        if total - before_sum >= 1.0:
+            break
+        assert time.monotonic() < deadline, (total, count)
+        time.sleep(0.2)
+    assert count >= 1

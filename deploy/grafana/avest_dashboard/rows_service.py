@@ -12,6 +12,8 @@ REFIT_BUCKET = f"sum by (le) (rate({sidecar(m.REFIT_DURATION + '_bucket')}[{RI}]
 #: Unary calls only: a stream's duration is its lifetime, not a latency.
 UNARY = f'{SIDECAR},method!~"Observe|WatchCoefficients"'
 RPC_BUCKET = f"sum by (le, method) (rate({m.RPC_DURATION}_bucket{{{UNARY}}}[{RI}]))"
+#: Each replica's own loop: its worst quantile is what matters.
+LAG_BUCKET = f"sum by (le, instance) (rate({sidecar(m.LOOP_LAG + '_bucket')}[{RI}]))"
 #: Refit outcomes and the colour each is drawn in.
 OUTCOME_COLORS = (("applied", "green"), ("slope_held", "orange"), ("rejected", "red"))
 
@@ -79,6 +81,20 @@ def ingestion(lay: Layout) -> list[dict]:
                 (f"histogram_quantile(0.5, {REFIT_BUCKET})", "p50"),
                 (f"histogram_quantile(0.9, {REFIT_BUCKET})", "p90"),
                 (f"histogram_quantile(0.99, {REFIT_BUCKET})", "p99"),
+            ),
+            unit="s",
+        ),
+        timeseries(
+            lay,
+            "Event loop lag",
+            "How late each service process's event loop ran its heartbeat (due every "
+            "0.5 s), p50 and p99 of the worst process: every Observe message, unary call "
+            "and admin request waits on the loop at least this long. Hundreds of "
+            "milliseconds mean a saturated loop; /healthz answers 503 (and liveness "
+            "restarts the process) once it has not run for 10 s.",
+            refs(
+                (f"max(histogram_quantile(0.99, {LAG_BUCKET}))", "p99"),
+                (f"max(histogram_quantile(0.5, {LAG_BUCKET}))", "p50"),
             ),
             unit="s",
         ),

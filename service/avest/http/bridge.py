@@ -49,21 +49,35 @@ STALE_AFTER_S = 10.0
 
 
 class Heartbeat:
-    """The service loop's last turn, as the HTTP thread reads it."""
+    """The service loop's last turn, as the HTTP thread reads it; ``late`` is told how
+    late each beat ran (the loop's lag, ``avest_event_loop_lag_seconds``)."""
 
-    def __init__(self, beat_s: float = BEAT_S, stale_after_s: float = STALE_AFTER_S) -> None:
+    def __init__(
+        self,
+        beat_s: float = BEAT_S,
+        stale_after_s: float = STALE_AFTER_S,
+        late: Callable[[float], None] | None = None,
+    ) -> None:
         self.beat_s = beat_s
         self.stale_after_s = stale_after_s
+        self.late = late
         self.last = time.monotonic()
+        self._due = 0.0
         self._handle: asyncio.TimerHandle | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.last = time.monotonic()
-        self._handle = loop.call_later(self.beat_s, self._beat, loop)
+        self._next(loop)
+
+    def _next(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._due = loop.time() + self.beat_s
+        self._handle = loop.call_at(self._due, self._beat, loop)
 
     def _beat(self, loop: asyncio.AbstractEventLoop) -> None:
         self.last = time.monotonic()  # one float store: read from the other thread as is
-        self._handle = loop.call_later(self.beat_s, self._beat, loop)
+        if self.late is not None:
+            self.late(max(0.0, loop.time() - self._due))
+        self._next(loop)
 
     def stop(self) -> None:
         if self._handle is not None:

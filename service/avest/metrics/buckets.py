@@ -24,3 +24,6 @@ def one_two_five(first: float, last: float) -> tuple[float, ...]:
 RPC_BUCKETS = (*one_two_five(0.0001, 10.0), 30.0, 60.0, 300.0, 900.0, 3600.0)
 #: Buckets of :data:`~avest.metrics.names.REFIT_DURATION` (one Newton step on K+1 parameters).
 REFIT_BUCKETS = (*one_two_five(0.00001, 0.25), 1.0)
+#: The event loop's heartbeat lateness: a millisecond on an idle loop, up to seconds
+#: when it saturates; past 10 s /healthz reports it wedged.
+LOOP_LAG_BUCKETS = (*one_two_five(0.001, 10.0), 30.0)

@@ -104,6 +104,7 @@ STEPS_OBSERVED = "avest_steps_observed_total"
 REFITS = "avest_refits_total"
 REFIT_DURATION = "avest_refit_duration_seconds"
 RPC_DURATION = "avest_rpc_duration_seconds"
+LOOP_LAG = "avest_event_loop_lag_seconds"
 OPEN_STREAMS = "avest_open_streams"
 OVERLOADED = "avest_overloaded"
 ADMISSION_QUEUED = "avest_admission_queued"
@@ -400,6 +401,15 @@ METRICS: tuple[MetricSpec, ...] = (
         "histogram",
         ("method", "code"),
         "gRPC call duration in seconds (streams: the whole call) by method and status code.",
+    ),
+    MetricSpec(
+        LOOP_LAG,
+        "histogram",
+        (),
+        "How late the service's event loop ran its heartbeat (due every 0.5 s), in "
+        "seconds: what every callback on the loop (an Observe message, a unary call, an "
+        "admin request) waits for at least; /healthz answers 503 once the loop has not "
+        "run it for 10 s.",
     ),
     MetricSpec(OPEN_STREAMS, "gauge", (), "Open Observe and WatchCoefficients streams."),
     MetricSpec(

@@ -32,9 +32,10 @@ from prometheus_client.metrics_core import Metric
 
 from avest.core.metrics import CalibrationState, CalibrationSummary, Reliability
 from avest.core.rules import Refit
-from avest.metrics.buckets import REFIT_BUCKETS, RPC_BUCKETS
+from avest.metrics.buckets import LOOP_LAG_BUCKETS, REFIT_BUCKETS, RPC_BUCKETS
 from avest.metrics.collector import PairCollector
 from avest.metrics.names import (
+    LOOP_LAG,
     REFIT_DURATION,
     REFUSAL_REASONS,
     REFUSED_BATCHES,
@@ -68,6 +69,7 @@ class Metrics:
         self._reliabilities: dict[str, Reliability] = {}
         self.refit_duration = self._metric(Histogram, REFIT_DURATION, buckets=REFIT_BUCKETS)
         self.rpc_duration = self._metric(Histogram, RPC_DURATION, buckets=RPC_BUCKETS)
+        self.loop_lag = self._metric(Histogram, LOOP_LAG, buckets=LOOP_LAG_BUCKETS)
         self.refused_batches = self._metric(Counter, REFUSED_BATCHES)
         self._refused_children: dict[tuple[str, str], Any] = {}
         for method in _estimator_methods():
