@@ -234,4 +234,5 @@ def schedule(msg: pb.GetScheduleResponse) -> Schedule:
             )
             for r in msg.ranges
         ),
+        features=msg.features,
     )

@@ -114,6 +114,10 @@ class Schedule:
     hardware: str
     coefficients_version: int
     ranges: tuple[ScheduleRange, ...]
+    #: Whose features it read: "reached" (every draft that reached each position) or
+    #: "labelled" (the verified drafts alone, while workers send no reached counts);
+    #: empty from a server that predates it.
+    features: str = ""
 
     def to_vllm(self) -> list[tuple[int, int, int]]:
         """vLLM's ``speculative_config.num_speculative_tokens_per_batch_size``:

@@ -144,6 +144,8 @@ def test_the_command_prints_vllms_entry_and_a_table(fed: tuple[Live, str]) -> No
     assert table.returncode == 0, table.stderr
     lines = table.stdout.splitlines()
     assert len(lines) == 3 + len(want.ranges) and lines[1].split()[0] == "batch"
+    # the trace's raw steps carry every draft that reached its position
+    assert lines[0].endswith("features of the reached drafts"), lines[0]
     thin = avest(register(live, k=K, target="another"), "--hardware", "steep")
     assert thin.returncode == 1 and len(thin.stderr.strip().splitlines()) == 1
     assert "NOT_FOUND" in thin.stderr  # no cost curves for a new pair
@@ -187,6 +189,12 @@ def test_the_schedule_reads_every_draft_that_reached_a_position(
         got[name] = r.json()
     assert got["summaries"]["features"] == got["raw"]["features"] == "reached"
     assert got["bare"]["features"] == "labelled"
+    with EstimatorClient(live.grpc_address) as client:  # gRPC says the same
+        assert {n: client.schedule(p, "steep").features for n, p in ids.items()} == {
+            "summaries": "reached",
+            "raw": "reached",
+            "bare": "labelled",
+        }
     # the same drafts counted either way give the same schedule, expected goodput and all
     assert got["summaries"]["ranges"] == got["raw"]["ranges"]
     # the labelled drafts alone miss the trimmed (unconfident) ones: a rosier expectation

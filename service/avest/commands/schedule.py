@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.table:
         print(dumps({"num_speculative_tokens_per_batch_size": [list(e) for e in s.to_vllm()]}))
         return 0
-    print(f"pair {s.pair_id} on {s.hardware}, coefficients version {s.coefficients_version}")
+    read = f", features of the {s.features} drafts" if s.features else ""
+    print(f"pair {s.pair_id} on {s.hardware}, coefficients version {s.coefficients_version}{read}")
     columns = [
         Column("batch sizes", "<"),
         Column("length", ">"),

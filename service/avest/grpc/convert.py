@@ -99,4 +99,5 @@ def schedule_pb(served: PairSchedule) -> pb.GetScheduleResponse:
         hardware=served.hardware,
         coefficients_version=served.version,
         ranges=[pb.ScheduleRange(**r.fields()) for r in served.ranges()],
+        features=served.features,
     )

@@ -484,13 +484,15 @@ class ScheduleRange(_message.Message):
     def __init__(self, range_start: _Optional[int] = ..., range_end: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., adaptive_verification: _Optional[bool] = ..., expected_goodput: _Optional[float] = ..., best_fixed_goodput: _Optional[float] = ...) -> None: ...
 
 class GetScheduleResponse(_message.Message):
-    __slots__ = ("pair_id", "hardware", "coefficients_version", "ranges")
+    __slots__ = ("pair_id", "hardware", "coefficients_version", "ranges", "features")
     PAIR_ID_FIELD_NUMBER: _ClassVar[int]
     HARDWARE_FIELD_NUMBER: _ClassVar[int]
     COEFFICIENTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     RANGES_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     pair_id: str
     hardware: str
     coefficients_version: int
     ranges: _containers.RepeatedCompositeFieldContainer[ScheduleRange]
-    def __init__(self, pair_id: _Optional[str] = ..., hardware: _Optional[str] = ..., coefficients_version: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[ScheduleRange, _Mapping]]] = ...) -> None: ...
+    features: str
+    def __init__(self, pair_id: _Optional[str] = ..., hardware: _Optional[str] = ..., coefficients_version: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[ScheduleRange, _Mapping]]] = ..., features: _Optional[str] = ...) -> None: ...
