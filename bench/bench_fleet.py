@@ -816,6 +816,19 @@ class Server:
                 return float(line.rsplit(" ", 1)[1])
         return None
 
+    def buckets(self, name: str) -> dict[float, float] | None:
+        """A histogram's cumulative bucket counts by upper bound, None if it has none."""
+        try:
+            text = httpx.get(self.served.http_url + "/metrics", timeout=30).text
+        except httpx.HTTPError:
+            return None
+        out = {}
+        for line in text.splitlines():
+            if line.startswith(name + "_bucket{"):
+                le = line.split('le="', 1)[1].split('"', 1)[0]
+                out[float(le)] = float(line.rsplit(" ", 1)[1])
+        return out or None
+
     def stop(self) -> int:
         self.channel.close()
         rc = self.served.stop()
@@ -1104,6 +1117,7 @@ def overload_case(
         server.check(f"overload ({case})")
         opened_at_start = shared.opened.value
         acked0, cpu0, ccpu0 = shared.acked.value, cpu_s(server.pid), clients.cpu()
+        lag0 = server.buckets(LOOP_LAG)
         pcpu0, t0 = time.process_time(), time.perf_counter()
         out = asyncio.run(
             light_and_probes(
@@ -1113,6 +1127,7 @@ def overload_case(
         elapsed = time.perf_counter() - t0
         acked1, cpu1, ccpu1 = shared.acked.value, cpu_s(server.pid), clients.cpu()
         pcpu1 = time.process_time()
+        lag = _window_quantiles(lag0, server.buckets(LOOP_LAG), (0.5, 0.99))
         server.check(f"overload ({case})")
         # Backpressure: messages that waited for room in their pair's queue (an
         # older tree instead shed turns and paced steps; each reads "—" where absent).
@@ -1148,6 +1163,8 @@ def overload_case(
             backpressure_waits=waits,
             shed_turns=shed,
             paced_steps=paced,
+            loop_lag_p50_s=lag[0],
+            loop_lag_p99_s=lag[1],
             load_avg=round(os.getloadavg()[0], 2),
         )
         return out
@@ -1244,6 +1261,7 @@ ROWS: dict[str, list[tuple[str, str]]] = {
         ("busy streams open at its first ack", "busy_open_at_light_first_ack"),
         ("/healthz p50 / **p99** / max ms", "healthz"),
         ("GetCoefficients p50 / **p99** / max ms", "getcoef"),
+        ("event loop lag p50 / p99 s (bucket bounds)", "loop_lag"),
         ("probes (healthz, GetCoefficients)", "probes"),
         ("backpressure waits; shed turns, paced steps (older trees)", "shedding"),
         ("server / client CPU share (cores)", "shares"),
@@ -1251,6 +1269,25 @@ ROWS: dict[str, list[tuple[str, str]]] = {
         ("streams opened again (busy, light; --reopen)", "reopened"),
     ],
 }
+
+
+#: The service loop's heartbeat lateness (a histogram; trees before it have none).
+LOOP_LAG = "avest_event_loop_lag_seconds"
+
+
+def _window_quantiles(
+    before: dict[float, float] | None, after: dict[float, float] | None, qs: tuple[float, ...]
+) -> list[float | None]:
+    """Each quantile of a histogram's observations between two scrapes, as the upper
+    bound of the bucket it falls in (None without the histogram or observations)."""
+    if not before or not after:
+        return [None] * len(qs)
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    total = counts[-1]
+    if total <= 0:
+        return [None] * len(qs)
+    return [next(b for b, c in zip(bounds, counts, strict=True) if c >= q * total) for q in qs]
 
 
 def _fmt(v: Any) -> str:
@@ -1288,6 +1325,7 @@ def _cell(section: str, r: dict[str, Any], key: str) -> Any:
         "healthz": [get("healthz_p50_ms"), get("healthz_p99_ms"), get("healthz_max_ms")],
         "getcoef": [get("getcoef_p50_ms"), get("getcoef_p99_ms"), get("getcoef_max_ms")],
         "probes": [get("healthz_probes"), get("getcoef_probes")],
+        "loop_lag": [get("loop_lag_p50_s"), get("loop_lag_p99_s")],
         "shedding": f"{_fmt(get('backpressure_waits'))}; "
         f"{_fmt([get('shed_turns'), get('paced_steps')])}",
         "reopened": [get("busy_reopened"), get("light_reopened")],

@@ -49,3 +49,12 @@ def test_a_server_refusing_every_summary_fails_the_run() -> None:
     message = str(failed.value.code)
     assert message.startswith("bench_fleet: FAILED")
     assert "RESOURCE_EXHAUSTED" in message
+
+
+def test_the_loop_lag_quantiles_are_those_of_the_window() -> None:
+    inf = float("inf")
+    before = {0.1: 10.0, 1.0: 10.0, inf: 10.0}  # ten beats before the window, all prompt
+    after = {0.1: 60.0, 1.0: 109.0, inf: 110.0}  # fifty prompt, 49 under 1 s, one later
+    assert bench_fleet._window_quantiles(before, after, (0.5, 0.99, 1.0)) == [0.1, 1.0, inf]
+    assert bench_fleet._window_quantiles(None, after, (0.5,)) == [None]  # an older tree
+    assert bench_fleet._window_quantiles(after, after, (0.5,)) == [None]  # nothing observed
