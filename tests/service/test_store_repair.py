@@ -568,8 +568,15 @@ def _fill_the_disk_and_stop(
         reader.start()
         assert wait_until(lambda: "full" in app.store_error, WAIT_S), app.store_error
         assert wait_until(lambda: app.store_errors["write"] >= failed_writes, WAIT_S)
-        retries = [r for r in caplog.records if "retrying" in r.getMessage()]
-        assert len(retries) == 1, [r.getMessage() for r in retries]  # once, not per retry
+
+        def retries() -> list[Any]:
+            return [r for r in caplog.records if "retrying" in r.getMessage()]
+
+        # the flush loop logs once the failed write is counted (a moment later, on the
+        # loop): wait for the line rather than race it
+        assert wait_until(lambda: bool(retries()), WAIT_S)
+        said = retries()
+        assert len(said) == 1, [r.getMessage() for r in said]  # once, not per retry
     finally:
         caplog.set_level(logging.INFO)
         caplog.clear()
