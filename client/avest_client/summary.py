@@ -53,7 +53,7 @@ class RoundAccumulator:
         self.ece = np.zeros((k, ECE_BINS, 2))
         self.psum = np.zeros((k, ECE_BINS))
         self.nll = np.zeros(k)
-        self.reached = np.zeros(k * FEATURE_BINS)
+        self.reached = np.zeros(k * FEATURE_BINS if self.keep_reached else 0)
         self.steps = 0
 
     def add(

@@ -24,12 +24,15 @@ from avest_wire.summary import (
 from avest_wire.v1 import estimator_pb2 as pb
 
 
+def _deltas(cells: np.ndarray) -> list[int]:
+    """Ascending cells as the wire lists them: the first, then each gap."""
+    return (np.diff(cells, prepend=0) if cells.size else cells).tolist()
+
+
 def sketch_to_pb(sketch: Sketch) -> pb.CalibrationSketch:
-    cells = sketch.cells
-    deltas = np.diff(cells, prepend=0) if cells.size else cells
     ece = sketch.ece
     return pb.CalibrationSketch(
-        cell_deltas=deltas.tolist(),
+        cell_deltas=_deltas(sketch.cells),
         cell_counts=sketch.counts.astype(np.int64).tolist(),
         ece_rejected=ece[:, :, 0].astype(np.int64).reshape(-1).tolist(),
         ece_accepted=ece[:, :, 1].astype(np.int64).reshape(-1).tolist(),
@@ -39,10 +42,8 @@ def sketch_to_pb(sketch: Sketch) -> pb.CalibrationSketch:
 
 
 def reached_to_pb(reached: Reached) -> pb.ReachedCounts:
-    cells = reached.cells
-    deltas = np.diff(cells, prepend=0) if cells.size else cells
     return pb.ReachedCounts(
-        cell_deltas=deltas.tolist(), cell_counts=reached.counts.astype(np.int64).tolist()
+        cell_deltas=_deltas(reached.cells), cell_counts=reached.counts.astype(np.int64).tolist()
     )
 
 

@@ -344,8 +344,8 @@ class RoundSummary:
     steps: int
     drafts: int
     sketch: Sketch | None = None
-    #: The drafts that reached each position, in this round and any since the last
-    #: summary that carried them (optional: a worker sends them with some rounds).
+    #: The round's drafts that reached each position (optional: the vLLM plugin sends
+    #: them with one round in ten).
     reached: Reached | None = None
 
     @property

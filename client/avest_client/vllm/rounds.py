@@ -114,8 +114,9 @@ class _Kept:
 #: One round in this many carries its reached counts. The schedule reads their
 #: distribution, which a sample of rounds gives as well as all of them (one round of
 #: 100 steps at a batch of 256 counts 25,600 drafts at the first position, the schedule
-#: wants 1,000), while checking and folding them costs the service about 35 us a summary
-#: (+16 to 24 % of its parse, check and fold at K = 8): a tenth of that on average.
+#: wants 1,000), while checking them costs the service 26 to 29 us a summary that carries
+#: them (+11 % of its parse, check and fold at K = 8; bench/RESULTS.md): a tenth of that
+#: on average.
 REACHED_EVERY = 10
 
 

@@ -82,7 +82,7 @@ def build(
     group_of: torch.Tensor | None = None,
     irls: bool = False,
     sketch: bool = True,
-    reached: bool = True,
+    reached: bool = False,
 ) -> list[torch.Tensor]:
     """The sketch of a round: ``features`` [T, R, K] kept per step, ``held`` its T steps.
 

@@ -205,7 +205,7 @@ class OnlineEstimator:
             stats = self.contribution(summary)
         self.round_stats.add_(stats)
         if summary.reached is not None:
-            self._reached_round.counts.reshape(-1)[summary.reached.cells] += summary.reached.counts
+            self._reached_round.add_cells(summary.reached.cells, summary.reached.counts)
         if summary.sketch is not None:
             # Folded when something reads the round (avest.core.pooling).
             self._pending.add(summary.sketch)
@@ -368,7 +368,7 @@ class OnlineEstimator:
             histogram = FeatureHistogram.empty(self.k)
             held = arrays.get(f"reached.{name}")  # absent from snapshots before 0.2
             if held is not None and held.size:
-                histogram.counts.reshape(-1)[held[0].astype(np.intp)] = held[1]
+                histogram.add_cells(held[0], held[1])
             setattr(self, f"_reached_{name}", histogram)
         self._pending.clear()
         self.rule.reset(self.start)

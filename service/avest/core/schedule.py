@@ -201,6 +201,11 @@ class FeatureHistogram:
             bins = feature_bin((eta[used] - b) / slope)
             np.add.at(self.counts[i], bins, counts[i, used])
 
+    def add_cells(self, cells: npt.ArrayLike, counts: npt.ArrayLike) -> None:
+        """Add sparse counts: ``cells`` distinct flat indices ``position * FEATURE_BINS +
+        bin`` (a round summary's ``reached``)."""
+        self.counts.reshape(-1)[np.asarray(cells, dtype=np.intp)] += np.asarray(counts, np.float64)
+
     def merge(self, other: FeatureHistogram) -> None:
         if other.k != self.k:
             raise InvalidInput("features", f"K={other.k} cannot merge into K={self.k}")
