@@ -20,6 +20,7 @@ import ssl
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import uvicorn
@@ -28,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 
 from avest.grpc.gate import Gate
 from avest.grpc.interceptor import RpcInterceptor
+from avest.grpc.reads import Published, ReadServer
 from avest.grpc.service import EstimatorService
 from avest.http.api import build_http
 from avest.http.bridge import Heartbeat, HttpThread, LoopBridge
@@ -69,6 +71,10 @@ class Server:
         #: Listeners whose traffic (tokens, or open writes) is readable on the network.
         self.exposure: list[str] = []
         self._grpc: grpc.aio.Server | None = None
+        #: Each pair's GetCoefficients response, for the read port (``--read-address``).
+        self.published = Published(self.app)
+        self._reads: ReadServer | None = None
+        self.read_port = 0
         self._http: HttpThread | None = None
         #: The event loop's heartbeat, which /healthz reads on the HTTP thread.
         self.heartbeat = Heartbeat(late=self.metrics.loop_lag.observe)
@@ -79,15 +85,28 @@ class Server:
         return f"{split_address(self.settings.grpc_address)[0]}:{self.grpc_port}"
 
     @property
+    def read_address(self) -> str:
+        """The read port's bound address; empty when there is none."""
+        if not self.settings.read_address:
+            return ""
+        return f"{split_address(self.settings.read_address)[0]}:{self.read_port}"
+
+    @property
     def http_address(self) -> str:
         return f"{split_address(self.settings.http_address)[0]}:{self.http_port}"
+
+    def _listeners(self, names: tuple[str, str, str]) -> list[tuple[str, str]]:
+        """The gRPC, admin HTTP and read (when set) addresses, under ``names``."""
+        s = self.settings
+        addresses = (s.grpc_address, s.http_address, s.read_address)
+        return [(name, a) for name, a in zip(names, addresses, strict=True) if a]
 
     def check_exposure(self) -> None:
         """Refuse to listen beyond loopback with nobody's token required."""
         s = self.settings
         if s.insecure or s.worker_token:
             return
-        for name, address in (("grpc_address", s.grpc_address), ("http_address", s.http_address)):
+        for name, address in self._listeners(("grpc_address", "http_address", "read_address")):
             host = split_address(address)[0]
             if not is_loopback(host):
                 raise PermissionError(
@@ -111,7 +130,7 @@ class Server:
             if token
         ]
         found = []
-        for name, address in (("gRPC", s.grpc_address), ("admin HTTP", s.http_address)):
+        for name, address in self._listeners(("gRPC", "admin HTTP", "read port")):
             if is_loopback(split_address(address)[0]):
                 continue
             if tokens:
@@ -143,30 +162,31 @@ class Server:
         await self.app.start()
         s = self.settings
         limit = s.max_message_bytes
+        options: list[tuple[str, Any]] = [
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_allowed_incoming_connections", self.max_connections),
+            ("grpc.max_concurrent_streams", 1024),
+            # A connection that does not finish its handshake, or never
+            # acknowledges the server's HTTP/2 settings (a socket that sends
+            # nothing), is closed after handshake_timeout_s.
+            ("grpc.server_handshake_timeout_ms", int(s.handshake_timeout_s * 1000)),
+            ("grpc.http2.settings_timeout", int(s.handshake_timeout_s * 1000)),
+            ("grpc.max_connection_idle_ms", int(s.idle_timeout_s * 1000)),
+            # Ping idle transports so dead peers are found; allow the client's
+            # keepalive pings (avest_client pings every 30 s).
+            ("grpc.keepalive_time_ms", 60_000),
+            ("grpc.keepalive_timeout_ms", 20_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ("grpc.http2.max_ping_strikes", 3),
+        ]
         self._grpc = grpc.aio.server(
             interceptors=[
                 RpcInterceptor(self.metrics.rpc_duration),
                 Gate(self.access, self.metrics.refused, rpc_rate=s.rpc_rate),
             ],
-            options=[
-                ("grpc.max_receive_message_length", limit),
-                ("grpc.max_send_message_length", limit),
-                ("grpc.so_reuseport", 0),
-                ("grpc.max_allowed_incoming_connections", self.max_connections),
-                ("grpc.max_concurrent_streams", 1024),
-                # A connection that does not finish its handshake, or never
-                # acknowledges the server's HTTP/2 settings (a socket that sends
-                # nothing), is closed after handshake_timeout_s.
-                ("grpc.server_handshake_timeout_ms", int(s.handshake_timeout_s * 1000)),
-                ("grpc.http2.settings_timeout", int(s.handshake_timeout_s * 1000)),
-                ("grpc.max_connection_idle_ms", int(s.idle_timeout_s * 1000)),
-                # Ping idle transports so dead peers are found; allow the client's
-                # keepalive pings (avest_client pings every 30 s).
-                ("grpc.keepalive_time_ms", 60_000),
-                ("grpc.keepalive_timeout_ms", 20_000),
-                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-                ("grpc.http2.max_ping_strikes", 3),
-            ],
+            options=options,
             maximum_concurrent_rpcs=s.max_streams,
         )
         pb_grpc.add_EstimatorServiceServicer_to_server(self.service, self._grpc)
@@ -194,7 +214,26 @@ class Server:
                 f"cannot listen on {self.settings.grpc_address} (gRPC, --grpc-address): "
                 "the address is in use or not available here"
             )
+        if s.read_address:
+            self._reads = ReadServer(
+                self.published,
+                self.access,
+                self.metrics.refused,
+                lambda method, code, seconds: self.metrics.rpc_duration.labels(
+                    method, code
+                ).observe(seconds),
+                options,
+            )
+            self.read_port = self._reads.bind(s.read_address, credentials)
+            if self.read_port == 0:
+                await self._abandon_start()
+                raise BindError(
+                    f"cannot listen on {s.read_address} (read port, --read-address): "
+                    "the address is in use or not available here"
+                )
         await self._grpc.start()
+        if self._reads is not None:
+            self._reads.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
 
@@ -272,6 +311,8 @@ class Server:
             if not self.app.store_error:
                 log.warning("final flush before draining failed: %s", exc)
         await self.service.drain()
+        if self._reads is not None:
+            self._reads.stop(min(left(), 1.0))
         if self._grpc is not None:
             await self._grpc.stop(min(left(), 1.0))
         # A chunk under way when the deadline passes still finishes: leave it room.
@@ -331,7 +372,8 @@ async def serve(settings: Settings, announce: bool = True, exit_when_stopped: bo
     if announce:
         print(
             f"avest serving grpc={server.grpc_address} "
-            f"http={'https' if settings.tls_cert else 'http'}://{server.http_address} "
+            + (f"read={server.read_address} " if server.read_address else "")
+            + f"http={'https' if settings.tls_cert else 'http'}://{server.http_address} "
             f"data={server.app.store.location}",
             flush=True,
         )

@@ -34,6 +34,12 @@ class Settings(BaseSettings):
         "127.0.0.1:8000",
         description="admin HTTP listen address HOST:PORT (port 0 picks a free port)",
     )
+    read_address: str = Field(
+        "",
+        description="read port HOST:PORT: GetCoefficients (and gRPC health) on a gRPC "
+        "server of its own threads, answered while Observe streams keep the main port "
+        "busy; empty for none",
+    )
     data_dir: str = Field("./avest-data", description="directory holding the SQLite database")
     store: str = Field(
         "",
@@ -190,6 +196,13 @@ class Settings(BaseSettings):
     def _host_port(cls, v: str) -> str:
         split_address(v)
         return v
+
+    @field_validator("read_address")
+    @classmethod
+    def _optional_host_port(cls, v: str) -> str:
+        if v.strip():
+            split_address(v.strip())
+        return v.strip()
 
     @model_validator(mode="after")
     def _tls_pair(self) -> Settings:

@@ -1,0 +1,196 @@
+"""The read port (``--read-address``): GetCoefficients on a synchronous gRPC server.
+
+It answers from each pair's published response, on threads of its own, so a caller
+gets the coefficients while the service loop is busy; it follows refits and deletions,
+and refuses what the main port refuses, with the same codes and messages.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from avest.server import BindError
+from avest_client import AvestError, Credentials, EstimatorClient
+from avest_wire.v1 import estimator_pb2 as pb
+from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
+from tests.support.rpc import observe_request
+from tests.support.server import launch
+
+K = 5
+WORKER = "worker-token-read"
+ADMIN = "admin-token-read"
+
+
+def _register(stub: pb_grpc.EstimatorServiceStub, **md: Any) -> str:
+    key = pb.PairKey(target_model="t", draft_model="d", method="eagle", num_speculative_tokens=K)
+    return str(stub.RegisterPair(pb.RegisterPairRequest(key=key), timeout=10, **md).pair_id)
+
+
+def _get(stub: pb_grpc.EstimatorServiceStub, pair_id: str, **kw: Any) -> pb.Coefficients:
+    return stub.GetCoefficients(
+        pb.GetCoefficientsRequest(pair_id=pair_id), timeout=kw.pop("timeout", 10), **kw
+    ).coefficients
+
+
+@pytest.fixture
+def ports(start_server: Callable[..., Any], tmp_path: Path) -> Iterator[Any]:
+    handle = start_server(tmp_path / "data", read_address="127.0.0.1:0", refit_interval=8)
+    with (
+        grpc.insecure_channel(handle.grpc_address) as main,
+        grpc.insecure_channel(handle.server.read_address) as read,
+    ):
+        yield handle, pb_grpc.EstimatorServiceStub(main), pb_grpc.EstimatorServiceStub(read)
+
+
+def test_the_read_port_serves_the_pairs_coefficients_and_follows_refits(ports: Any) -> None:
+    handle, main, read = ports
+    pair_id = _register(main)
+    assert _get(read, pair_id) == _get(main, pair_id)
+    # Steps that refit the pair: the read port serves the new version.
+    rows = 8
+    for seq in range(1, 6):
+        feats = np.full((rows, K), 1.5)
+        req = observe_request(pair_id, "w", seq, feats, [K] * rows, [2] * rows)
+        responses = main.Observe(iter([req]), timeout=10)
+        for _ in responses:
+            pass
+    refitted = _get(main, pair_id)
+    assert refitted.version > 0
+    served = _get(read, pair_id)
+    assert served == refitted
+    # The client, pointed at the read port, reads the same coefficients.
+    with EstimatorClient(handle.server.read_address, timeout=10) as client:
+        c = client.coefficients(pair_id)
+    assert c.version == refitted.version
+    assert c.slope == pytest.approx(refitted.slope)
+    # Only GetCoefficients and health are served there.
+    with pytest.raises(grpc.RpcError) as info:
+        read.ListPairs(pb.ListPairsRequest(), timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(handle.server.read_address))
+    got = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+    assert got.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_the_read_port_refuses_as_the_main_port_does_and_counts_it(ports: Any) -> None:
+    handle, main, read = ports
+    for stub_request, code in (
+        (pb.GetCoefficientsRequest(pair_id="nope"), grpc.StatusCode.NOT_FOUND),
+        (pb.GetCoefficientsRequest(pair_id=""), grpc.StatusCode.INVALID_ARGUMENT),
+    ):
+        errors = []
+        for stub in (main, read):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.GetCoefficients(stub_request, timeout=10)
+            errors.append((info.value.code(), info.value.details()))
+        assert errors[0] == errors[1], errors
+        assert errors[1][0] == code
+    garbage = grpc.insecure_channel(handle.server.read_address).unary_unary(
+        "/avest.v1.EstimatorService/GetCoefficients"
+    )
+    with pytest.raises(grpc.RpcError) as info:
+        garbage(b"\xff\xff\xff", timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "malformed message" in (info.value.details() or "")
+    text = httpx.get(handle.http_url + "/metrics", timeout=10).text
+    line = next(
+        ln
+        for ln in text.splitlines()
+        if ln.startswith("avest_refused_batches_total{")
+        and 'method="GetCoefficients"' in ln
+        and 'reason="malformed"' in ln
+    )
+    assert float(line.rsplit(" ", 1)[1]) >= 1
+
+
+def test_the_read_port_answers_while_the_service_loop_is_held(ports: Any) -> None:
+    handle, main, read = ports
+    pair_id = _register(main)
+    expected = _get(main, pair_id)
+    blocked, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        blocked.set()
+        release.wait(60)
+
+    handle.loop.call_soon_threadsafe(hold)
+    assert blocked.wait(10)
+    try:
+        # The main port's handlers run on the held loop: its call cannot finish.
+        with pytest.raises(grpc.RpcError) as info:
+            _get(main, pair_id, timeout=1.0)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert _get(read, pair_id, timeout=10) == expected
+    finally:
+        release.set()
+
+
+def test_a_deleted_pair_is_gone_from_the_read_port(start_server, tmp_path: Path) -> None:  # noqa: ANN001
+    handle = start_server(tmp_path / "data", read_address="127.0.0.1:0", admin_token=ADMIN)
+    admin = (("authorization", f"Bearer {ADMIN}"),)
+    with (
+        grpc.insecure_channel(handle.grpc_address) as m,
+        grpc.insecure_channel(handle.server.read_address) as r,
+    ):
+        main, read = pb_grpc.EstimatorServiceStub(m), pb_grpc.EstimatorServiceStub(r)
+        pair_id = _register(main, metadata=admin)
+        assert _get(read, pair_id, metadata=admin).pair_id == pair_id
+        main.DeletePair(pb.DeletePairRequest(pair_id=pair_id), metadata=admin, timeout=10)
+        with pytest.raises(grpc.RpcError) as info:
+            _get(read, pair_id, metadata=admin)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_the_read_port_takes_the_same_tokens_and_tls(
+    start_server: Callable[..., Any], tmp_path: Path, pki: Path
+) -> None:
+    handle = start_server(
+        tmp_path / "data",
+        read_address="127.0.0.1:0",
+        worker_token=WORKER,
+        admin_token=ADMIN,
+        tls_cert=str(pki / "server.crt"),
+        tls_key=str(pki / "server.key"),
+        tls_client_ca=str(pki / "ca.crt"),
+    )
+    creds = Credentials(
+        token=WORKER,
+        tls_ca=str(pki / "ca.crt"),
+        tls_cert=str(pki / "client.crt"),
+        tls_key=str(pki / "client.key"),
+    )
+    with EstimatorClient(handle.grpc_address, timeout=10, credentials=creds) as client:
+        pair_id = client.register("t", "d", "eagle", K).pair_id
+    read = handle.server.read_address
+    with EstimatorClient(read, timeout=10, credentials=creds) as client:
+        assert client.coefficients(pair_id).pair_id == pair_id
+    no_token = Credentials(
+        tls_ca=str(pki / "ca.crt"),
+        tls_cert=str(pki / "client.crt"),
+        tls_key=str(pki / "client.key"),
+    )
+    with EstimatorClient(read, timeout=10, credentials=no_token) as client:
+        with pytest.raises(AvestError) as err:
+            client.coefficients(pair_id)
+        assert "token is required" in str(err.value)
+    with EstimatorClient(read, timeout=3, token=WORKER) as client, pytest.raises(AvestError):
+        client.coefficients(pair_id)  # plaintext: the handshake fails
+
+
+def test_a_taken_read_address_is_one_clear_error(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        with pytest.raises(BindError, match=r"read port, --read-address"):
+            launch(tmp_path / "data", read_address=address)
