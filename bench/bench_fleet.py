@@ -82,6 +82,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parent.parent
 from grpc_floor import _cpu_s as cpu_s  # noqa: E402  (bench_ingest.cpu_s, without the service)
 from grpc_floor import _serve as floor_serve  # noqa: E402
 from serve_proc import Served, serve  # noqa: E402
@@ -742,6 +743,9 @@ class Server:
         self.name = name
         self.dir = Path(tempfile.mkdtemp(prefix="avest-fleet-"))
         extra = list(cfg.server_args)
+        settings = (tree or ROOT) / "service" / "avest" / "settings.py"
+        if "read_address" in settings.read_text():  # trees before the read port have none
+            extra += ["--read-address", "127.0.0.1:0"]
         if cfg.flush_interval_ms is not None:
             extra += ["--flush-interval-ms", str(cfg.flush_interval_ms)]
         try:
@@ -1051,18 +1055,36 @@ async def light_and_probes(
             "light_reopened": st["reopened"],
         }
 
+    read_address = server.served.read_address
+    read_channel = grpc.aio.insecure_channel(read_address or server.address)
+    read_stub = pb_grpc.EstimatorServiceStub(read_channel)
+
+    async def read_coefficients() -> None:
+        try:
+            await read_stub.GetCoefficients(
+                pb.GetCoefficientsRequest(pair_id=busy_pid), timeout=cfg.wait_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise Failed(
+                f"GetCoefficients on the read port failed: {exc.code().name}: {exc.details()}"
+            ) from None
+
     out: dict[str, Any]
+    read: list[float] = []
     try:
-        out, health, coef = await asyncio.gather(
+        out, health, coef, *more = await asyncio.gather(
             light(),
             _probe(healthz, cfg.probe_every_s, done),
             _probe(coefficients, cfg.probe_every_s, done),
+            *([_probe(read_coefficients, cfg.probe_every_s, done)] if read_address else []),
         )
+        read = more[0] if more else []
     finally:
         done.set()
         await http.aclose()
         await probe_channel.close()
-    for name, s in (("healthz", health), ("getcoef", coef)):
+        await read_channel.close()
+    for name, s in (("healthz", health), ("getcoef", coef), ("getcoef_read", read)):
         out.update(
             {
                 f"{name}_p50_ms": _pct(s, 50),
@@ -1261,8 +1283,9 @@ ROWS: dict[str, list[tuple[str, str]]] = {
         ("busy streams open at its first ack", "busy_open_at_light_first_ack"),
         ("/healthz p50 / **p99** / max ms", "healthz"),
         ("GetCoefficients p50 / **p99** / max ms", "getcoef"),
+        ("GetCoefficients on the read port p50 / **p99** / max ms", "getcoef_read"),
         ("event loop lag p50 / p99 s (bucket bounds)", "loop_lag"),
-        ("probes (healthz, GetCoefficients)", "probes"),
+        ("probes (healthz, GetCoefficients, on the read port)", "probes"),
         ("backpressure waits; shed turns, paced steps (older trees)", "shedding"),
         ("server / client CPU share (cores)", "shares"),
         ("busy sent = acked; drain s", "drain"),
@@ -1324,7 +1347,12 @@ def _cell(section: str, r: dict[str, Any], key: str) -> Any:
         f"{get('busy_window')} unacknowledged each)",
         "healthz": [get("healthz_p50_ms"), get("healthz_p99_ms"), get("healthz_max_ms")],
         "getcoef": [get("getcoef_p50_ms"), get("getcoef_p99_ms"), get("getcoef_max_ms")],
-        "probes": [get("healthz_probes"), get("getcoef_probes")],
+        "getcoef_read": [
+            get("getcoef_read_p50_ms"),
+            get("getcoef_read_p99_ms"),
+            get("getcoef_read_max_ms"),
+        ],
+        "probes": [get("healthz_probes"), get("getcoef_probes"), get("getcoef_read_probes")],
         "loop_lag": [get("loop_lag_p50_s"), get("loop_lag_p99_s")],
         "shedding": f"{_fmt(get('backpressure_waits'))}; "
         f"{_fmt([get('shed_turns'), get('paced_steps')])}",

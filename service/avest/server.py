@@ -372,9 +372,9 @@ async def serve(settings: Settings, announce: bool = True, exit_when_stopped: bo
     if announce:
         print(
             f"avest serving grpc={server.grpc_address} "
-            + (f"read={server.read_address} " if server.read_address else "")
-            + f"http={'https' if settings.tls_cert else 'http'}://{server.http_address} "
-            f"data={server.app.store.location}",
+            f"http={'https' if settings.tls_cert else 'http'}://{server.http_address} "
+            f"data={server.app.store.location}"
+            + (f" read={server.read_address}" if server.read_address else ""),
             flush=True,
         )
     loop = asyncio.get_running_loop()

@@ -29,6 +29,7 @@ CLI = "import sys; from avest.commands.cli import main; sys.exit(main())"
 #: The announcement line. The log record of the same event has no URL scheme, so
 #: only the printed line matches.
 ANNOUNCE = re.compile(rb"avest serving grpc=(\S+) http=(https?://\S+)")
+READ_ANNOUNCED = re.compile(rb"avest serving grpc=.* read=(\S+)")
 #: Seconds between looks at the log while the service starts.
 POLL_S = 0.02
 
@@ -57,6 +58,13 @@ class Served:
     def output(self) -> str:
         """Everything the service wrote so far (stdout and stderr)."""
         return self.log.read_text(errors="replace")
+
+    @property
+    def read_address(self) -> str:
+        """The read port's address (``--read-address``), from the announcement; empty
+        when it has none."""
+        m = READ_ANNOUNCED.search(self.log.read_bytes())
+        return m.group(1).decode() if m else ""
 
     def log_bytes(self) -> int:
         return self.log.stat().st_size
