@@ -143,8 +143,10 @@ class Server:
             elif s.insecure:
                 found.append(
                     f"{name} listens on {address} without TLS and, by --insecure, without a "
-                    "worker token: anyone who reaches it can write to every pair. Set "
-                    "--worker-token (AVEST_WORKER_TOKEN) with --tls-cert and --tls-key"
+                    "worker token: anyone who reaches it can "
+                    + ("read" if name == "read port" else "write to")
+                    + " every pair. Set --worker-token (AVEST_WORKER_TOKEN) with --tls-cert "
+                    "and --tls-key"
                 )
         return found
 

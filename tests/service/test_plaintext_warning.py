@@ -79,3 +79,19 @@ def test_avest_serve_warns_on_its_output(tmp_path):
     lines = [line for line in out.splitlines() if "travel in plaintext" in line]
     assert len(lines) == 1, out[-3000:]
     assert "WARNING" in lines[0] and "gRPC listens on 0.0.0.0:0 without TLS" in lines[0]
+
+
+def test_a_public_read_port_is_warned_and_refused_without_a_token(tmp_path, caplog):
+    said = _start_warnings(
+        tmp_path, caplog, read_address="0.0.0.0:0", worker_token=WORKER, admin_token=""
+    )
+    assert len(said) == 1, said
+    assert said[0].startswith("read port listens on 0.0.0.0:0 without TLS")
+    assert "--worker-token travel in plaintext" in said[0]
+    said = _start_warnings(
+        tmp_path, caplog, read_address="0.0.0.0:0", insecure=True, admin_token=""
+    )
+    assert len(said) == 1, said
+    assert "anyone who reaches it can read every pair" in said[0]
+    with pytest.raises(PermissionError, match=r"read_address 0\.0\.0\.0:0 is reachable"):
+        launch(tmp_path, read_address="0.0.0.0:0", worker_token="", insecure=False)
