@@ -1140,6 +1140,7 @@ def overload_case(
         opened_at_start = shared.opened.value
         acked0, cpu0, ccpu0 = shared.acked.value, cpu_s(server.pid), clients.cpu()
         lag0 = server.buckets(LOOP_LAG)
+        write0 = server.buckets(STORE_WRITE)
         pcpu0, t0 = time.process_time(), time.perf_counter()
         out = asyncio.run(
             light_and_probes(
@@ -1150,6 +1151,7 @@ def overload_case(
         acked1, cpu1, ccpu1 = shared.acked.value, cpu_s(server.pid), clients.cpu()
         pcpu1 = time.process_time()
         lag = _window_quantiles(lag0, server.buckets(LOOP_LAG), (0.5, 0.99))
+        write = _window_quantiles(write0, server.buckets(STORE_WRITE), (0.5, 0.99))
         server.check(f"overload ({case})")
         # Backpressure: messages that waited for room in their pair's queue (an
         # older tree instead shed turns and paced steps; each reads "—" where absent).
@@ -1187,6 +1189,8 @@ def overload_case(
             paced_steps=paced,
             loop_lag_p50_s=lag[0],
             loop_lag_p99_s=lag[1],
+            store_write_p50_s=write[0],
+            store_write_p99_s=write[1],
             load_avg=round(os.getloadavg()[0], 2),
         )
         return out
@@ -1285,6 +1289,7 @@ ROWS: dict[str, list[tuple[str, str]]] = {
         ("GetCoefficients p50 / **p99** / max ms", "getcoef"),
         ("GetCoefficients on the read port p50 / **p99** / max ms", "getcoef_read"),
         ("event loop lag p50 / p99 s (bucket bounds)", "loop_lag"),
+        ("group commit, snapshot to acks, p50 / p99 s (bucket bounds)", "store_write"),
         ("probes (healthz, GetCoefficients, on the read port)", "probes"),
         ("backpressure waits; shed turns, paced steps (older trees)", "shedding"),
         ("server / client CPU share (cores)", "shares"),
@@ -1296,6 +1301,8 @@ ROWS: dict[str, list[tuple[str, str]]] = {
 
 #: The service loop's heartbeat lateness (a histogram; trees before it have none).
 LOOP_LAG = "avest_event_loop_lag_seconds"
+#: The group commit's time, snapshot to acknowledgements (a histogram; trees before it have none).
+STORE_WRITE = "avest_store_write_duration_seconds"
 
 
 def _window_quantiles(
@@ -1354,6 +1361,7 @@ def _cell(section: str, r: dict[str, Any], key: str) -> Any:
         ],
         "probes": [get("healthz_probes"), get("getcoef_probes"), get("getcoef_read_probes")],
         "loop_lag": [get("loop_lag_p50_s"), get("loop_lag_p99_s")],
+        "store_write": [get("store_write_p50_s"), get("store_write_p99_s")],
         "shedding": f"{_fmt(get('backpressure_waits'))}; "
         f"{_fmt([get('shed_turns'), get('paced_steps')])}",
         "reopened": [get("busy_reopened"), get("light_reopened")],

@@ -88,3 +88,44 @@ async def _run(tmp_path) -> None:  # noqa: ANN001
 
 def test_a_cancelled_flush_still_marks_its_snapshot_durable(tmp_path):
     asyncio.run(_run(tmp_path))
+
+
+async def _timed(tmp_path) -> str:  # noqa: ANN001
+    from prometheus_client import generate_latest
+
+    from avest.metrics.registry import Metrics
+
+    settings = Settings(data_dir=str(tmp_path), refit_interval=1000, flush_interval_ms=3_600_000)
+    store = HeldStore(settings.database)
+    app = Avest(settings.state_config(), store)
+    metrics = Metrics(app)
+    await app.start()
+    pair, _ = app.register(PairKey.of("t", "d", "eagle", K))
+    await asyncio.sleep(0.05)
+    await app.flush()
+    before = generate_latest(metrics.registry).decode()
+    app.observe(pair, "w", 1, _batch(np.random.default_rng(1)))
+    store.hold = True
+    flush = asyncio.create_task(app.flush())
+    while not store.writing.is_set():
+        await asyncio.sleep(0.001)
+    await asyncio.sleep(0.3)  # the store takes its time: the ack waits for it
+    store.release.set()
+    await flush
+    after = generate_latest(metrics.registry).decode()
+    await app.close()
+    return before + "\n--\n" + after
+
+
+def _sample(text: str, name: str) -> float:
+    return float(next(ln for ln in text.splitlines() if ln.startswith(name + " ")).split()[1])
+
+
+def test_the_group_commits_time_is_in_its_histogram(tmp_path):
+    before, after = asyncio.run(_timed(tmp_path)).split("\n--\n")
+    name = "avest_store_write_duration_seconds"
+    assert _sample(after, name + "_count") == _sample(before, name + "_count") + 1
+    assert _sample(after, name + "_sum") - _sample(before, name + "_sum") >= 0.3
+    # The held write is counted above 0.25 s, not below it.
+    below = name + '_bucket{le="0.25"}'
+    assert _sample(after, below) == _sample(before, below)

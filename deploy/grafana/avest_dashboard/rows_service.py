@@ -14,6 +14,9 @@ UNARY = f'{SIDECAR},method!~"Observe|WatchCoefficients"'
 RPC_BUCKET = f"sum by (le, method) (rate({m.RPC_DURATION}_bucket{{{UNARY}}}[{RI}]))"
 #: Each replica's own loop: its worst quantile is what matters.
 LAG_BUCKET = f"sum by (le, instance) (rate({sidecar(m.LOOP_LAG + '_bucket')}[{RI}]))"
+WRITE_BUCKET = (
+    f"sum by (le, instance) (rate({sidecar(m.STORE_WRITE_DURATION + '_bucket')}[{RI}]))"
+)
 #: Refit outcomes and the colour each is drawn in.
 OUTCOME_COLORS = (("applied", "green"), ("slope_held", "orange"), ("rejected", "red"))
 
@@ -95,6 +98,19 @@ def ingestion(lay: Layout) -> list[dict]:
             refs(
                 (f"max(histogram_quantile(0.99, {LAG_BUCKET}))", "p99"),
                 (f"max(histogram_quantile(0.5, {LAG_BUCKET}))", "p50"),
+            ),
+            unit="s",
+        ),
+        timeseries(
+            lay,
+            "Group commit",
+            "How long each service process's group commit takes, from the snapshot of "
+            "the changed pairs to their acknowledgements (a replica: its append to the "
+            "pending log), p50 and p99 of the worst process. A worker's ack waits for "
+            "--flush-interval-ms, then for this: a slow store shows here first.",
+            refs(
+                (f"max(histogram_quantile(0.99, {WRITE_BUCKET}))", "p99"),
+                (f"max(histogram_quantile(0.5, {WRITE_BUCKET}))", "p50"),
             ),
             unit="s",
         ),

@@ -105,6 +105,7 @@ REFITS = "avest_refits_total"
 REFIT_DURATION = "avest_refit_duration_seconds"
 RPC_DURATION = "avest_rpc_duration_seconds"
 LOOP_LAG = "avest_event_loop_lag_seconds"
+STORE_WRITE_DURATION = "avest_store_write_duration_seconds"
 OPEN_STREAMS = "avest_open_streams"
 OVERLOADED = "avest_overloaded"
 ADMISSION_QUEUED = "avest_admission_queued"
@@ -410,6 +411,14 @@ METRICS: tuple[MetricSpec, ...] = (
         "seconds: what every callback on the loop (an Observe message, a unary call, an "
         "admin request) waits for at least; /healthz answers 503 once the loop has not "
         "run it for 10 s.",
+    ),
+    MetricSpec(
+        STORE_WRITE_DURATION,
+        "histogram",
+        (),
+        "Group commit: seconds from the snapshot of a chunk of changed pairs to their "
+        "acknowledgements, the store's write included (a replica: its append to the "
+        "pending log); what a worker's ack waits for after --flush-interval-ms.",
     ),
     MetricSpec(OPEN_STREAMS, "gauge", (), "Open Observe and WatchCoefficients streams."),
     MetricSpec(

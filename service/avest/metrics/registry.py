@@ -41,6 +41,7 @@ from avest.metrics.names import (
     REFUSED_BATCHES,
     RPC_DURATION,
     SPECS,
+    STORE_WRITE_DURATION,
     family_name,
 )
 from avest.metrics.workers import WorkerCollector
@@ -70,6 +71,7 @@ class Metrics:
         self.refit_duration = self._metric(Histogram, REFIT_DURATION, buckets=REFIT_BUCKETS)
         self.rpc_duration = self._metric(Histogram, RPC_DURATION, buckets=RPC_BUCKETS)
         self.loop_lag = self._metric(Histogram, LOOP_LAG, buckets=LOOP_LAG_BUCKETS)
+        self.store_write = self._metric(Histogram, STORE_WRITE_DURATION, buckets=LOOP_LAG_BUCKETS)
         self.refused_batches = self._metric(Counter, REFUSED_BATCHES)
         self._refused_children: dict[tuple[str, str], Any] = {}
         for method in _estimator_methods():
@@ -88,6 +90,7 @@ class Metrics:
             log.debug("process metrics unavailable", exc_info=True)
         app.hooks.refit.append(self._on_refit)
         app.hooks.removed.append(self._on_removed)
+        app.hooks.written.append(lambda pairs, seconds: self.store_write.observe(seconds))
 
     def _metric(self, kind: Any, name: str, **options: Any) -> Any:
         """The prometheus_client metric ``name`` (a ``kind``) on this registry, with the

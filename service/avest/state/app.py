@@ -71,6 +71,9 @@ class Hooks:
     observed: list[Callable[[Pair, int, int], None]] = field(default_factory=list)
     #: ``(pair, why)`` after a pair is removed ("deleted", "retired").
     removed: list[Callable[[Pair, str], None]] = field(default_factory=list)
+    #: ``(pairs, seconds)`` after each chunk of the group commit is durable: its pairs,
+    #: and the seconds from their snapshot to their acknowledgements.
+    written: list[Callable[[int, float], None]] = field(default_factory=list)
 
 
 class Avest:
@@ -484,11 +487,15 @@ class Avest:
         async with self._flush_lock:
             if self.replication is not None:
                 # Replicas write the log; each pair's refitter writes the pair.
+                started = time.perf_counter()
+                pending = bool(self.replication.queue or self.replication.new)
                 try:
                     await self.replication.flush()
                 except Exception as exc:
                     self.store_failed("write", exc)
                     raise
+                for hook in self.hooks.written if pending else ():
+                    hook(0, time.perf_counter() - started)
                 if self.store_error.startswith("store write"):
                     log.warning("store writes resumed after: %s", self.store_error)
                     self.store_error = ""
@@ -510,6 +517,7 @@ class Avest:
     async def _write(self, pairs: list[Pair]) -> None:
         if not pairs:
             return
+        started = time.perf_counter()
         records: list[dict[str, Any]] = []
         for pair in pairs:
             records.append(self.registry.snapshot(pair))
@@ -531,6 +539,8 @@ class Avest:
             raised += pair.saved(record)
         self.state_file.record(len(self.registry.pairs))
         self.mark_durable(raised)
+        for hook in self.hooks.written:
+            hook(len(pairs), time.perf_counter() - started)
 
     def saved(self, pair: Pair, record: dict[str, Any]) -> None:
         """A snapshot of the pair another path wrote (a replica's refit) is durable."""
