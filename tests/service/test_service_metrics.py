@@ -369,6 +369,7 @@ class _App:
         def __init__(self) -> None:
             self.refit: list[Any] = []
             self.removed: list[Any] = []
+            self.written: list[Any] = []
 
     class _Registry:
         pairs: dict[str, Any] = {}
