@@ -35,6 +35,7 @@ EXPECTED_ALERTS = {
     "AvestObserveStreamsFailing",  # streams failing: workers drop while disconnected
     "AvestObserveBacklog",
     "AvestOverloaded",  # backpressure: streams held back by a full pair queue, sustained
+    "AvestEventLoopSaturated",  # the event loop's p99 lag past 0.5 s, sustained
     "AvestCalibrationDrift",  # ECE above a threshold, sustained
     "AvestAcceptanceDivergence",  # predicted vs observed acceptance
     "AvestPairNoObservations",  # a registered pair without observations
