@@ -19,8 +19,8 @@ def test_the_smallest_run_reports_both_servers() -> None:
         streams=8, work_us=50.0, seconds=1.0, every_ms=20.0, loaders=1, open_wait_s=120.0
     )
     assert r["acked"] > 0
-    for name in ("aio", "sync", "loop_lag"):
+    for name in ("aio", "sync", "aio_stream", "loop_lag"):
         q = r[name]
         assert q["n"] > 0
         assert 0 <= q["p50_ms"] <= q["p99_ms"] <= q["max_ms"]
-    assert r["aio"]["n"] == r["sync"]["n"]
+    assert r["aio"]["n"] == r["sync"]["n"] == r["aio_stream"]["n"]
