@@ -199,7 +199,12 @@ def test_the_service_selects_the_sidecar_pod_and_names_its_ports() -> None:
     assert sts["spec"]["serviceName"] == svc["metadata"]["name"]
     (c,) = pod_spec(sts)["containers"]
     cports = {p["name"] for p in c["ports"]}
-    assert {p["targetPort"] for p in svc["spec"]["ports"]} == cports == {"grpc", "http"}
+    assert {p["targetPort"] for p in svc["spec"]["ports"]} == cports == {"grpc", "read", "http"}
+    # Each listen address is on its named container port.
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    port = {p["name"]: p["containerPort"] for p in c["ports"]}
+    for name, var in (("grpc", "AVEST_GRPC_ADDRESS"), ("read", "AVEST_READ_ADDRESS")):
+        assert env[var] == f"0.0.0.0:{port[name]}", var
 
 
 def test_the_image_is_set_by_the_kustomization() -> None:

@@ -14,7 +14,11 @@ pair's response, serialized once on the service loop when the pair is registered
 its coefficients change (the latest value only, as watchers get it). A handler looks
 it up and returns the bytes; it touches no other state. The same tokens (the worker
 role), TLS and message limits as the main port apply; a request that does not parse
-is INVALID_ARGUMENT, an unknown pair NOT_FOUND with the main port's message.
+is INVALID_ARGUMENT, an unknown pair NOT_FOUND with the main port's message. The main
+port's per-pair call rate (``--pair-rate``) is not applied here: a call costs a lookup,
+and at most :data:`MAX_CALLS` are in flight. ``update_time`` is the time of the change
+the response was published at, as the contract defines it; the main port's moves with
+every observation.
 """
 
 from __future__ import annotations
