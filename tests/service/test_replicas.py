@@ -414,3 +414,33 @@ def test_the_refitting_replica_refits_a_pair_at_most_once_per_interval(
                 interval_ms,
                 _versions(group, pair_id),
             )
+
+
+def test_every_replicas_read_port_serves_the_refitters_coefficients(
+    tmp_path: Path, postgres_cluster: PostgresCluster
+) -> None:
+    """Steps sent to one replica: once folded, both replicas' read ports
+    (``--read-address``) serve the coefficients the refitter stored."""
+    url = postgres_cluster.create_database()
+    with replicas(url, 2, tmp_path, "--read-address", "127.0.0.1:0") as group:
+        pair_id = register(group[0], K, REFIT_INTERVAL)
+        register(group[1], K, REFIT_INTERVAL)
+        msgs = synthetic_steps(pair_id, "w0", K, STEPS, seed=5)
+        assert send(group[0], msgs) == len(msgs)
+        served = settled(url, group, pair_id, STEPS)[0].coefficients
+        assert served.version >= STEPS // REFIT_INTERVAL
+
+        def read(replica: Served) -> pb.Coefficients:
+            channel, stub = stub_for(replica.read_address)
+            try:
+                request = pb.GetCoefficientsRequest(pair_id=pair_id)
+                return stub.GetCoefficients(request, timeout=30).coefficients
+            finally:
+                channel.close()
+
+        for replica in group:
+            assert replica.read_address
+            assert wait_until(lambda r=replica: read(r).version == served.version, WAIT_S, 0.1)
+            got = read(replica)
+            assert got.slope == served.slope
+            assert list(got.intercepts) == list(served.intercepts)
