@@ -14,9 +14,7 @@ UNARY = f'{SIDECAR},method!~"Observe|WatchCoefficients"'
 RPC_BUCKET = f"sum by (le, method) (rate({m.RPC_DURATION}_bucket{{{UNARY}}}[{RI}]))"
 #: Each replica's own loop: its worst quantile is what matters.
 LAG_BUCKET = f"sum by (le, instance) (rate({sidecar(m.LOOP_LAG + '_bucket')}[{RI}]))"
-WRITE_BUCKET = (
-    f"sum by (le, instance) (rate({sidecar(m.STORE_WRITE_DURATION + '_bucket')}[{RI}]))"
-)
+WRITE_BUCKET = f"sum by (le, instance) (rate({sidecar(m.STORE_WRITE_DURATION + '_bucket')}[{RI}]))"
 #: Refit outcomes and the colour each is drawn in.
 OUTCOME_COLORS = (("applied", "green"), ("slope_held", "orange"), ("rejected", "red"))
 
