@@ -71,8 +71,8 @@ class Server:
         #: Listeners whose traffic (tokens, or open writes) is readable on the network.
         self.exposure: list[str] = []
         self._grpc: grpc.aio.Server | None = None
-        #: Each pair's GetCoefficients response, for the read port (``--read-address``).
-        self.published = Published(self.app)
+        #: Each pair's GetCoefficients response, kept for the read port when there is one.
+        self.published = Published(self.app) if settings.read_address else None
         self._reads: ReadServer | None = None
         self.read_port = 0
         self._http: HttpThread | None = None
@@ -216,7 +216,7 @@ class Server:
                 f"cannot listen on {self.settings.grpc_address} (gRPC, --grpc-address): "
                 "the address is in use or not available here"
             )
-        if s.read_address:
+        if self.published is not None:
             self._reads = ReadServer(
                 self.published,
                 self.access,
