@@ -978,8 +978,8 @@ async def light_and_probes(
     ack) with /healthz and GetCoefficients probed every ``probe_every_s`` meanwhile."""
     done = asyncio.Event()
     http = httpx.AsyncClient(base_url=server.served.http_url, timeout=cfg.wait_s)
-    probe_channel = grpc.aio.insecure_channel(server.address)
-    stub = pb_grpc.EstimatorServiceStub(probe_channel)
+    read_address = server.served.read_address
+    channels = [grpc.aio.insecure_channel(a) for a in (server.address, read_address) if a]
 
     async def healthz() -> None:
         try:
@@ -989,13 +989,20 @@ async def light_and_probes(
         if r.status_code != 200:
             raise Failed(f"/healthz answered {r.status_code}: {r.text[:200]}")
 
-    async def coefficients() -> None:
-        try:
-            await stub.GetCoefficients(
-                pb.GetCoefficientsRequest(pair_id=busy_pid), timeout=cfg.wait_s
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise Failed(f"GetCoefficients failed: {exc.code().name}: {exc.details()}") from None
+    def coefficients(channel: grpc.aio.Channel, where: str) -> Callable[[], Awaitable[None]]:
+        stub = pb_grpc.EstimatorServiceStub(channel)
+
+        async def call() -> None:
+            try:
+                await stub.GetCoefficients(
+                    pb.GetCoefficientsRequest(pair_id=busy_pid), timeout=cfg.wait_s
+                )
+            except grpc.aio.AioRpcError as exc:
+                raise Failed(
+                    f"GetCoefficients{where} failed: {exc.code().name}: {exc.details()}"
+                ) from None
+
+        return call
 
     async def light() -> dict[str, Any]:
         wid = "fleet-light"
@@ -1055,35 +1062,22 @@ async def light_and_probes(
             "light_reopened": st["reopened"],
         }
 
-    read_address = server.served.read_address
-    read_channel = grpc.aio.insecure_channel(read_address or server.address)
-    read_stub = pb_grpc.EstimatorServiceStub(read_channel)
-
-    async def read_coefficients() -> None:
-        try:
-            await read_stub.GetCoefficients(
-                pb.GetCoefficientsRequest(pair_id=busy_pid), timeout=cfg.wait_s
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise Failed(
-                f"GetCoefficients on the read port failed: {exc.code().name}: {exc.details()}"
-            ) from None
-
     out: dict[str, Any]
-    read: list[float] = []
     try:
         out, health, coef, *more = await asyncio.gather(
             light(),
             _probe(healthz, cfg.probe_every_s, done),
-            _probe(coefficients, cfg.probe_every_s, done),
-            *([_probe(read_coefficients, cfg.probe_every_s, done)] if read_address else []),
+            *(
+                _probe(coefficients(c, where), cfg.probe_every_s, done)
+                for c, where in zip(channels, ("", " on the read port"), strict=False)
+            ),
         )
         read = more[0] if more else []
     finally:
         done.set()
         await http.aclose()
-        await probe_channel.close()
-        await read_channel.close()
+        for c in channels:
+            await c.close()
     for name, s in (("healthz", health), ("getcoef", coef), ("getcoef_read", read)):
         out.update(
             {

@@ -11,6 +11,10 @@ and a unary call that answers at once, as:
   I/O only (each stream waits for its message's work before it reads the next);
 - ``sync``: grpcio's synchronous server, a thread per call.
 
+Beside each grpc.aio shape, the same process runs a synchronous server on a port of
+its own serving only the unary call (avest's read port, ``--read-address``): the probe
+calls it too, alternately with the main port.
+
 ``--streams`` client streams send flat out (at most ``--window`` unacknowledged
 each) from ``--procs`` processes, opening at once; after ``--settle`` seconds one
 client calls the unary every 50 ms on a connection opened before the load.
@@ -69,8 +73,13 @@ def _serve_aio(ports: Any, work_us: float, lags: Any, offload: bool = False) -> 
         server.add_generic_rpc_handlers((_handlers(stream, unary),))
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
+        # the read port's shape: its own completion queue and threads, in this process
+        reads = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        reads.add_generic_rpc_handlers((_handlers(None, _answer),))
+        read_port = reads.add_insecure_port("127.0.0.1:0")
+        reads.start()
         task = asyncio.create_task(lag())
-        ports.put(port)
+        ports.put((port, read_port))
         await server.wait_for_termination()
         task.cancel()
 
@@ -83,29 +92,28 @@ def _serve_sync(ports: Any, work_us: float, lags: Any, threads: int) -> None:
             _burn(work_us)
             yield b"a" * 40
 
-    def unary(request: bytes, context: Any) -> bytes:
-        return b"r" * 40
-
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=threads),
         options=[("grpc.so_reuseport", 0)],
         maximum_concurrent_rpcs=threads,
     )
-    server.add_generic_rpc_handlers((_handlers(stream, unary),))
+    server.add_generic_rpc_handlers((_handlers(stream, _answer),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    ports.put(port)
+    ports.put((port, 0))
     server.wait_for_termination()
 
 
+def _answer(request: bytes, context: Any) -> bytes:
+    return b"r" * 40
+
+
 def _handlers(stream: Any, unary: Any) -> Any:
-    return grpc.method_handlers_generic_handler(
-        "floor.Floor",
-        {
-            "Stream": grpc.stream_stream_rpc_method_handler(stream),
-            "Unary": grpc.unary_unary_rpc_method_handler(unary),
-        },
-    )
+    """The stream (unless ``None``) and the unary call, as one service."""
+    methods = {"Unary": grpc.unary_unary_rpc_method_handler(unary)}
+    if stream is not None:
+        methods["Stream"] = grpc.stream_stream_rpc_method_handler(stream)
+    return grpc.method_handlers_generic_handler("floor.Floor", methods)
 
 
 def _clients(port: int, streams: int, window: int, seconds: float, acked: Any) -> None:
@@ -153,11 +161,16 @@ def run(
         args = (ports, work_us, lags, streams + 16)
         server = ctx.Process(target=_serve_sync, args=args, daemon=True)
     server.start()
-    port = ports.get(timeout=30)
-    # the probe's connection opens before the load (opening one under it is another
+    port, read_port = ports.get(timeout=30)
+    # the probe's connections open before the load (opening one under it is another
     # question): every call below is a call on an open connection
-    unary = grpc.insecure_channel(f"127.0.0.1:{port}").unary_unary("/floor.Floor/Unary")
-    unary(b"q", timeout=30)
+    probes = {
+        name: grpc.insecure_channel(f"127.0.0.1:{p}").unary_unary("/floor.Floor/Unary")
+        for name, p in (("unary", port), ("read_unary", read_port))
+        if p
+    }
+    for unary in probes.values():
+        unary(b"q", timeout=30)
     clients = [
         ctx.Process(
             target=_clients, args=(port, streams // procs, window, seconds, acked), daemon=True
@@ -167,13 +180,14 @@ def run(
     for c in clients:
         c.start()
     time.sleep(settle)  # the streams open and fill
-    samples = []
+    samples: dict[str, list[float]] = {name: [] for name in probes}
     end = time.perf_counter() + seconds - settle - 1.0
     while time.perf_counter() < end:
-        t = time.perf_counter()
-        unary(b"q", timeout=60)
-        samples.append(time.perf_counter() - t)
-        time.sleep(max(0.0, 0.05 - (time.perf_counter() - t)))
+        for name, unary in probes.items():
+            t = time.perf_counter()
+            unary(b"q", timeout=60)
+            samples[name].append(time.perf_counter() - t)
+            time.sleep(max(0.0, 0.05 - (time.perf_counter() - t)))
     total, firsts = 0, []
     for _ in clients:
         got, first, errors = acked.get(timeout=120)
@@ -186,14 +200,13 @@ def run(
     while not lags.empty():
         loop_lags.append(lags.get())
     server.kill()
-    samples.sort()
-    out = {
-        "server": kind,
-        "streams": streams,
-        "work_us": work_us,
-        "unary_calls": len(samples),
-        "unary_p50_ms": round(1e3 * statistics.median(samples), 1),
-        "unary_p99_ms": round(1e3 * samples[int(0.99 * (len(samples) - 1))], 1),
+    out: dict[str, Any] = {"server": kind, "streams": streams, "work_us": work_us}
+    for name, xs in samples.items():
+        xs.sort()
+        out[f"{name}_calls"] = len(xs)
+        out[f"{name}_p50_ms"] = round(1e3 * statistics.median(xs), 1)
+        out[f"{name}_p99_ms"] = round(1e3 * xs[int(0.99 * (len(xs) - 1))], 1)
+    out |= {
         "acked_per_s": round(total / seconds),
         # from a stream's call to its first ack: how fast the server takes new calls
         "stream_first_ack_p50_s": round(statistics.median(firsts), 2),

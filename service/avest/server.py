@@ -29,7 +29,7 @@ from grpc_reflection.v1alpha import reflection
 
 from avest.grpc.gate import Gate
 from avest.grpc.interceptor import RpcInterceptor
-from avest.grpc.reads import Published, ReadServer
+from avest.grpc.reads import Published, ReadServer, add_port
 from avest.grpc.service import EstimatorService
 from avest.http.api import build_http
 from avest.http.bridge import Heartbeat, HttpThread, LoopBridge
@@ -203,13 +203,7 @@ class Server:
         )
         host, port = split_address(self.settings.grpc_address)
         credentials = grpc_credentials(s)
-        try:
-            if credentials is None:
-                self.grpc_port = self._grpc.add_insecure_port(f"{host}:{port}")
-            else:
-                self.grpc_port = self._grpc.add_secure_port(f"{host}:{port}", credentials)
-        except RuntimeError:  # grpcio: "Failed to bind to address ..."
-            self.grpc_port = 0
+        self.grpc_port = add_port(self._grpc, f"{host}:{port}", credentials)
         if self.grpc_port == 0:
             await self._abandon_start()
             raise BindError(

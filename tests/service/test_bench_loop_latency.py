@@ -1,5 +1,5 @@
 """``bench/loop_latency.py`` at its smallest: each server shape serves its streams and
-the unary probe, and the report's figures are measured, not missing."""
+the unary probe (and, beside the grpc.aio shapes, the read port's server answers it), and the report's figures are measured, not missing."""
 
 from __future__ import annotations
 
@@ -24,3 +24,8 @@ def test_every_shape_reports_acks_and_probes(capsys: pytest.CaptureFixture[str])
         assert r["unary_calls"] >= 5 and 0 < r["unary_p50_ms"] <= r["unary_p99_ms"]
         assert 0 <= r["stream_first_ack_p50_s"] <= r["stream_first_ack_max_s"]
     assert all("loop_lag_p50_ms" in r for r in rows[:2])
+    # beside each grpc.aio shape, the read port's synchronous server answers the probe too
+    for r in rows[:2]:
+        assert r["read_unary_calls"] == r["unary_calls"]
+        assert 0 < r["read_unary_p50_ms"] <= r["read_unary_p99_ms"]
+    assert "read_unary_calls" not in rows[2]

@@ -3,8 +3,8 @@
 Why a second server: grpc.aio accepts a new call only when its event loop gets to
 it. While Observe streams keep the service loop saturated, a unary call waits there
 for seconds although the loop's own lag stays within tens of milliseconds
-(``bench/grpc_unary_wait.py`` shows it with grpcio alone: a saturated grpc.aio
-server next to a synchronous one in the same process). A synchronous server has its
+(``bench/loop_latency.py`` shows it with grpcio alone: a saturated grpc.aio server
+next to a synchronous one in the same process). A synchronous server has its
 own completion queue, polled by its own thread, and runs its handlers on its own
 thread pool: it answers while the loop is busy.
 
@@ -48,6 +48,17 @@ METHOD = f"/{SERVICE}/GetCoefficients"
 #: caller; calls beyond :data:`MAX_CALLS` in flight are RESOURCE_EXHAUSTED at once.
 THREADS = 4
 MAX_CALLS = 256
+
+
+def add_port(server: Any, address: str, credentials: grpc.ServerCredentials | None) -> int:
+    """Have a gRPC server (synchronous or grpc.aio) listen on ``address``, over TLS with
+    ``credentials``; the port bound, 0 when it cannot be bound."""
+    try:
+        if credentials is None:
+            return int(server.add_insecure_port(address))
+        return int(server.add_secure_port(address, credentials))
+    except RuntimeError:  # grpcio: "Failed to bind to address ..."
+        return 0
 
 
 class Published:
@@ -100,12 +111,7 @@ class ReadServer:
 
     def bind(self, address: str, credentials: grpc.ServerCredentials | None) -> int:
         """Listen on ``address``; the port bound, 0 when it cannot be bound."""
-        try:
-            if credentials is None:
-                return int(self._server.add_insecure_port(address))
-            return int(self._server.add_secure_port(address, credentials))
-        except RuntimeError:  # grpcio: "Failed to bind to address ..."
-            return 0
+        return add_port(self._server, address, credentials)
 
     def start(self) -> None:
         self._server.start()
@@ -124,33 +130,38 @@ class ReadServer:
         if isinstance(answer, bytes):
             self.on_answered("GetCoefficients", "OK", time.perf_counter() - t0)
             return answer
-        code, message = answer
-        malformed = message == malformed_reply()[1]
-        self.on_refused("GetCoefficients", "malformed" if malformed else reason_of(code))
+        code, message, reason = answer
+        self.on_refused("GetCoefficients", reason)
         self.on_answered("GetCoefficients", code.name, time.perf_counter() - t0)
         context.abort(code, message)
         raise AssertionError("unreachable: abort raises")  # pragma: no cover
 
     def _answer(
         self, request: bytes, context: grpc.ServicerContext
-    ) -> bytes | tuple[grpc.StatusCode, str]:
-        """The response's bytes, or the status and message that refuse the call."""
+    ) -> bytes | tuple[grpc.StatusCode, str, str]:
+        """The response's bytes, or the status, message and counted reason that refuse
+        the call."""
         authorization = next(
             (v for k, v in context.invocation_metadata() if k == "authorization"), None
         )
         denied = self.access.check(grpc_role(METHOD), authorization)
         if denied is not None:
             self._logs.warning("denied", "GetCoefficients refused: %s", denied.message)
-            if denied.unauthenticated:
-                return grpc.StatusCode.UNAUTHENTICATED, denied.message
-            return grpc.StatusCode.PERMISSION_DENIED, denied.message
+            code = (
+                grpc.StatusCode.UNAUTHENTICATED
+                if denied.unauthenticated
+                else grpc.StatusCode.PERMISSION_DENIED
+            )
+            return code, denied.message, reason_of(code)
         try:
             pair_id = pb.GetCoefficientsRequest.FromString(request).pair_id
         except (DecodeError, ValueError):
-            return malformed_reply()
+            return (*malformed_reply(), "malformed")
         if not pair_id:
-            return grpc.StatusCode.INVALID_ARGUMENT, "pair_id: must not be empty"
+            code = grpc.StatusCode.INVALID_ARGUMENT
+            return code, "pair_id: must not be empty", reason_of(code)
         response = self.published.get(pair_id)
         if response is None:
-            return grpc.StatusCode.NOT_FOUND, f"unknown pair_id {limits.echo(pair_id)}"
+            code = grpc.StatusCode.NOT_FOUND
+            return code, f"unknown pair_id {limits.echo(pair_id)}", reason_of(code)
         return response

@@ -494,8 +494,9 @@ class Avest:
                 except Exception as exc:
                     self.store_failed("write", exc)
                     raise
-                for hook in self.hooks.written if pending else ():
-                    hook(0, time.perf_counter() - started)
+                if pending:
+                    for hook in self.hooks.written:
+                        hook(0, time.perf_counter() - started)
                 if self.store_error.startswith("store write"):
                     log.warning("store writes resumed after: %s", self.store_error)
                     self.store_error = ""
