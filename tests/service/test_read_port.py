@@ -82,6 +82,32 @@ def test_the_read_port_serves_the_pairs_coefficients_and_follows_refits(ports: A
     assert got.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_update_time_is_the_refits_on_both_ports_not_the_last_observation(
+    start_server: Callable[..., Any], tmp_path: Path
+) -> None:
+    """The contract: ``update_time`` is when the refit or reset that produced the version
+    happened. A step that does not refit leaves it where it was, on either port."""
+    handle = start_server(tmp_path / "data", read_address="127.0.0.1:0", refit_interval=1000)
+    with (
+        grpc.insecure_channel(handle.grpc_address) as m,
+        grpc.insecure_channel(handle.server.read_address) as r,
+    ):
+        main, read = pb_grpc.EstimatorServiceStub(m), pb_grpc.EstimatorServiceStub(r)
+        pair_id = _register(main)
+        before = _get(main, pair_id)
+        feats = np.full((4, K), 1.5)
+        req = observe_request(pair_id, "w", 1, feats, [K] * 4, [2] * 4)
+        for _ in main.Observe(iter([req]), timeout=10):
+            pass
+        after = _get(main, pair_id)
+        assert (after.version, after.round) == (0, 0)  # not refitted
+        assert after.update_time == before.update_time
+        assert _get(read, pair_id).update_time == before.update_time
+    # The pair itself was observed after that time (what the main port served before).
+    observed = handle.server.app.registry.pairs[pair_id].updated
+    assert observed > before.update_time.ToNanoseconds() / 1e9
+
+
 def test_the_read_port_refuses_as_the_main_port_does_and_counts_it(ports: Any) -> None:
     handle, main, read = ports
     for stub_request, code in (

@@ -25,7 +25,7 @@ def coefficients_pb(pair: Pair, strata: bool = True) -> pb.Coefficients:
     ``ListPairs`` page, sized without them)."""
     c = pair.coefficients
     ts = Timestamp()
-    ts.FromNanoseconds(int(pair.updated * 1e9))
+    ts.FromNanoseconds(int(pair.refitted * 1e9))
     return pb.Coefficients(
         pair_id=pair.id,
         version=pair.estimator.version,

@@ -16,9 +16,7 @@ it up and returns the bytes; it touches no other state. The same tokens (the wor
 role), TLS and message limits as the main port apply; a request that does not parse
 is INVALID_ARGUMENT, an unknown pair NOT_FOUND with the main port's message. The main
 port's per-pair call rate (``--pair-rate``) is not applied here: a call costs a lookup,
-and at most :data:`MAX_CALLS` are in flight. ``update_time`` is the time of the change
-the response was published at, as the contract defines it; the main port's moves with
-every observation.
+and at most :data:`MAX_CALLS` are in flight.
 """
 
 from __future__ import annotations

@@ -118,6 +118,13 @@ class Pair:
     def coefficients(self) -> Coefficients:
         return self.estimator.coefficients
 
+    @property
+    def refitted(self) -> float:
+        """When the refit or reset that produced the current version and round happened:
+        the history's last entry (kept across restarts), the pair's creation before any.
+        Not :attr:`updated`, which moves with every observation."""
+        return self.history[-1].time if self.history else self.created
+
     def cost_table(self, hardware: str) -> CostTable:
         if hardware not in self.costs:
             known = ", ".join(sorted(self.costs)) or "none"
