@@ -4,13 +4,16 @@
 # torch, no vLLM. Build from the repository root:
 #
 #   docker build -t avest:local .
-#   docker run --rm -p 127.0.0.1:50051:50051 -p 127.0.0.1:8000:8000 -v avest-data:/data \
+#   docker run --rm -p 127.0.0.1:50051:50051 -p 127.0.0.1:50052:50052 -p 127.0.0.1:8000:8000 \
+#     -v avest-data:/data \
 #     -e AVEST_WORKER_TOKEN=... -e AVEST_ADMIN_TOKEN=... avest:local
 #
 # The container listens on all its interfaces, so the service needs a worker
 # token there (or --insecure); without an admin token, admin actions are refused.
 #
 # Ports: 50051 gRPC (avest.v1.EstimatorService, health, reflection);
+#        50052  the read port (GetCoefficients and health, answered while Observe
+#               streams keep 50051 busy);
 #        8000   admin HTTP (/healthz, /readyz, /metrics, /v1/pairs, /docs).
 # Settings: every `avest serve` flag is also an AVEST_* environment variable
 # (`docker run --rm avest:local --help` lists them); the addresses and the
@@ -59,12 +62,13 @@ ENV PATH=/opt/avest/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     AVEST_GRPC_ADDRESS=0.0.0.0:50051 \
+    AVEST_READ_ADDRESS=0.0.0.0:50052 \
     AVEST_HTTP_ADDRESS=0.0.0.0:8000 \
     AVEST_DATA_DIR=/data
 # The SQLite database (pairs, coefficient history, calibration, cost curves).
 VOLUME ["/data"]
-# 50051: gRPC; 8000: admin HTTP and Prometheus /metrics.
-EXPOSE 50051 8000
+# 50051: gRPC; 50052: the read port; 8000: admin HTTP and Prometheus /metrics.
+EXPOSE 50051 50052 8000
 USER 10001:10001
 WORKDIR /data
 # Liveness over the admin HTTP port (/healthz), with the service's own settings:

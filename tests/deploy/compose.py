@@ -180,6 +180,7 @@ class Local:
 @dataclass
 class Ports:
     grpc: int = field(default_factory=free_port)
+    read: int = field(default_factory=free_port)
     http: int = field(default_factory=free_port)
     vllm_sim: int = field(default_factory=free_port)
     prometheus: int = field(default_factory=free_port)
@@ -246,6 +247,7 @@ def rewrite(name: str, service: dict[str, Any], ports: Ports, tmp: Path) -> Loca
         )
     addresses = {
         "0.0.0.0:50051": f"127.0.0.1:{ports.grpc}",
+        "0.0.0.0:50052": f"127.0.0.1:{ports.read}",
         "0.0.0.0:8000": f"127.0.0.1:{ports.http}",
         "avest:50051": f"127.0.0.1:{ports.grpc}",
         "avest:8000": f"127.0.0.1:{ports.http}",

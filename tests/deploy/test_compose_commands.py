@@ -202,6 +202,14 @@ def test_replay_delivers_the_bundled_trace_to_the_sidecar(stack: Stack) -> None:
     assert pair["key"]["target"] == meta["target"] and pair["key"]["k"] == 5
     assert pair["refit_interval"] == 10 and pair["drafts_observed"] > 0
     assert "UNAUTHENTICATED" not in replay.output(), replay.output()
+    # The image's read port, published by compose, serves the same pair to a worker.
+    from avest_client import EstimatorClient
+
+    read = f"127.0.0.1:{stack.ports.read}"
+    assert stack.services["avest"].env["AVEST_READ_ADDRESS"] == read
+    token = stack.env["AVEST_WORKER_TOKEN"]
+    with EstimatorClient(read, token=token, timeout=10) as client:
+        assert client.coefficients(pair["pair_id"]).version > 0
 
 
 def test_prometheus_scrapes_the_sidecar_and_the_simulator_with_the_compose_config(

@@ -245,6 +245,7 @@ def test_the_service_image_runs_avest_serve_on_all_interfaces_with_a_data_volume
     runtime = stages(DOCKERFILE)[-1]
     env = env_of(runtime)
     assert env["AVEST_GRPC_ADDRESS"] == "0.0.0.0:50051"
+    assert env["AVEST_READ_ADDRESS"] == "0.0.0.0:50052"
     assert env["AVEST_HTTP_ADDRESS"] == "0.0.0.0:8000"
     assert env["AVEST_DATA_DIR"] == "/data"
     known = {env_name(f) for f in Settings.model_fields}
@@ -254,7 +255,7 @@ def test_the_service_image_runs_avest_serve_on_all_interfaces_with_a_data_volume
         by_word.setdefault(word, []).append(rest)
     assert json.loads(by_word["ENTRYPOINT"][-1]) == ["avest", "serve"]
     assert json.loads(by_word["VOLUME"][-1]) == ["/data"]
-    assert set(by_word["EXPOSE"][-1].split()) == {"50051", "8000"}
+    assert set(by_word["EXPOSE"][-1].split()) == {"50051", "50052", "8000"}
     assert len(by_word["HEALTHCHECK"]) == 1 and "health" in by_word["HEALTHCHECK"][0]
 
 
@@ -383,7 +384,7 @@ def test_compose_without_a_profile_runs_the_sidecar_and_monitoring_without_gpus(
     avest = cfg["services"]["avest"]
     assert avest["build"]["dockerfile"] == "Dockerfile"
     assert Path(avest["build"]["context"]) == REPO
-    assert {p["target"] for p in avest["ports"]} == {50051, 8000}
+    assert {p["target"] for p in avest["ports"]} == {50051, 50052, 8000}
     assert any(v["target"] == "/data" and v["type"] == "volume" for v in avest["volumes"])
 
 

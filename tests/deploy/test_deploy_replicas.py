@@ -416,7 +416,7 @@ def test_the_compose_replicas_share_one_postgres_under_names_of_their_own() -> N
             assert env[key] == value, (name, key)
         assert r["depends_on"][COMPOSE_POSTGRES]["condition"] == "service_healthy"
         assert REPLICAS_ALIAS in r["networks"]["default"]["aliases"]
-        assert {p["target"] for p in r["ports"]} == {50051, 8000}
+        assert {p["target"] for p in r["ports"]} == {50051, 50052, 8000}
     assert len(names) == len(COMPOSE_REPLICAS)
     first, second = (cfg[n]["environment"] for n in COMPOSE_REPLICAS)
     assert {k: v for k, v in first.items() if k != "AVEST_REPLICA_NAME"} == {
