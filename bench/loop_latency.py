@@ -1,4 +1,4 @@
-"""A unary call next to saturated streams, three server shapes. A minimal
+"""A unary call next to saturated streams, four server shapes. A minimal
 reproduction, no avest code (bench/RESULTS.md, issue 29).
 
 The server (a subprocess) serves a bidirectional stream whose handler spends
@@ -9,6 +9,10 @@ and a unary call that answers at once, as:
   handlers check, the pair's owner task folds, all on the loop);
 - ``aio-thread``: grpc.aio, the work on one thread of its own, the loop doing
   I/O only (each stream waits for its message's work before it reads the next);
+- ``aio-process``: grpc.aio, the work in a process of its own (the owners off the
+  loop and off its GIL): the loop sends each message's bytes down a socket pair and
+  awaits its ack id, with at most ``--in-flight`` messages at the process, the
+  streams beyond that waiting for room (their next message stays unread);
 - ``sync``: grpcio's synchronous server, a thread per call.
 
 Beside each grpc.aio shape, the same process runs a synchronous server on a port of
@@ -32,7 +36,9 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import socket
 import statistics
+import struct
 import time
 from concurrent import futures
 from typing import Any
@@ -46,14 +52,78 @@ def _burn(us: float) -> None:
         pass
 
 
-def _serve_aio(ports: Any, work_us: float, lags: Any, offload: bool = False) -> None:
+#: a message to the work process: its id and length, then its bytes; the ack: the id
+_FRAME = struct.Struct("<QI")
+_ACK = struct.Struct("<Q")
+
+
+def _work(sock: socket.socket, other: socket.socket, work_us: float) -> None:
+    """The work process: each message's work, then its id back (until the pipe closes)."""
+    other.close()  # the server's end, inherited: closed, so that its exit ends this
+    buf = b""
+    while True:
+        data = sock.recv(1 << 20)
+        if not data:
+            return
+        buf += data
+        acks = []
+        while len(buf) >= _FRAME.size:
+            ident, size = _FRAME.unpack_from(buf)
+            if len(buf) < _FRAME.size + size:
+                break
+            buf = buf[_FRAME.size + size :]
+            _burn(work_us)
+            acks.append(_ACK.pack(ident))
+        if acks:
+            sock.sendall(b"".join(acks))
+
+
+class _Process:
+    """The loop's side of the work process: send a message, await its ack."""
+
+    def __init__(self, work_us: float, in_flight: int) -> None:
+        ours, theirs = socket.socketpair()
+        mp.get_context("fork").Process(
+            target=_work, args=(theirs, ours, work_us), daemon=True
+        ).start()
+        theirs.close()
+        self.sock, self.room = ours, asyncio.Semaphore(in_flight)
+        self.waiting: dict[int, asyncio.Future[None]] = {}
+        self.next = 0
+
+    async def start(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection(sock=self.sock)
+        asyncio.create_task(self._acks())
+
+    async def _acks(self) -> None:
+        while True:
+            data = await self.reader.readexactly(_ACK.size)
+            done = self.waiting.pop(_ACK.unpack(data)[0])
+            if not done.done():  # not a stream that ended meanwhile
+                done.set_result(None)
+
+    async def work(self, message: bytes) -> None:
+        async with self.room:
+            self.next += 1
+            done = self.waiting[self.next] = asyncio.get_running_loop().create_future()
+            self.writer.write(_FRAME.pack(self.next, len(message)) + message)
+            await done
+
+
+def _serve_aio(ports: Any, work_us: float, lags: Any, where: str, in_flight: int) -> None:
+    process = _Process(work_us, in_flight) if where == "process" else None
+
     async def main() -> None:
         worker = futures.ThreadPoolExecutor(1)
         loop = asyncio.get_running_loop()
+        if process is not None:
+            await process.start()
 
         async def stream(requests: Any, context: Any) -> Any:
-            async for _ in requests:
-                if offload:  # the work on a thread of its own, the loop free for I/O
+            async for message in requests:
+                if process is not None:  # the work in a process of its own
+                    await process.work(message)
+                elif where == "thread":  # the work on a thread of its own
                     await loop.run_in_executor(worker, _burn, work_us)
                 else:
                     _burn(work_us)
@@ -150,13 +220,15 @@ def _clients(port: int, streams: int, window: int, seconds: float, acked: Any) -
 
 def run(
     kind: str, streams: int, work_us: float, seconds: float, procs: int, window: int,
-    settle: float,
-) -> dict:  # fmt: skip
+    settle: float, in_flight: int,
+) -> dict[str, Any]:  # fmt: skip
     ctx = mp.get_context("spawn")
     ports, lags, acked = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    if kind in ("aio", "aio-thread"):
-        args = (ports, work_us, lags, kind == "aio-thread")
-        server = ctx.Process(target=_serve_aio, args=args, daemon=True)
+    args: tuple[Any, ...]
+    if kind.startswith("aio"):
+        args = (ports, work_us, lags, kind.partition("-")[2] or "loop", in_flight)
+        # not a daemon: the process shape starts a process of its own (killed below)
+        server = ctx.Process(target=_serve_aio, args=args, daemon=kind != "aio-process")
     else:
         args = (ports, work_us, lags, streams + 16)
         server = ctx.Process(target=_serve_sync, args=args, daemon=True)
@@ -227,11 +299,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--procs", type=int, default=2)
     p.add_argument("--window", type=int, default=4)
     p.add_argument("--settle", type=float, default=28.0, help="s before the first probe")
-    p.add_argument("--server", choices=["aio", "aio-thread", "sync", "all"], default="all")
+    p.add_argument("--in-flight", type=int, default=16, help="aio-process: messages at it")
+    shapes = ["aio", "aio-thread", "aio-process", "sync"]
+    p.add_argument("--server", choices=[*shapes, "all"], default="all")
     a = p.parse_args(argv)
-    kinds = ["aio", "aio-thread", "sync"] if a.server == "all" else [a.server]
-    for kind in kinds:
-        print(json.dumps(run(kind, a.streams, a.work_us, a.seconds, a.procs, a.window, a.settle)))
+    for kind in shapes if a.server == "all" else [a.server]:
+        args = (a.streams, a.work_us, a.seconds, a.procs, a.window, a.settle, a.in_flight)
+        print(json.dumps(run(kind, *args)))
 
 
 if __name__ == "__main__":
