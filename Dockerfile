@@ -12,7 +12,7 @@
 # token there (or --insecure); without an admin token, admin actions are refused.
 #
 # Ports: 50051 gRPC (avest.v1.EstimatorService, health, reflection);
-#        50052  the read port (GetCoefficients and health, answered while Observe
+#        50052  the read port (GetCoefficients, Score, Budget and health, answered while Observe
 #               streams keep 50051 busy);
 #        8000   admin HTTP (/healthz, /readyz, /metrics, /v1/pairs, /docs).
 # Settings: every `avest serve` flag is also an AVEST_* environment variable

@@ -802,6 +802,31 @@ class Server:
         except grpc.RpcError as exc:
             raise Failed(f"RegisterPair refused: {exc.code().name}: {exc.details()}") from None
 
+    def budgets_on_the_read_port(self, pair_id: str, k: int) -> pb.BudgetRequest | None:
+        """Give the pair cost curves and return the Budget request the probe sends to the
+        read port; None where there is no read port, or it serves no Budget (older trees)."""
+        if not self.served.read_address:
+            return None
+        curves = pb.SetCostCurvesRequest(
+            pair_id=pair_id, hardware="fleet",
+            draft_curve=[pb.CostPoint(size=n, ms=2.0 + n / 64) for n in (1, 64, 512)],
+            verify_curve=[pb.CostPoint(size=n, ms=15.0 + n / 16) for n in (1, 64, 2048)],
+        )  # fmt: skip
+        feats, rows, _ = wire.encode(np.random.default_rng(0).normal(1.0, 2.0, (64, k)))
+        req = pb.BudgetRequest(
+            pair_id=pair_id, features=feats, rows=rows, k=k, scheduled_drafts=[k] * rows,
+            hardware="fleet",
+        )  # fmt: skip
+        with grpc.insecure_channel(self.served.read_address) as channel:
+            try:
+                self.stub.SetCostCurves(curves, timeout=30)
+                pb_grpc.EstimatorServiceStub(channel).Budget(req, timeout=30)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    return None
+                raise Failed(f"Budget refused: {exc.code().name}: {exc.details()}") from None
+        return req
+
     def coefficients(self, pair_id: str) -> pb.Coefficients:
         req = pb.GetCoefficientsRequest(pair_id=pair_id)
         try:
@@ -972,10 +997,12 @@ async def _probe(
 
 
 async def light_and_probes(
-    server: Server, light_pid: str, busy_pid: str, body: bytes, cfg: Config, busy_opened: Any
-) -> dict[str, Any]:
+    server: Server, light_pid: str, busy_pid: str, body: bytes, cfg: Config, busy_opened: Any,
+    budget: pb.BudgetRequest | None,
+) -> dict[str, Any]:  # fmt: skip
     """The light worker (one summary every ``light_every_s``, each after the last one's
-    ack) with /healthz and GetCoefficients probed every ``probe_every_s`` meanwhile."""
+    ack) with /healthz and GetCoefficients probed every ``probe_every_s`` meanwhile, and
+    ``budget`` on the read port where given."""
     done = asyncio.Event()
     http = httpx.AsyncClient(base_url=server.served.http_url, timeout=cfg.wait_s)
     read_address = server.served.read_address
@@ -1003,6 +1030,15 @@ async def light_and_probes(
                 ) from None
 
         return call
+
+    async def budget_call() -> None:
+        assert budget is not None
+        try:
+            await pb_grpc.EstimatorServiceStub(channels[-1]).Budget(budget, timeout=cfg.wait_s)
+        except grpc.aio.AioRpcError as exc:
+            raise Failed(
+                f"Budget on the read port failed: {exc.code().name}: {exc.details()}"
+            ) from None
 
     async def light() -> dict[str, Any]:
         wid = "fleet-light"
@@ -1071,14 +1107,17 @@ async def light_and_probes(
                 _probe(coefficients(c, where), cfg.probe_every_s, done)
                 for c, where in zip(channels, ("", " on the read port"), strict=False)
             ),
+            *([_probe(budget_call, cfg.probe_every_s, done)] if budget is not None else []),
         )
         read = more[0] if more else []
+        budgets = more[1] if len(more) > 1 else []
     finally:
         done.set()
         await http.aclose()
         for c in channels:
             await c.close()
-    for name, s in (("healthz", health), ("getcoef", coef), ("getcoef_read", read)):
+    samples = (("healthz", health), ("getcoef", coef), ("getcoef_read", read))
+    for name, s in (*samples, ("budget_read", budgets)):
         out.update(
             {
                 f"{name}_p50_ms": _pct(s, 50),
@@ -1106,6 +1145,7 @@ def overload_case(
             f"{name} overload ({case}): {m} busy streams offering {offered:.0f}/s ({cfg.busy_kind})"
         )
         busy = server.register(cfg.k, section="busy")
+        budget = server.budgets_on_the_read_port(busy.pair_id, cfg.k)
         light_reg = server.register(cfg.k, section="light")
         light_body = body_for(light_reg, cfg.k)
         # While opening: each busy stream sends once it is open. After: every busy
@@ -1138,7 +1178,7 @@ def overload_case(
         pcpu0, t0 = time.process_time(), time.perf_counter()
         out = asyncio.run(
             light_and_probes(
-                server, light_reg.pair_id, busy.pair_id, light_body, cfg, shared.opened
+                server, light_reg.pair_id, busy.pair_id, light_body, cfg, shared.opened, budget
             )
         )
         elapsed = time.perf_counter() - t0
@@ -1282,9 +1322,10 @@ ROWS: dict[str, list[tuple[str, str]]] = {
         ("/healthz p50 / **p99** / max ms", "healthz"),
         ("GetCoefficients p50 / **p99** / max ms", "getcoef"),
         ("GetCoefficients on the read port p50 / **p99** / max ms", "getcoef_read"),
+        ("Budget (64 rows) on the read port p50 / **p99** / max ms", "budget_read"),
         ("event loop lag p50 / p99 s (bucket bounds)", "loop_lag"),
         ("group commit, snapshot to acks, p50 / p99 s (bucket bounds)", "store_write"),
-        ("probes (healthz, GetCoefficients, on the read port)", "probes"),
+        ("probes (healthz, GetCoefficients, on the read port, Budget there)", "probes"),
         ("backpressure waits; shed turns, paced steps (older trees)", "shedding"),
         ("server / client CPU share (cores)", "shares"),
         ("busy sent = acked; drain s", "drain"),
@@ -1353,7 +1394,17 @@ def _cell(section: str, r: dict[str, Any], key: str) -> Any:
             get("getcoef_read_p99_ms"),
             get("getcoef_read_max_ms"),
         ],
-        "probes": [get("healthz_probes"), get("getcoef_probes"), get("getcoef_read_probes")],
+        "budget_read": [
+            get("budget_read_p50_ms"),
+            get("budget_read_p99_ms"),
+            get("budget_read_max_ms"),
+        ],
+        "probes": [
+            get("healthz_probes"),
+            get("getcoef_probes"),
+            get("getcoef_read_probes"),
+            get("budget_read_probes"),
+        ],
         "loop_lag": [get("loop_lag_p50_s"), get("loop_lag_p99_s")],
         "store_write": [get("store_write_p50_s"), get("store_write_p99_s")],
         "shedding": f"{_fmt(get('backpressure_waits'))}; "

@@ -219,6 +219,7 @@ class Server:
                     method, code
                 ).observe(seconds),
                 options,
+                self.service.limits,
             )
             self.read_port = self._reads.bind(s.read_address, credentials)
             if self.read_port == 0:

@@ -36,9 +36,9 @@ class Settings(BaseSettings):
     )
     read_address: str = Field(
         "",
-        description="read port HOST:PORT: GetCoefficients (and gRPC health) on a gRPC "
-        "server of its own threads, answered while Observe streams keep the main port "
-        "busy; empty for none",
+        description="read port HOST:PORT: GetCoefficients, Score and Budget (and gRPC "
+        "health) on a gRPC server of its own threads, answered while Observe streams keep "
+        "the main port busy; empty for none",
     )
     data_dir: str = Field("./avest-data", description="directory holding the SQLite database")
     store: str = Field(

@@ -1,12 +1,15 @@
-"""The read port (``--read-address``): GetCoefficients on a synchronous gRPC server.
+"""The read port (``--read-address``): GetCoefficients, Score and Budget on a
+synchronous gRPC server.
 
-It answers from each pair's published response, on threads of its own, so a caller
-gets the coefficients while the service loop is busy; it follows refits and deletions,
-and refuses what the main port refuses, with the same codes and messages.
+It answers from each pair as last published, on threads of its own, so a caller gets
+coefficients, confidences and budgets while the service loop is busy; it follows refits
+and deletions, answers as the main port does, and refuses what the main port refuses,
+with the same codes and messages.
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -21,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from avest.server import BindError
 from avest_client import AvestError, Credentials, EstimatorClient
+from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 from tests.support.rpc import observe_request
@@ -42,14 +46,23 @@ def _get(stub: pb_grpc.EstimatorServiceStub, pair_id: str, **kw: Any) -> pb.Coef
     ).coefficients
 
 
-@pytest.fixture
-def ports(start_server: Callable[..., Any], tmp_path: Path) -> Iterator[Any]:
-    handle = start_server(tmp_path / "data", read_address="127.0.0.1:0", refit_interval=8)
+@contextlib.contextmanager
+def _both_ports(
+    start_server: Callable[..., Any], tmp_path: Path, **overrides: Any
+) -> Iterator[Any]:
+    """A server with a read port, and a stub on each of its ports: handle, main, read."""
+    handle = start_server(tmp_path / "data", read_address="127.0.0.1:0", **overrides)
     with (
         grpc.insecure_channel(handle.grpc_address) as main,
         grpc.insecure_channel(handle.server.read_address) as read,
     ):
         yield handle, pb_grpc.EstimatorServiceStub(main), pb_grpc.EstimatorServiceStub(read)
+
+
+@pytest.fixture
+def ports(start_server: Callable[..., Any], tmp_path: Path) -> Iterator[Any]:
+    with _both_ports(start_server, tmp_path, refit_interval=8) as both:
+        yield both
 
 
 def test_the_read_port_serves_the_pairs_coefficients_and_follows_refits(ports: Any) -> None:
@@ -73,7 +86,7 @@ def test_the_read_port_serves_the_pairs_coefficients_and_follows_refits(ports: A
         c = client.coefficients(pair_id)
     assert c.version == refitted.version
     assert c.slope == pytest.approx(refitted.slope)
-    # Only GetCoefficients and health are served there.
+    # Only GetCoefficients, Score, Budget and health are served there.
     with pytest.raises(grpc.RpcError) as info:
         read.ListPairs(pb.ListPairsRequest(), timeout=10)
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
@@ -87,12 +100,7 @@ def test_update_time_is_the_refits_on_both_ports_not_the_last_observation(
 ) -> None:
     """The contract: ``update_time`` is when the refit or reset that produced the version
     happened. A step that does not refit leaves it where it was, on either port."""
-    handle = start_server(tmp_path / "data", read_address="127.0.0.1:0", refit_interval=1000)
-    with (
-        grpc.insecure_channel(handle.grpc_address) as m,
-        grpc.insecure_channel(handle.server.read_address) as r,
-    ):
-        main, read = pb_grpc.EstimatorServiceStub(m), pb_grpc.EstimatorServiceStub(r)
+    with _both_ports(start_server, tmp_path, refit_interval=1000) as (handle, main, read):
         pair_id = _register(main)
         before = _get(main, pair_id)
         feats = np.full((4, K), 1.5)
@@ -139,6 +147,93 @@ def test_the_read_port_refuses_as_the_main_port_does_and_counts_it(ports: Any) -
     assert float(line.rsplit(" ", 1)[1]) >= 1
 
 
+def _costs(pair_id: str) -> pb.SetCostCurvesRequest:
+    return pb.SetCostCurvesRequest(
+        pair_id=pair_id,
+        hardware="gpu",
+        draft_curve=[pb.CostPoint(size=s, ms=m) for s, m in ((1, 3.0), (64, 4.0), (512, 12.0))],
+        verify_curve=[
+            pb.CostPoint(size=s, ms=m) for s, m in ((1, 20.0), (64, 20.0), (2048, 900.0))
+        ],
+    )
+
+
+def _refit(main: pb_grpc.EstimatorServiceStub, pair_id: str) -> None:
+    rng = np.random.default_rng(7)
+    for seq in range(1, 6):
+        feats = rng.normal(1.0, 2.0, size=(8, K))
+        req = observe_request(pair_id, "w", seq, feats, [K] * 8, rng.integers(0, K + 1, 8))
+        for _ in main.Observe(iter([req]), timeout=10):
+            pass
+
+
+def test_score_and_budget_on_the_read_port_answer_as_the_main_port_does(ports: Any) -> None:
+    handle, main, read = ports
+    pair_id = _register(main)
+    _refit(main, pair_id)
+    main.SetCostCurves(_costs(pair_id), timeout=10)
+    assert _get(read, pair_id).version == _get(main, pair_id).version > 0
+    feats, rows, k = wire.encode(np.random.default_rng(3).normal(0.5, 2.0, size=(6, K)))
+    score = pb.ScoreRequest(pair_id=pair_id, features=feats, rows=rows, k=k)
+    scored = [stub.Score(score, timeout=10) for stub in (main, read)]
+    assert scored[0] == scored[1] and scored[0].coefficients_version > 0
+    for extra in (
+        {"features": feats},
+        {"confidences": scored[0].confidences},
+        {"confidences": scored[0].confidences, "stale_confidences": scored[0].confidences},
+    ):
+        budget = pb.BudgetRequest(
+            pair_id=pair_id, rows=rows, k=k, scheduled_drafts=[K] * rows, hardware="gpu", **extra
+        )
+        got = [stub.Budget(budget, timeout=10) for stub in (main, read)]
+        assert got[0] == got[1], extra
+        assert got[0].cost_ms > 0
+    # Refused alike: K, an unknown hardware, too many rows, an unknown pair.
+    wrong_k = pb.ScoreRequest(pair_id=pair_id, features=feats[: 4 * rows], rows=rows, k=K - 1)
+    no_costs = pb.BudgetRequest(
+        pair_id=pair_id, rows=rows, k=k, confidences=scored[0].confidences,
+        scheduled_drafts=[K] * rows, hardware="tpu",
+    )  # fmt: skip
+    too_many = pb.ScoreRequest(pair_id=pair_id, rows=handle.settings.max_rows + 1, k=K)
+    unknown = pb.ScoreRequest(pair_id="nope", features=feats, rows=rows, k=k)
+    for method, request, code in (
+        ("Score", wrong_k, grpc.StatusCode.INVALID_ARGUMENT),
+        ("Budget", no_costs, grpc.StatusCode.FAILED_PRECONDITION),
+        ("Score", too_many, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        ("Score", unknown, grpc.StatusCode.NOT_FOUND),
+    ):
+        errors = []
+        for stub in (main, read):
+            with pytest.raises(grpc.RpcError) as info:
+                getattr(stub, method)(request, timeout=10)
+            errors.append((info.value.code(), info.value.details()))
+        assert errors[0] == errors[1], (method, errors)
+        assert errors[1][0] == code, (method, errors)
+
+
+def test_score_and_budget_on_the_read_port_keep_the_pair_rate(
+    start_server: Callable[..., Any], tmp_path: Path
+) -> None:
+    """``--pair-rate`` holds on the read port too, with buckets of its own."""
+    with _both_ports(start_server, tmp_path, pair_rate=2.0) as (_, main, read):
+        pair_id = _register(main)
+        feats, rows, k = wire.encode(np.ones((2, K)))
+        score = pb.ScoreRequest(pair_id=pair_id, features=feats, rows=rows, k=k)
+        codes = []
+        for _ in range(8):
+            try:
+                read.Score(score, timeout=10)
+                codes.append(grpc.StatusCode.OK)
+            except grpc.RpcError as exc:
+                codes.append(exc.code())
+                details = exc.details()
+        assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes and codes[0] == grpc.StatusCode.OK
+        assert f"calls per second for pair {pair_id}" in details
+        # GetCoefficients is a lookup: not rated there.
+        for _ in range(8):
+            _get(read, pair_id)
+
+
 def test_the_read_port_answers_while_the_service_loop_is_held(ports: Any) -> None:
     handle, main, read = ports
     pair_id = _register(main)
@@ -157,6 +252,21 @@ def test_the_read_port_answers_while_the_service_loop_is_held(ports: Any) -> Non
             _get(main, pair_id, timeout=1.0)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert _get(read, pair_id, timeout=10) == expected
+        # Score and Budget there compute from the published model: no loop needed.
+        feats, rows, k = wire.encode(np.ones((2, K)))
+        scored = read.Score(
+            pb.ScoreRequest(pair_id=pair_id, features=feats, rows=rows, k=k), timeout=10
+        )
+        assert scored.coefficients_version == expected.version
+        with pytest.raises(grpc.RpcError) as info:  # no cost curves: refused, not waiting
+            read.Budget(
+                pb.BudgetRequest(
+                    pair_id=pair_id, rows=rows, k=k, features=feats, scheduled_drafts=[K] * 2,
+                    hardware="gpu",
+                ),
+                timeout=10,
+            )  # fmt: skip
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     finally:
         release.set()
 

@@ -101,6 +101,13 @@ def pool_adjacent_violators(values: FloatArray, weights: FloatArray) -> FloatArr
     return np.concatenate([np.full(int(n), m) for m, _, n in blocks])
 
 
+def layer_map(eta: npt.ArrayLike, table: FloatArray) -> FloatArray:
+    """A layer's map of ``eta``: ``table`` holds the mapped log-odds at :data:`KNOTS`,
+    linear between them, flat beyond the end knots."""
+    e = np.asarray(eta, dtype=np.float64)
+    return np.asarray(np.interp(e, KNOTS, table), dtype=np.float64)
+
+
 _ARRAYS = ("accepted", "total", "round_accepted", "round_total", "table", "loss", "spread")
 
 
@@ -146,8 +153,7 @@ class Recalibrator:
 
     def mapped(self, eta: npt.ArrayLike) -> FloatArray:
         """The learned map applied to ``eta`` (whether or not it is served)."""
-        e = np.asarray(eta, dtype=np.float64)
-        return np.asarray(np.interp(e, KNOTS, self.table), dtype=np.float64)
+        return layer_map(eta, self.table)
 
     def apply(self, eta: npt.ArrayLike) -> FloatArray:
         """The served linear predictor: mapped while active, else unchanged."""

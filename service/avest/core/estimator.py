@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from avest.core.calibration import Recalibrator
+from avest.core.calibration import Recalibrator, layer_map
 from avest.core.features import check_features
 from avest.core.labels import check_counts, check_exclude, labels
 from avest.core.metrics import CalibrationState
@@ -75,6 +75,33 @@ def make_batch(
     d, a = check_counts(num_verified, num_accepted, x.shape[0], k)
     observed, accepted = labels(d, a, k, check_exclude(exclude, x.shape[0]))
     return Batch(x, observed, accepted)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What an estimator serves at one moment, frozen, so that any thread may score
+    with it: the coefficients in force, the calibration layer's table while the layer
+    is served (a copy; ``None`` while it is not) and the version they belong to."""
+
+    k: int
+    version: int
+    coefficients: Coefficients
+    layer: FloatArray | None
+
+    @property
+    def layer_served(self) -> bool:
+        return self.layer is not None
+
+    def eta(self, features: npt.ArrayLike) -> FloatArray:
+        """The served linear predictor of each draft ``[R, K]`` (features checked)."""
+        eta = linear_predictor(self.coefficients, check_features(features, self.k))
+        return eta if self.layer is None else layer_map(eta, self.layer)
+
+    def predict(self, features: npt.ArrayLike) -> FloatArray:
+        """Served acceptance probabilities ``[R, K]``."""
+        from avest.core.numeric import sigmoid
+
+        return sigmoid(self.eta(features))
 
 
 class OnlineEstimator:
@@ -301,10 +328,15 @@ class OnlineEstimator:
 
         return sigmoid(linear_predictor(self.coefficients, check_features(features, self.k)))
 
+    def served(self) -> ServedModel:
+        """What is served now, frozen (the layer's table copied while it is served)."""
+        layer = self.recalibrator
+        table = layer.table.copy() if layer is not None and layer.active else None
+        return ServedModel(self.k, self.version, self.coefficients, table)
+
     def served_eta(self, features: npt.ArrayLike) -> FloatArray:
         """The served linear predictor: the calibration layer's map while it is active."""
-        eta = linear_predictor(self.coefficients, check_features(features, self.k))
-        return eta if self.recalibrator is None else self.recalibrator.apply(eta)
+        return self.served().eta(features)
 
     @property
     def layer_served(self) -> bool:
@@ -313,9 +345,7 @@ class OnlineEstimator:
 
     def predict_served(self, features: npt.ArrayLike) -> FloatArray:
         """Served acceptance probabilities ``[R, K]`` (calibration layer included)."""
-        from avest.core.numeric import sigmoid
-
-        return sigmoid(self.served_eta(features))
+        return self.served().predict(features)
 
     # -- persistence ------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""The read port: ``GetCoefficients`` on a synchronous grpcio server of its own.
+"""The read port: ``GetCoefficients``, ``Score`` and ``Budget`` on a synchronous grpcio
+server of its own.
 
 Why a second server: grpc.aio accepts a new call only when its event loop gets to
 it. While Observe streams keep the service loop saturated, a unary call waits there
@@ -8,42 +9,52 @@ next to a synchronous one in the same process). A synchronous server has its
 own completion queue, polled by its own thread, and runs its handlers on its own
 thread pool: it answers while the loop is busy.
 
-What it serves: ``avest.v1.EstimatorService/GetCoefficients`` (every other method is
+What it serves: those three methods of ``avest.v1.EstimatorService`` (every other is
 UNIMPLEMENTED there) and the standard health service, from :class:`Published`: each
-pair's response, serialized once on the service loop when the pair is registered or
-its coefficients change (the latest value only, as watchers get it). A handler looks
-it up and returns the bytes; it touches no other state. The same tokens (the worker
-role), TLS and message limits as the main port apply; a request that does not parse
-is INVALID_ARGUMENT, an unknown pair NOT_FOUND with the main port's message. The main
-port's per-pair call rate (``--pair-rate``) is not applied here: a call costs a lookup,
-and at most :data:`MAX_CALLS` are in flight.
+pair's ``GetCoefficientsResponse`` serialized, and what it serves frozen
+(``ServedModel``: coefficients, the calibration layer's table while served, version),
+both taken on the service loop when the pair is registered or its coefficients change
+(the latest value only, as watchers get it). ``GetCoefficients`` returns the bytes;
+``Score`` and ``Budget`` compute from the frozen model (:mod:`avest.grpc.budgets`, as
+the main port does from the pair as it is), ``Budget`` with the pair's current cost
+tables. The same tokens (the worker role), TLS, message and row limits, refusal codes
+and messages as the main port apply. The per-pair call rate (``--pair-rate``) applies
+to ``Score`` and ``Budget`` here with buckets of the read port's own; a
+``GetCoefficients`` costs a lookup and is not rated. At most :data:`MAX_CALLS` calls are
+in flight.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from avest.core.estimator import ServedModel
+from avest.grpc import budgets
 from avest.grpc.convert import coefficients_pb
 from avest.grpc.gate import malformed_reply
-from avest.grpc.refusals import reason_of
+from avest.grpc.limits import StreamLimits
+from avest.grpc.refusals import Refused, over_pair_rate, reason_of, refusals
 from avest.policy.access import Access, grpc_role
-from avest.policy.throttle import LogLimiter
+from avest.policy.throttle import KeyedRates, LogLimiter
 from avest.state.app import Avest
 from avest.state.pairs import Pair
 from avest_wire import limits
 from avest_wire.v1 import estimator_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["EstimatorService"].full_name
-METHOD = f"/{SERVICE}/GetCoefficients"
-#: Threads answering reads. A handler is a dict lookup, so a few keep up with any
-#: caller; calls beyond :data:`MAX_CALLS` in flight are RESOURCE_EXHAUSTED at once.
+#: Threads answering reads. A GetCoefficients is a dict lookup and a Score or Budget
+#: some numpy over one message's rows, so a few keep up; calls beyond
+#: :data:`MAX_CALLS` in flight are RESOURCE_EXHAUSTED at once.
 THREADS = 4
 MAX_CALLS = 256
 
@@ -59,24 +70,37 @@ def add_port(server: Any, address: str, credentials: grpc.ServerCredentials | No
         return 0
 
 
+@dataclass(frozen=True)
+class Entry:
+    """A pair as the read port serves it, as of its last change."""
+
+    #: the serialized ``GetCoefficientsResponse``
+    coefficients: bytes
+    served: ServedModel
+    #: for its cost tables alone (``Pair.cost_table`` only reads, from any thread)
+    pair: Pair
+
+
 class Published:
-    """Each pair's serialized ``GetCoefficientsResponse``, replaced whole on the
-    service loop (registered, coefficients changed, removed) and read from any
-    thread: a dict read of an immutable value needs no lock."""
+    """Each pair's :class:`Entry`, replaced whole on the service loop (registered,
+    coefficients changed, removed) and read from any thread: a dict read of an
+    immutable value needs no lock."""
 
     def __init__(self, app: Avest) -> None:
-        self._responses: dict[str, bytes] = {}
+        self._entries: dict[str, Entry] = {}
         app.hooks.registered.append(self.publish)
         app.hooks.coefficients.append(self.publish)
-        app.hooks.removed.append(lambda pair, why: self._responses.pop(pair.id, None))
+        app.hooks.removed.append(self._remove)
 
     def publish(self, pair: Pair) -> None:
-        self._responses[pair.id] = pb.GetCoefficientsResponse(
-            coefficients=coefficients_pb(pair)
-        ).SerializeToString()
+        response = pb.GetCoefficientsResponse(coefficients=coefficients_pb(pair))
+        self._entries[pair.id] = Entry(response.SerializeToString(), pair.estimator.served(), pair)
 
-    def get(self, pair_id: str) -> bytes | None:
-        return self._responses.get(pair_id)
+    def _remove(self, pair: Pair, why: str) -> None:
+        self._entries.pop(pair.id, None)
+
+    def get(self, pair_id: str) -> Entry | None:
+        return self._entries.get(pair_id)
 
 
 class ReadServer:
@@ -89,20 +113,44 @@ class ReadServer:
         on_refused: Callable[[str, str], None],
         on_answered: Callable[[str, str, float], None],
         options: list[tuple[str, Any]],
+        stream_limits: StreamLimits,
     ) -> None:
         self.published = published
         self.access = access
         self.on_refused = on_refused
         self.on_answered = on_answered
+        self.limits = stream_limits
+        self.pair_rates = KeyedRates(stream_limits.pair_rate)
+        self._rates_lock = threading.Lock()  # the buckets are taken from THREADS threads
         self._logs = LogLimiter("avest.grpc.reads")
         self._server = grpc.server(
             ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="avest-reads"),
             options=options,
             maximum_concurrent_rpcs=MAX_CALLS,
         )
-        handler = grpc.unary_unary_rpc_method_handler(self._get_coefficients)
+        max_rows = stream_limits.max_rows
+        #: per method: its request type, whether it is rated, the answer from an entry
+        self._methods: dict[str, tuple[Any, bool, Callable[[Entry, Any], bytes]]] = {
+            "GetCoefficients": (pb.GetCoefficientsRequest, False, lambda e, r: e.coefficients),
+            "Score": (
+                pb.ScoreRequest,
+                True,
+                lambda e, r: budgets.score(e.served, r, max_rows).SerializeToString(),
+            ),
+            "Budget": (
+                pb.BudgetRequest,
+                True,
+                lambda e, r: budgets.budget(
+                    e.served, e.pair.cost_table, r, max_rows
+                ).SerializeToString(),
+            ),
+        }
+        handlers = {
+            name: grpc.unary_unary_rpc_method_handler(functools.partial(self._call, name))
+            for name in self._methods
+        }
         self._server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(SERVICE, {"GetCoefficients": handler}),)
+            (grpc.method_handlers_generic_handler(SERVICE, handlers),)
         )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
@@ -122,44 +170,57 @@ class ReadServer:
         self.health.enter_graceful_shutdown()
         self._server.stop(grace_s)
 
-    def _get_coefficients(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+    def _call(self, method: str, request: bytes, context: grpc.ServicerContext) -> bytes:
         t0 = time.perf_counter()
-        answer = self._answer(request, context)
+        answer = self._answer(method, request, context)
         if isinstance(answer, bytes):
-            self.on_answered("GetCoefficients", "OK", time.perf_counter() - t0)
+            self.on_answered(method, "OK", time.perf_counter() - t0)
             return answer
         code, message, reason = answer
-        self.on_refused("GetCoefficients", reason)
-        self.on_answered("GetCoefficients", code.name, time.perf_counter() - t0)
+        self.on_refused(method, reason)
+        self.on_answered(method, code.name, time.perf_counter() - t0)
         context.abort(code, message)
         raise AssertionError("unreachable: abort raises")  # pragma: no cover
 
     def _answer(
-        self, request: bytes, context: grpc.ServicerContext
+        self, method: str, request: bytes, context: grpc.ServicerContext
     ) -> bytes | tuple[grpc.StatusCode, str, str]:
         """The response's bytes, or the status, message and counted reason that refuse
         the call."""
         authorization = next(
             (v for k, v in context.invocation_metadata() if k == "authorization"), None
         )
-        denied = self.access.check(grpc_role(METHOD), authorization)
+        denied = self.access.check(grpc_role(f"/{SERVICE}/{method}"), authorization)
         if denied is not None:
-            self._logs.warning("denied", "GetCoefficients refused: %s", denied.message)
+            self._logs.warning("denied", "%s refused: %s", method, denied.message)
             code = (
                 grpc.StatusCode.UNAUTHENTICATED
                 if denied.unauthenticated
                 else grpc.StatusCode.PERMISSION_DENIED
             )
             return code, denied.message, reason_of(code)
+        kind, rated, answer = self._methods[method]
         try:
-            pair_id = pb.GetCoefficientsRequest.FromString(request).pair_id
+            parsed = kind.FromString(request)
         except (DecodeError, ValueError):
             return (*malformed_reply(), "malformed")
+        pair_id = parsed.pair_id
         if not pair_id:
             code = grpc.StatusCode.INVALID_ARGUMENT
             return code, "pair_id: must not be empty", reason_of(code)
-        response = self.published.get(pair_id)
-        if response is None:
+        entry = self.published.get(pair_id)
+        if entry is None:
             code = grpc.StatusCode.NOT_FOUND
             return code, f"unknown pair_id {limits.echo(pair_id)}", reason_of(code)
-        return response
+        try:
+            with refusals():
+                if rated and not self._take(entry.pair.id):
+                    self._logs.warning("pair_rate", "pair %s over its call rate", pair_id)
+                    raise over_pair_rate(self.pair_rates.rate, pair_id)
+                return answer(entry, parsed)
+        except Refused as r:
+            return r.code, r.message, r.reason
+
+    def _take(self, pair_id: str) -> bool:
+        with self._rates_lock:
+            return self.pair_rates.take(pair_id)

@@ -33,6 +33,13 @@ class Refused(Exception):
         self.reason = reason_of(code)
 
 
+def over_pair_rate(rate: float, pair_id: str) -> Exhausted:
+    """The refusal of a call over its pair's rate (``--pair-rate``), on either port."""
+    return Exhausted(
+        "pair_id", f"more than {rate:g} calls per second for pair {pair_id}; retry later"
+    )
+
+
 @contextlib.contextmanager
 def refusals() -> Any:
     """Translate the core's and the registry's errors into :class:`Refused`."""

@@ -16,13 +16,9 @@ from typing import Any
 import grpc
 import numpy as np
 
-from avest.core import budget as budget_rules
 from avest.core.estimator import make_batch
-from avest.core.model import survival
-from avest.grpc.budgets import budget_confidences
+from avest.grpc import budgets
 from avest.grpc.convert import (
-    BUDGET_FROM_PB,
-    BUDGET_TO_PB,
     RULE_FROM_PB,
     RULE_TO_PB,
     coefficients_pb,
@@ -32,14 +28,14 @@ from avest.grpc.convert import (
 from avest.grpc.limits import StreamLimits
 from avest.grpc.observe import ObserveStream
 from avest.grpc.pages import page_cap
-from avest.grpc.refusals import Refused, refusals
+from avest.grpc.refusals import Refused, over_pair_rate, refusals
 from avest.grpc.summaries import summary_from_pb
 from avest.policy.access import Access, may_replace_costs
 from avest.policy.throttle import KeyedRates, LogLimiter
 from avest.state import listing
 from avest.state.app import Avest
 from avest.state.costs import CostCurves
-from avest.state.errors import Exhausted, NotFound
+from avest.state.errors import NotFound
 from avest.state.pairs import Pair, check_sequence
 from avest_wire import limits
 from avest_wire import matrix as wire
@@ -99,11 +95,7 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         pair = self.app.registry.get(pair_id)
         if rated and not self.pair_rates.take(pair.id):
             self._logs.warning("pair_rate", "pair %s over its call rate", pair.id)
-            raise Exhausted(
-                "pair_id",
-                f"more than {self.pair_rates.rate:g} calls per second for pair "
-                f"{pair.id}; retry later",
-            )
+            raise over_pair_rate(self.pair_rates.rate, pair.id)
         return pair
 
     async def _unary(
@@ -224,14 +216,7 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
     ) -> pb.ScoreResponse:
         def run() -> pb.ScoreResponse:
             pair = self._pair(request.pair_id)
-            self._check_shape(pair, request.rows, request.k)
-            x = wire.decode(request.features, request.rows, request.k)
-            p = pair.estimator.predict_served(x)  # validated; the calibration layer while served
-            return pb.ScoreResponse(
-                confidences=wire.encode(p)[0],
-                survival=wire.encode(survival(p))[0],
-                coefficients_version=pair.estimator.version,
-            )
+            return budgets.score(pair.estimator.served(), request, self.limits.max_rows)
 
         return await self._unary("Score", context, run)
 
@@ -240,43 +225,10 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
     ) -> pb.BudgetResponse:
         def run() -> pb.BudgetResponse:
             pair = self._pair(request.pair_id)
-            self._check_shape(pair, request.rows, request.k)
-            if request.rule not in BUDGET_FROM_PB:
-                raise InvalidInput("rule", f"unknown budget rule {request.rule}")
-            conf, stale, scored = budget_confidences(pair, request)
-            try:
-                table = pair.cost_table(request.hardware)
-            except NotFound as exc:
-                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(exc.args[0])) from None
-            rule = BUDGET_FROM_PB[request.rule]
-            if request.rule == pb.BUDGET_RULE_UNSPECIFIED and stale is not None:
-                rule = "stale"  # the contract's default: stale when given, else the walk
-            decision = budget_rules.decide(
-                rule,
-                conf.astype(np.float64),
-                np.asarray(request.scheduled_drafts, dtype=np.int64),
-                table,
-                num_non_draft_tokens=request.num_non_draft_tokens,
-                num_sampling=request.num_sampling_requests,
-                stale_confidences=None if stale is None else stale.astype(np.float64),
-                min_per_request=request.min_drafts_per_request,
-            )
-            return pb.BudgetResponse(
-                budget=int(decision.budget),
-                verify_lengths=decision.verify_lengths.tolist(),
-                expected_tokens=float(decision.expected_tokens),
-                cost_ms=float(decision.cost_ms),
-                rule=BUDGET_TO_PB[decision.rule],
-                lossless=bool(decision.lossless),
-                coefficients_version=pair.estimator.version if scored else 0,
-                calibration_layer_served=scored and pair.estimator.layer_served,
-            )
+            served = pair.estimator.served()
+            return budgets.budget(served, pair.cost_table, request, self.limits.max_rows)
 
-        try:
-            return await self._unary("Budget", context, run)
-        except Refused as r:  # FAILED_PRECONDITION raised inside run
-            self.on_refused("Budget", r.reason)
-            await context.abort(r.code, r.message)
+        return await self._unary("Budget", context, run)
 
     async def SetCostCurves(
         self, request: pb.SetCostCurvesRequest, context: grpc.aio.ServicerContext
@@ -358,12 +310,7 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
             yield response
 
     def _check_shape(self, pair: Pair, rows: int, k: int) -> None:
-        if k != pair.k:
-            raise InvalidInput("k", f"is {k}, the pair has K={pair.k}")
-        if rows > self.limits.max_rows:
-            raise Exhausted(
-                "rows", f"{rows} exceeds the limit of {self.limits.max_rows} rows per message"
-            )
+        budgets.check_shape(pair.k, rows, k, self.limits.max_rows)
 
     def validate_observe(self, req: pb.ObserveRequest) -> tuple[Pair, Any, Any]:
         """The pair, validated batch and strata of one Observe message (a step's

@@ -126,14 +126,16 @@ class Pair:
         return self.history[-1].time if self.history else self.created
 
     def cost_table(self, hardware: str) -> CostTable:
-        if hardware not in self.costs:
+        """The hardware's cost table. It only reads (the read port calls it from its
+        threads): :meth:`set_costs` builds each table with its curves, and a refresh
+        replaces both mappings whole."""
+        table = self._tables.get(hardware)
+        if table is None:
             known = ", ".join(sorted(self.costs)) or "none"
             raise NotFound(
                 f"pair {self.id} has no cost curves for hardware {hardware!r} (known: {known})"
             )
-        if hardware not in self._tables:
-            self._tables[hardware] = self.costs[hardware].table()
-        return self._tables[hardware]
+        return table
 
     def set_costs(self, curves: CostCurves) -> None:
         check_costs(curves)
@@ -144,8 +146,8 @@ class Pair:
                 f"the limit is {limits.MAX_HARDWARE_PER_PAIR}",
             )
         table = curves.table()  # validates before anything changes
+        self._tables[curves.hardware] = table  # first: cost_table reads it alone
         self.costs[curves.hardware] = curves
-        self._tables[curves.hardware] = table
         self.unsaved_costs.add(curves.hardware)
         self.dirty = True
 
