@@ -42,6 +42,7 @@ from avest_client.types import (
     Registration,
     Schedule,
 )
+from avest_wire import limits
 from avest_wire.v1 import estimator_pb2 as pb
 
 if TYPE_CHECKING:
@@ -294,12 +295,25 @@ class ClientCore(Generic[F]):
         token: str | None = None,
         tls_ca: str | None = None,
         credentials: Credentials | None = None,
+        read_address: str | None = None,
     ) -> None:
         self.address = address
         #: Token and TLS: the arguments, else ``AVEST_TOKEN`` / ``AVEST_TLS_CA``.
         self.credentials = credentials or Credentials.resolve(token, tls_ca)
         self.timeout = timeout
         self.channel_options = tuple(channel_options)
+        #: The service's read port (``avest serve --read-address``), if given:
+        #: ``coefficients``, ``score`` and ``budget`` are sent there, on a channel of
+        #: their own (a client of this class for that address), with the same
+        #: credentials; every other call goes to ``address``.
+        self.read_address = read_address or None
+        self._reads: Any = (
+            None
+            if self.read_address is None
+            else type(self)(
+                self.read_address, timeout, channel_options, credentials=self.credentials
+            )
+        )
         self._closed = False
         self._watchers: list[Any] = []
         self._forwarders: list[F] = []
@@ -311,6 +325,15 @@ class ClientCore(Generic[F]):
 
     def _stub(self) -> Any:
         raise NotImplementedError
+
+    def _stub_for(self, call: Unary[Any]) -> Any:
+        """The stub that sends ``call``: the read port's for the methods it serves (when
+        the client has a read address), this client's own otherwise."""
+        if self._reads is not None and call.method in limits.READ_PORT_METHODS:
+            if self._closed:
+                raise self._closed_error()
+            return self._reads._stub()
+        return self._stub()
 
     def _unary(self, build: Callable[..., Unary[Any]], *args: Any, **kwargs: Any) -> Any:
         """Build the call with ``build(*args, **kwargs)``, send it, read the answer."""

@@ -151,6 +151,8 @@ class AsyncEstimatorClient(_core.ClientCore[AsyncForwarder]):
         for fwd in self._forwarders:
             await fwd.close()
         self._forwarders.clear()
+        if self._reads is not None:
+            await self._reads.close()
         channel, self._channel, self._stub_ = self._channel, None, None
         if channel is not None and self._pid == os.getpid():
             with contextlib.suppress(Exception):
@@ -182,5 +184,5 @@ class AsyncEstimatorClient(_core.ClientCore[AsyncForwarder]):
     async def _unary(self, build: Callable[..., _core.Unary[T]], *args: Any, **kwargs: Any) -> T:
         call = build(*args, **kwargs)
         with call.errors():
-            resp = await call.send(self._stub(), self.timeout)
+            resp = await call.send(self._stub_for(call), self.timeout)
         return call.answer(resp)

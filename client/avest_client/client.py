@@ -36,7 +36,9 @@ class _Lazy:
 class EstimatorClient(_core.ClientCore[Forwarder]):
     """Synchronous client of the avest estimator service.
 
-    ``address`` is ``"host:port"``; ``timeout`` (seconds) is the deadline of
+    ``address`` is ``"host:port"``; ``read_address``, the service's read port, takes
+    :meth:`coefficients`, :meth:`score` and :meth:`budget` when given (answered there
+    while Observe streams keep ``address`` busy). ``timeout`` (seconds) is the deadline of
     every unary call unless the call passes its own. The channel is created on
     first use, in the process that uses it: after a fork the child opens its
     own. Errors are raised as :class:`~avest_client.errors.AvestError`
@@ -96,6 +98,8 @@ class EstimatorClient(_core.ClientCore[Forwarder]):
         for fwd in self._forwarders:
             fwd.close()
         self._forwarders.clear()
+        if self._reads is not None:
+            self._reads.close()
         lazy = self._lazy
         with lazy.lock:
             if lazy.channel is not None and lazy.pid == os.getpid():
@@ -128,5 +132,5 @@ class EstimatorClient(_core.ClientCore[Forwarder]):
     def _unary(self, build: Callable[..., _core.Unary[T]], *args: Any, **kwargs: Any) -> T:
         call = build(*args, **kwargs)
         with call.errors():
-            resp = call.send(self._stub(), self.timeout)
+            resp = call.send(self._stub_for(call), self.timeout)
         return call.answer(resp)

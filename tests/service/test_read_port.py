@@ -9,6 +9,7 @@ with the same codes and messages.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import threading
@@ -23,7 +24,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from avest.server import BindError
-from avest_client import AvestError, Credentials, EstimatorClient
+from avest_client import AsyncEstimatorClient, AvestError, Credentials, EstimatorClient
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
@@ -234,10 +235,9 @@ def test_score_and_budget_on_the_read_port_keep_the_pair_rate(
             _get(read, pair_id)
 
 
-def test_the_read_port_answers_while_the_service_loop_is_held(ports: Any) -> None:
-    handle, main, read = ports
-    pair_id = _register(main)
-    expected = _get(main, pair_id)
+@contextlib.contextmanager
+def _held(handle: Any) -> Iterator[None]:
+    """The service loop held (nothing on it runs) for the block."""
     blocked, release = threading.Event(), threading.Event()
 
     def hold() -> None:
@@ -247,6 +247,16 @@ def test_the_read_port_answers_while_the_service_loop_is_held(ports: Any) -> Non
     handle.loop.call_soon_threadsafe(hold)
     assert blocked.wait(10)
     try:
+        yield
+    finally:
+        release.set()
+
+
+def test_the_read_port_answers_while_the_service_loop_is_held(ports: Any) -> None:
+    handle, main, read = ports
+    pair_id = _register(main)
+    expected = _get(main, pair_id)
+    with _held(handle):
         # The main port's handlers run on the held loop: its call cannot finish.
         with pytest.raises(grpc.RpcError) as info:
             _get(main, pair_id, timeout=1.0)
@@ -267,8 +277,42 @@ def test_the_read_port_answers_while_the_service_loop_is_held(ports: Any) -> Non
                 timeout=10,
             )  # fmt: skip
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    finally:
-        release.set()
+
+
+def test_a_client_given_the_read_address_reads_there_and_writes_to_the_main_port(
+    ports: Any,
+) -> None:
+    handle, _, _ = ports
+    main, read = handle.grpc_address, handle.server.read_address
+    feats = np.ones((2, K))
+    with EstimatorClient(main, read_address=read, timeout=10) as client:
+        pair_id = client.register("t", "d", "eagle", K).pair_id
+        client.set_cost_curves(
+            pair_id, [(1, 3.0), (64, 5.0)], [(1, 20.0), (256, 90.0)], hardware="gpu"
+        )
+        with _held(handle):
+            # The loop is held: only the read port can answer these.
+            assert client.coefficients(pair_id).pair_id == pair_id
+            conf, _ = client.score(pair_id, feats)
+            assert conf.shape == (2, K)
+            assert (
+                client.budget(
+                    pair_id, feats, [K, K], 0, 2, hardware="gpu", from_features=True
+                ).budget
+                >= 0
+            )
+            with pytest.raises(AvestError) as info:  # everything else goes to the main port
+                client.pair(pair_id, timeout=1.0)
+            assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    async def asynchronous() -> None:
+        async with AsyncEstimatorClient(main, read_address=read, timeout=10) as aclient:
+            assert (await aclient.coefficients(pair_id)).pair_id == pair_id
+            conf, _ = await aclient.score(pair_id, feats)
+            assert conf.shape == (2, K)
+
+    with _held(handle):
+        asyncio.run(asynchronous())
 
 
 def test_a_deleted_pair_is_gone_from_the_read_port(start_server, tmp_path: Path) -> None:  # noqa: ANN001

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+#: The methods of ``avest.v1.EstimatorService`` that the read port (``avest serve
+#: --read-address``) serves too, from each pair as last published: a client given a
+#: read address sends these there, every other call to the main port.
+READ_PORT_METHODS = frozenset({"GetCoefficients", "Score", "Budget"})
 #: Draft positions (K) of a pair: vLLM's largest ``num_speculative_tokens`` in use is
 #: far below; 64 keeps a K x 2052-cell sketch and a K-row Newton system small.
 MAX_K = 64

@@ -145,6 +145,7 @@ class ReadServer:
                 ).SerializeToString(),
             ),
         }
+        assert set(self._methods) == limits.READ_PORT_METHODS, "the contract's read methods"
         handlers = {
             name: grpc.unary_unary_rpc_method_handler(functools.partial(self._call, name))
             for name in self._methods
