@@ -71,7 +71,8 @@ class Server:
         #: Listeners whose traffic (tokens, or open writes) is readable on the network.
         self.exposure: list[str] = []
         self._grpc: grpc.aio.Server | None = None
-        #: Each pair's GetCoefficients response, kept for the read port when there is one.
+        #: Each pair as the read port serves it (its GetCoefficients response and served
+        #: model), kept when there is a read port.
         self.published = Published(self.app) if settings.read_address else None
         self._reads: ReadServer | None = None
         self.read_port = 0
