@@ -305,13 +305,14 @@ class ClientCore(Generic[F]):
         #: The service's read port (``avest serve --read-address``), if given:
         #: ``coefficients``, ``score`` and ``budget`` are sent there, on a channel of
         #: their own (a client of this class for that address), with the same
-        #: credentials; every other call goes to ``address``.
-        self.read_address = read_address or None
+        #: credentials; every other call goes to ``address``. A read port of a service
+        #: older than this client answers ``score`` and ``budget`` UNIMPLEMENTED.
+        self.read_address = read_address if read_address and read_address != address else None
         self._reads: Any = (
             None
             if self.read_address is None
             else type(self)(
-                self.read_address, timeout, channel_options, credentials=self.credentials
+                self.read_address, timeout, self.channel_options, credentials=self.credentials
             )
         )
         self._closed = False

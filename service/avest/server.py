@@ -221,6 +221,7 @@ class Server:
                 ).observe(seconds),
                 options,
                 self.service.limits,
+                s.rpc_rate,
             )
             self.read_port = self._reads.bind(s.read_address, credentials)
             if self.read_port == 0:

@@ -112,7 +112,9 @@ class Settings(BaseSettings):
         5.0, gt=0, description="close a connection that has not finished its handshake"
     )
     rpc_rate: float = Field(
-        1000.0, ge=0, description="unary calls per second per client address (0: no limit)"
+        1000.0,
+        ge=0,
+        description="unary calls per second per client address, per port (0: no limit)",
     )
     pair_queue: int = Field(
         64,
@@ -143,8 +145,8 @@ class Settings(BaseSettings):
     pair_rate: float = Field(
         20000.0,
         ge=0,
-        description="unary calls per second naming one pair, all clients together, then "
-        "RESOURCE_EXHAUSTED (0: no limit)",
+        description="unary calls per second naming one pair, all clients together (per "
+        "port: the read port counts its own), then RESOURCE_EXHAUSTED (0: no limit)",
     )
     grace_s: float = Field(
         5.0, gt=0.0, description="seconds SIGTERM may take in all (drain, final snapshot, exit)"

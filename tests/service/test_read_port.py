@@ -235,6 +235,48 @@ def test_score_and_budget_on_the_read_port_keep_the_pair_rate(
             _get(read, pair_id)
 
 
+def test_the_read_port_follows_a_refresh_that_keeps_the_version(ports: Any) -> None:
+    """A replica's refresh can bring the same version with another round (a refit the
+    refitter rejected): the pair is published again, and the read port says so."""
+    handle, main, read = ports
+    pair_id = _register(main)
+    before = _get(read, pair_id)
+    app = handle.server.app
+
+    async def refresh(round_: int) -> None:
+        pair = app.registry.pairs[pair_id]
+        record = app.registry.snapshot(pair)
+        counters = record["arrays"]["counters"].copy()
+        counters[1] = round_  # [version, round, steps, steps in round, drafts]
+        record["arrays"]["counters"] = counters
+        app.registry.refresh(pair, record)
+
+    handle.call(refresh, before.round + 3)
+    after = _get(read, pair_id)
+    assert (after.version, after.round) == (before.version, before.round + 3)
+    assert after == _get(main, pair_id)
+
+
+def test_the_read_port_keeps_the_client_rate(
+    start_server: Callable[..., Any], tmp_path: Path
+) -> None:
+    """``--rpc-rate`` holds on the read port too, per client address, with the main
+    port's message."""
+    with _both_ports(start_server, tmp_path, rpc_rate=2.0) as (_, main, read):
+        pair_id = _register(main)
+        codes, details = [], ""
+        for _ in range(8):
+            try:
+                _get(read, pair_id)
+                codes.append(grpc.StatusCode.OK)
+            except grpc.RpcError as exc:
+                codes.append(exc.code())
+                details = exc.details() or ""
+        assert codes[0] == grpc.StatusCode.OK
+        assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
+        assert "calls per second from this client" in details
+
+
 @contextlib.contextmanager
 def _held(handle: Any) -> Iterator[None]:
     """The service loop held (nothing on it runs) for the block."""

@@ -1,6 +1,9 @@
-"""Score and Budget, from what a pair serves at one moment (``ServedModel``), so that
-both gRPC ports answer them alike: the main port from the pair as it is, the read port
-(:mod:`avest.grpc.reads`) from what was last published.
+"""Score and Budget, from what a pair serves at one moment (``ServedModel``), one code
+for both gRPC ports: the main port scores with the pair as it is now, the read port
+(:mod:`avest.grpc.reads`) with the model published at the pair's last change (its
+registration, a refit or reset), as workers' pushed coefficients carry it. The two can
+differ between refits in one thing: whether the calibration layer is served, which its
+recent evidence may switch before the next refit publishes it.
 
 A Budget request that sends ``features`` (and optionally ``stale_features``) gets
 budgets from the pair's *served* confidences: the calibration layer's map while it is
@@ -53,17 +56,20 @@ def score(model: ServedModel, request: pb.ScoreRequest, max_rows: int) -> pb.Sco
 
 
 def budget(
-    model: ServedModel,
+    k: int,
+    served: Callable[[], ServedModel],
     cost_table: Callable[[str], CostTable],
     request: pb.BudgetRequest,
     max_rows: int,
 ) -> pb.BudgetResponse:
-    """The budget; refuses with ``InvalidInput`` and the like, and with FAILED_PRECONDITION
-    (:class:`Refused`) when the pair has no cost curves for the hardware."""
-    check_shape(model.k, request.rows, request.k, max_rows)
+    """The budget for a pair of ``k`` positions; ``served`` gives the model to score
+    features with, asked only when the request sends features. Refuses with
+    ``InvalidInput`` and the like, and with FAILED_PRECONDITION (:class:`Refused`) when
+    the pair has no cost curves for the hardware."""
+    check_shape(k, request.rows, request.k, max_rows)
     if request.rule not in BUDGET_FROM_PB:
         raise InvalidInput("rule", f"unknown budget rule {request.rule}")
-    conf, stale, scored = budget_confidences(model, request)
+    conf, stale, model = budget_confidences(k, served, request)
     try:
         table = cost_table(request.hardware)
     except NotFound as exc:
@@ -88,8 +94,8 @@ def budget(
         cost_ms=float(decision.cost_ms),
         rule=BUDGET_TO_PB[decision.rule],
         lossless=bool(decision.lossless),
-        coefficients_version=model.version if scored else 0,
-        calibration_layer_served=scored and model.layer_served,
+        coefficients_version=0 if model is None else model.version,
+        calibration_layer_served=model is not None and model.layer_served,
     )
 
 
@@ -102,11 +108,11 @@ def _features(k: int, request: pb.BudgetRequest, field: str) -> Matrix:
 
 
 def budget_confidences(
-    model: ServedModel, request: pb.BudgetRequest
-) -> tuple[Matrix, Matrix | None, bool]:
-    """``(confidences, stale confidences or None, scored)``: ``scored`` when they
-    were computed here from the request's features. Refuses (``InvalidInput``)
-    before anything is scored."""
+    k: int, served: Callable[[], ServedModel], request: pb.BudgetRequest
+) -> tuple[Matrix, Matrix | None, ServedModel | None]:
+    """``(confidences, stale confidences or None, the model that scored them)``: the
+    model when they were computed here from the request's features, else None.
+    Refuses (``InvalidInput``) before anything is scored."""
     rows, k = request.rows, request.k
     if not request.features:
         if request.stale_features:
@@ -117,11 +123,12 @@ def budget_confidences(
             if request.stale_confidences
             else None
         )
-        return conf, stale, False
+        return conf, stale, None
     for name in ("confidences", "stale_confidences"):
         if getattr(request, name):
             raise InvalidInput(name, "must be empty when features are sent")
-    x = _features(model.k, request, "features")
-    sx = _features(model.k, request, "stale_features") if request.stale_features else None
+    x = _features(k, request, "features")
+    sx = _features(k, request, "stale_features") if request.stale_features else None
     # Both at the same coefficients and layer: one frozen model.
-    return model.predict(x), None if sx is None else model.predict(sx), True
+    model = served()
+    return model.predict(x), None if sx is None else model.predict(sx), model

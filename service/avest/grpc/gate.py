@@ -16,7 +16,6 @@ A server interceptor in front of every handler:
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,7 +26,7 @@ from avest.grpc.handlers import Wrap, rebuilt
 from avest.grpc.interceptor import method_label
 from avest.grpc.refusals import reason_of
 from avest.policy.access import Access, Role, grpc_role
-from avest.policy.throttle import LogLimiter, TokenBucket
+from avest.policy.throttle import KeyedRates, LogLimiter
 
 #: What a request that does not parse is delivered as.
 MALFORMED: Any = type("Malformed", (), {"__repr__": lambda self: "<malformed message>"})()
@@ -39,6 +38,19 @@ _MAX_METHODS = 256
 
 def malformed_reply() -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INVALID_ARGUMENT, "malformed message: not a valid protobuf of this RPC"
+
+
+def client_host(peer: str) -> str:
+    """The client a call's peer (``ipv4:1.2.3.4:5678``) is counted as: its address."""
+    return peer.rpartition(":")[0] or peer
+
+
+def over_client_rate_reply(rate: float) -> tuple[grpc.StatusCode, str]:
+    """The refusal of a unary call over its client's rate (``--rpc-rate``), on either port."""
+    return (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"more than {rate:g} calls per second from this client; retry later",
+    )
 
 
 class Gate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
@@ -53,24 +65,14 @@ class Gate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self.on_refused = on_refused
         self.rpc_rate = rpc_rate
         self.logs = logs or LogLimiter()
-        self._buckets: OrderedDict[str, TokenBucket] = OrderedDict()
+        self._clients = KeyedRates(rpc_rate, _MAX_CLIENTS)
         #: Per method: the gated handler, built once (the access check runs per call).
         self._handlers: dict[str, grpc.RpcMethodHandler] = {}
 
     # -- pieces ---------------------------------------------------------------
 
     def _rate_ok(self, peer: str) -> bool:
-        if self.rpc_rate <= 0:
-            return True
-        host = peer.rpartition(":")[0] or peer
-        bucket = self._buckets.get(host)
-        if bucket is None:
-            bucket = self._buckets[host] = TokenBucket(self.rpc_rate, self.rpc_rate)
-            if len(self._buckets) > _MAX_CLIENTS:
-                self._buckets.popitem(last=False)
-        else:
-            self._buckets.move_to_end(host)
-        return bucket.take()
+        return self._clients.take(client_host(peer))
 
     def malformed(self, method: str) -> None:
         self.on_refused(method, "malformed")
@@ -148,10 +150,7 @@ class Gate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             if self.rpc_rate > 0 and not self._rate_ok(peer := context.peer()):
                 self.on_refused(method, "resource_exhausted")
                 self.logs.warning("rate", "%s: client %s over its call rate", method, peer)
-                await context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"more than {self.rpc_rate:g} calls per second from this client; retry later",
-                )
+                await context.abort(*over_client_rate_reply(self.rpc_rate))
             return await behavior(request, context)
 
         return gated

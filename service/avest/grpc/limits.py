@@ -11,7 +11,7 @@ from avest_wire.limits import MAX_MESSAGE_BYTES
 class StreamLimits:
     #: Largest number of requests (rows) in one Observe step.
     max_rows: int
-    #: Unary calls per second naming one pair, all clients together (0: no limit).
+    #: Unary calls per second naming one pair, all clients together, per port (0: no limit).
     pair_rate: float
     #: Largest gRPC message sent or received (``ListPairs`` pages fit it).
     max_message_bytes: int = MAX_MESSAGE_BYTES

@@ -17,11 +17,12 @@ both taken on the service loop when the pair is registered or its coefficients c
 (the latest value only, as watchers get it). ``GetCoefficients`` returns the bytes;
 ``Score`` and ``Budget`` compute from the frozen model (:mod:`avest.grpc.budgets`, as
 the main port does from the pair as it is), ``Budget`` with the pair's current cost
-tables. The same tokens (the worker role), TLS, message and row limits, refusal codes
-and messages as the main port apply. The per-pair call rate (``--pair-rate``) applies
-to ``Score`` and ``Budget`` here with buckets of the read port's own; a
-``GetCoefficients`` costs a lookup and is not rated. At most :data:`MAX_CALLS` calls are
-in flight.
+tables. Between refits the two ports can differ in whether the calibration layer is
+served (:mod:`avest.grpc.budgets`). The same tokens (the worker role), TLS, message and
+row limits, refusal codes and messages as the main port apply, and the call rates with
+buckets of the read port's own: ``--rpc-rate`` per client address, ``--pair-rate`` to
+``Score`` and ``Budget`` (a ``GetCoefficients`` is a lookup). At most :data:`MAX_CALLS`
+calls are in flight; one that fails unexpectedly is INTERNAL, logged and counted.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from avest.core.estimator import ServedModel
 from avest.grpc import budgets
 from avest.grpc.convert import coefficients_pb
-from avest.grpc.gate import malformed_reply
+from avest.grpc.gate import client_host, malformed_reply, over_client_rate_reply
 from avest.grpc.limits import StreamLimits
 from avest.grpc.refusals import Refused, over_pair_rate, reason_of, refusals
 from avest.policy.access import Access, grpc_role
@@ -114,12 +115,15 @@ class ReadServer:
         on_answered: Callable[[str, str, float], None],
         options: list[tuple[str, Any]],
         stream_limits: StreamLimits,
+        rpc_rate: float,
     ) -> None:
         self.published = published
         self.access = access
         self.on_refused = on_refused
         self.on_answered = on_answered
         self.limits = stream_limits
+        self.rpc_rate = rpc_rate
+        self.client_rates = KeyedRates(rpc_rate)
         self.pair_rates = KeyedRates(stream_limits.pair_rate)
         self._rates_lock = threading.Lock()  # the buckets are taken from THREADS threads
         self._logs = LogLimiter("avest.grpc.reads")
@@ -141,7 +145,7 @@ class ReadServer:
                 pb.BudgetRequest,
                 True,
                 lambda e, r: budgets.budget(
-                    e.served, e.pair.cost_table, r, max_rows
+                    e.served.k, lambda: e.served, e.pair.cost_table, r, max_rows
                 ).SerializeToString(),
             ),
         }
@@ -205,6 +209,10 @@ class ReadServer:
             parsed = kind.FromString(request)
         except (DecodeError, ValueError):
             return (*malformed_reply(), "malformed")
+        if not self._take(self.client_rates, client_host(peer := context.peer())):
+            self._logs.warning("rate", "%s: client %s over its call rate", method, peer)
+            code, message = over_client_rate_reply(self.rpc_rate)
+            return code, message, reason_of(code)
         pair_id = parsed.pair_id
         if not pair_id:
             code = grpc.StatusCode.INVALID_ARGUMENT
@@ -215,13 +223,17 @@ class ReadServer:
             return code, f"unknown pair_id {limits.echo(pair_id)}", reason_of(code)
         try:
             with refusals():
-                if rated and not self._take(entry.pair.id):
+                if rated and not self._take(self.pair_rates, entry.pair.id):
                     self._logs.warning("pair_rate", "pair %s over its call rate", pair_id)
                     raise over_pair_rate(self.pair_rates.rate, pair_id)
                 return answer(entry, parsed)
         except Refused as r:
             return r.code, r.message, r.reason
+        except Exception as exc:  # a bug: say so (rate-limited), answer INTERNAL, count it
+            self._logs.warning("internal", "%s failed on the read port: %r", method, exc)
+            code = grpc.StatusCode.INTERNAL
+            return code, f"{method} failed on the read port; see the service's log", "internal"
 
-    def _take(self, pair_id: str) -> bool:
+    def _take(self, rates: KeyedRates, key: str) -> bool:
         with self._rates_lock:
-            return self.pair_rates.take(pair_id)
+            return rates.take(key)

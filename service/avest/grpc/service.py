@@ -225,8 +225,9 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
     ) -> pb.BudgetResponse:
         def run() -> pb.BudgetResponse:
             pair = self._pair(request.pair_id)
-            served = pair.estimator.served()
-            return budgets.budget(served, pair.cost_table, request, self.limits.max_rows)
+            return budgets.budget(
+                pair.k, pair.estimator.served, pair.cost_table, request, self.limits.max_rows
+            )
 
         return await self._unary("Budget", context, run)
 

@@ -121,9 +121,14 @@ class Pair:
     @property
     def refitted(self) -> float:
         """When the refit or reset that produced the current version and round happened:
-        the history's last entry (kept across restarts), the pair's creation before any.
-        Not :attr:`updated`, which moves with every observation."""
-        return self.history[-1].time if self.history else self.created
+        its history entry (kept across restarts; the newest one when none matches), the
+        pair's creation before any. Not :attr:`updated`, which moves with every
+        observation."""
+        now = (self.estimator.version, self.estimator.round)
+        for entry in reversed(self.history):
+            if (entry.version, entry.round) == now:
+                return entry.time
+        return max((h.time for h in self.history), default=self.created)
 
     def cost_table(self, hardware: str) -> CostTable:
         """The hardware's cost table. It only reads (the read port calls it from its
@@ -496,7 +501,8 @@ class Registry:
         watchers hear of new coefficients. What this process acknowledged stays
         acknowledged."""
         stored = self._stored(pair.key, record)
-        before = pair.estimator.version
+        est = pair.estimator
+        before = (est.version, est.round, est.coefficients)
         pair.rule_name = stored.rule_name
         pair.estimator = stored.estimator
         pair.strata = stored.strata
@@ -508,6 +514,9 @@ class Registry:
         pair.changed_workers, pair.pruned_workers = set(), set()
         pair.dirty = False
         pair.unsaved_history, pair.unsaved_costs = 0, set()
-        if pair.estimator.version != before:
+        est = pair.estimator
+        # Another version, or the same number with another round or other coefficients
+        # (a refit rejected there; this replica's own refit lost with its write).
+        if (est.version, est.round, est.coefficients) != before:
             for notify in list(pair.watchers):
                 notify(pair)
