@@ -152,8 +152,8 @@ NOT_RUN = {
     "tests/fuzz": "the long fuzzing run (about 30 minutes); scripts/check runs tests/fuzz on "
     "its short budget",
     "docker build -t avest:local .": _NO_ENGINE,
-    "docker run --rm -p 127.0.0.1:50051:50051 -p 127.0.0.1:8000:8000 -v avest-data:/data -e "
-    "AVEST_WORKER_TOKEN=... -e AVEST_ADMIN_TOKEN=... avest:local": _NO_ENGINE
+    "docker run --rm -p 127.0.0.1:50051:50051 -p 127.0.0.1:50052:50052 -p 127.0.0.1:8000:8000 "
+    "-v avest-data:/data -e AVEST_WORKER_TOKEN=... -e AVEST_ADMIN_TOKEN=... avest:local": _NO_ENGINE
     + "; the image's command and environment run locally in tests/deploy/test_compose_commands.py",
     "docker build -t registry.example.com/avest:0.1.0 .": _NO_ENGINE,
     "docker push registry.example.com/avest:0.1.0": "needs a registry",
