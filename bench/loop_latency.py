@@ -1,12 +1,15 @@
-"""A unary call next to saturated streams, four server shapes. A minimal
+"""A unary call next to saturated streams, five server shapes. A minimal
 reproduction, no avest code (bench/RESULTS.md, issue 29).
 
 The server (a subprocess) serves a bidirectional stream whose handler spends
 ``--work-us`` of CPU on each message (a stand-in for checks and fold) and acks it,
 and a unary call that answers at once, as:
 
-- ``aio``: grpc.aio, the work on the event loop (avest's shape: the stream
-  handlers check, the pair's owner task folds, all on the loop);
+- ``aio``: grpc.aio, the work on the event loop, every stream reading as it likes
+  (avest's shape before its room for messages);
+- ``aio-gated``: the same, but a stream reads its next message only with room for it,
+  at most ``--in-flight`` messages in hand across the streams, given first come, first
+  served (avest's shape: :mod:`avest.state.admission`);
 - ``aio-thread``: grpc.aio, the work on one thread of its own, the loop doing
   I/O only (each stream waits for its message's work before it reads the next);
 - ``aio-process``: grpc.aio, the work in a process of its own (the owners off the
@@ -119,6 +122,17 @@ def _serve_aio(ports: Any, work_us: float, lags: Any, where: str, in_flight: int
         if process is not None:
             await process.start()
 
+        gate = asyncio.Semaphore(in_flight)
+
+        async def gated(requests: Any, context: Any) -> None:
+            while True:
+                async with gate:  # the next message is read only with room for it
+                    message = await context.read()
+                    if message is grpc.aio.EOF:
+                        return
+                    _burn(work_us)
+                await context.write(b"a" * 40)
+
         async def stream(requests: Any, context: Any) -> Any:
             async for message in requests:
                 if process is not None:  # the work in a process of its own
@@ -140,7 +154,8 @@ def _serve_aio(ports: Any, work_us: float, lags: Any, where: str, in_flight: int
                 lags.put(loop.time() - t - 0.01)
 
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        server.add_generic_rpc_handlers((_handlers(stream, unary),))
+        handler = gated if where == "gated" else stream
+        server.add_generic_rpc_handlers((_handlers(handler, unary),))
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         # the read port's shape: its own completion queue and threads, in this process
@@ -299,8 +314,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--procs", type=int, default=2)
     p.add_argument("--window", type=int, default=4)
     p.add_argument("--settle", type=float, default=28.0, help="s before the first probe")
-    p.add_argument("--in-flight", type=int, default=16, help="aio-process: messages at it")
-    shapes = ["aio", "aio-thread", "aio-process", "sync"]
+    p.add_argument(
+        "--in-flight", type=int, default=16, help="aio-gated, aio-process: messages in hand"
+    )
+    shapes = ["aio", "aio-gated", "aio-thread", "aio-process", "sync"]
     p.add_argument("--server", choices=[*shapes, "all"], default="all")
     a = p.parse_args(argv)
     for kind in shapes if a.server == "all" else [a.server]:

@@ -310,14 +310,20 @@ class Server:
             if not self.app.store_error:
                 log.warning("final flush before draining failed: %s", exc)
         await self.service.drain()
+        reads_stopped = None
         if self._reads is not None:
-            self._reads.stop(min(left(), 1.0))
+            reads_stopped = self._reads.stop(min(left(), 1.0))
         if self._grpc is not None:
             await self._grpc.stop(min(left(), 1.0))
         # A chunk under way when the deadline passes still finishes: leave it room.
         await self.app.close(deadline=deadline - min(1.0, 0.2 * grace))
         if self._http is not None:
             await self._http.stop(left())
+        self.metrics.close()
+        if self._reads is not None and reads_stopped is not None:
+            # its calls in flight had their grace: end its threads once it says so
+            await asyncio.get_running_loop().run_in_executor(None, reads_stopped.wait, 2.0)
+            self._reads.close()
         self.heartbeat.stop()
         log.info("avest stopped in %.2fs", time.monotonic() - started)
 

@@ -116,14 +116,15 @@ class Settings(BaseSettings):
         ge=0,
         description="unary calls per second per client address, per port (0: no limit)",
     )
-    pair_queue: int = Field(
-        64,
+    in_flight: int = Field(
+        16,
         ge=1,
-        description="Observe messages a pair's queue holds in front of its owner; when it is "
-        "full the streams sending to the pair are read no further until there is room "
-        "(HTTP/2 flow control holds their senders back; nothing is refused or lost)",
+        description="Observe messages checked and not yet applied, across every stream; "
+        "beyond that each stream waits for room, first come first served, and is read no "
+        "further meanwhile (HTTP/2 flow control holds its sender back; nothing is refused "
+        "or lost)",
     )
-    # 100 ms bounds a pair to 10 refits (and coefficient pushes per stream) a second,
+    # 100 ms bounds a pair to 10 refits a second,
     # whatever the fleet's size. bench/bench_refit_gate.py on the shared traces and
     # variants: at 8 workers the measures are unchanged (log loss and ECE within
     # 0.002), at 64 within about 0.005; a 1 s interval cost up to +0.06 ECE there (the
@@ -133,8 +134,19 @@ class Settings(BaseSettings):
         ge=0,
         description="a pair refits at most this often: a round that fills sooner stays open, "
         "pooling what every worker sends, and refits when the interval is over, so refits "
-        "and coefficient pushes do not grow with the number of workers (0: refit every "
-        "--refit-interval pooled steps)",
+        "do not grow with the number of workers (0: refit every --refit-interval pooled "
+        "steps)",
+    )
+    # 1 s: a stream's pushes a second are at most its pairs', whatever the refits; at
+    # 1,000 streams and 10 refits a second, pushing each refit to each stream was
+    # 10,000 writes a second on the event loop (bench/RESULTS.md). A worker's round
+    # spans seconds, and one computed at older coefficients is moved to the current
+    # ones when it comes (rebase), so the estimate is the same.
+    push_interval_ms: float = Field(
+        1000.0,
+        ge=0,
+        description="an Observe stream gets a pair's new coefficients at most this often: "
+        "the latest, when the interval is over (0: after every refit)",
     )
     fold_thread_cells: int = Field(
         65536,
@@ -235,7 +247,7 @@ class Settings(BaseSettings):
             pair_ttl_s=self.pair_ttl_s,
             store=self.store,
             replica_name=self.replica_name,
-            pair_queue=self.pair_queue,
+            in_flight=self.in_flight,
             min_refit_s=self.min_refit_interval_ms / 1000.0,
         )
 
@@ -245,6 +257,7 @@ class Settings(BaseSettings):
             max_rows=self.max_rows,
             pair_rate=self.pair_rate,
             max_message_bytes=self.max_message_bytes,
+            push_every_s=self.push_interval_ms / 1000.0,
         )
 
 

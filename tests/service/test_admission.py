@@ -1,7 +1,8 @@
 """The refit interval: at the default, a pair refits at most once a second, however many
 workers send and however fast; a round that fills sooner stays open, pooling what comes,
 and its owner refits it once the interval is over, with no further message needed.
-Pushes follow the refits, the latest version per stream."""
+Pushes follow the refits, the latest version per stream, at most once per push interval
+on each stream."""
 
 from __future__ import annotations
 
@@ -72,16 +73,25 @@ def test_refits_do_not_grow_with_the_workers(start_server, tmp_path) -> None:  #
         assert _version(stub, pid) == held
 
 
-def test_at_zero_every_full_round_refits_at_once(start_server, tmp_path) -> None:  # noqa: ANN001
-    handle = start_server(tmp_path / "d", min_refit_interval_ms=0)
+def test_at_zero_every_full_round_refits_at_once_and_pushes_stay_paced(
+    start_server,  # noqa: ANN001
+    tmp_path,  # noqa: ANN001
+) -> None:
+    """Every full round refits at once (40 refits), but each stream is pushed at most
+    once per push interval: the versions in order, none twice."""
+    handle = start_server(tmp_path / "d", min_refit_interval_ms=0, push_interval_ms=GATE_S * 1000)
     channel, stub = stub_for(handle.grpc_address)
     with channel:
         pid = register_named(stub, "pooled", K, refit_interval=10)
         start = _version(stub, pid)
-        acked, _, _ = _burst(handle.grpc_address, pid)
+        acked, pushed, took = _burst(handle.grpc_address, pid)
         assert acked == [STEPS] * WORKERS
         # The recursive and tracking rules warm up on short rounds: 40 rounds or more.
         assert _version(stub, pid) - start >= WORKERS * STEPS // 10
+    for versions in pushed:
+        assert versions, "a stream was never pushed"
+        assert versions == sorted(set(versions))
+        assert len(versions) <= 2 + took / GATE_S, (versions, took)
 
 
 def test_a_failed_message_holds_back_its_workers_later_ones() -> None:
@@ -105,7 +115,7 @@ def test_a_failed_message_holds_back_its_workers_later_ones() -> None:
             applied.append((m.worker, m.sequence))
             return True
 
-        q = PairQueue("p", 16, apply, lambda: False, 0.0)
+        q = PairQueue("p", apply, lambda: False, 0.0)
         loop = asyncio.get_running_loop()
 
         def message(worker: str, seq: int) -> Message:
@@ -113,7 +123,7 @@ def test_a_failed_message_holds_back_its_workers_later_ones() -> None:
 
         sent = [message(w, s) for w, s in (("a", 1), ("a", 2), ("b", 1), ("a", 3), ("b", 2))]
         for m in sent:
-            await q.submit(m)
+            q.submit(m)
         release.set()
         outcomes = []
         for m in sent:
@@ -125,7 +135,7 @@ def test_a_failed_message_holds_back_its_workers_later_ones() -> None:
         broken.clear()  # the fault is gone: the worker resends from the failed one
         resent = [message("a", 2), message("a", 3)]
         for m in resent:
-            await q.submit(m)
+            q.submit(m)
         assert [await m.done for m in resent] == [True, True]
         q.drop()
         return applied, outcomes

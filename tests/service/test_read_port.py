@@ -417,3 +417,25 @@ def test_a_taken_read_address_is_one_clear_error(tmp_path: Path) -> None:
         address = f"127.0.0.1:{taken.getsockname()[1]}"
         with pytest.raises(BindError, match=r"read port, --read-address"):
             launch(tmp_path / "data", read_address=address)
+
+
+def test_a_stopped_server_ends_its_read_port_and_metrics_threads(
+    start_server: Callable[..., Any], tmp_path: Path
+) -> None:
+    """The read port's threads and the metrics render thread end with the server (they
+    were left behind, one set per server a test process started)."""
+    before = {t.ident for t in threading.enumerate()}
+    with _both_ports(start_server, tmp_path) as (handle, main, read):
+        pair_id = _register(main)
+        assert _get(read, pair_id).pair_id == pair_id
+        assert httpx.get(f"{handle.http_url}/metrics", timeout=30).status_code == 200
+        ours = [
+            t
+            for t in threading.enumerate()
+            if t.ident not in before and t.name.startswith(("avest-reads", "avest-metrics"))
+        ]
+        assert {t.name.split("_")[0] for t in ours} == {"avest-reads", "avest-metrics"}
+        handle.stop()
+    for t in ours:
+        t.join(30)
+    assert not [t.name for t in ours if t.is_alive()]

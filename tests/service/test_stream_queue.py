@@ -1,5 +1,6 @@
 """An Observe stream's outgoing queue holds one coefficients update per pair and
-one ack per worker, however many refits and flushes happen before its client reads."""
+one ack per worker, however many refits and flushes happen before its client reads;
+a pair's updates go at most once per push interval, the latest when it is over."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ from avest.grpc.observe import ObserveStream
 from avest_wire.v1 import estimator_pb2 as pb
 
 
-def _stream(durable: dict[str, int]) -> ObserveStream:
+def _stream(durable: dict[str, int], push_every_s: float = 0.0) -> ObserveStream:
     pair = SimpleNamespace(durable=durable)
-    host = SimpleNamespace(app=SimpleNamespace(registry=SimpleNamespace(pairs={"p": pair})))
+    host = SimpleNamespace(
+        app=SimpleNamespace(registry=SimpleNamespace(pairs={"p": pair})),
+        limits=SimpleNamespace(push_every_s=push_every_s),
+    )
     return ObserveStream(host, None, None)  # type: ignore[arg-type]
 
 
@@ -49,6 +53,29 @@ def test_unsent_updates_and_acks_are_replaced_by_newer_ones() -> None:
         assert again[1].ack.acked_sequence == 1001
         # A pair the stream does not send for gets nothing.
         stream.coefficients("q", pb.Coefficients(pair_id="q", version=1))
+        assert stream.out.empty()
+
+    asyncio.run(run())
+
+
+def test_a_pairs_updates_go_at_most_once_per_push_interval_the_latest() -> None:
+    async def run() -> None:
+        interval = 0.2
+        stream = _stream({}, push_every_s=interval)
+        stream.pairs.add("p")
+        loop = asyncio.get_running_loop()
+        # The first goes at once.
+        stream.coefficients("p", pb.Coefficients(pair_id="p", version=1))
+        assert [r.coefficients_update.coefficients.version for r in _drain(stream)] == [1]
+        sent_at = loop.time()
+        # Refits within the interval: nothing queued until it is over, then the latest.
+        for version in range(2, 12):
+            stream.coefficients("p", pb.Coefficients(pair_id="p", version=version))
+        assert stream.out.empty()
+        msg = await asyncio.wait_for(stream.out.get(), timeout=30)
+        assert loop.time() - sent_at >= interval * 0.99
+        assert msg is not None
+        assert stream._response(msg).coefficients_update.coefficients.version == 11
         assert stream.out.empty()
 
     asyncio.run(run())

@@ -15,3 +15,6 @@ class StreamLimits:
     pair_rate: float
     #: Largest gRPC message sent or received (``ListPairs`` pages fit it).
     max_message_bytes: int = MAX_MESSAGE_BYTES
+    #: Seconds between two coefficient pushes of one pair on one Observe stream (the
+    #: latest goes when the interval is over; 0: each refit's at once).
+    push_every_s: float = 0.0

@@ -1,15 +1,17 @@
 """One Observe call: check each message once, hand it to its pair's owner, push
 acknowledgements and coefficient updates (the latest of each, never a backlog).
 
-The stream itself only reads, checks and writes. What it reads goes to the pair's
-bounded queue (:mod:`avest.state.admission`); while that queue is full the stream
-reads nothing more, and HTTP/2 flow control holds its sender back."""
+The stream itself only reads, checks and writes. Each message it reads waits for
+room among the few the service holds unapplied (:mod:`avest.state.admission`);
+meanwhile the stream reads nothing more, and HTTP/2 flow control holds its sender
+back."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
@@ -17,6 +19,7 @@ from typing import Any, Protocol
 import grpc
 
 from avest.grpc.gate import MALFORMED, malformed_reply
+from avest.grpc.limits import StreamLimits
 from avest.grpc.refusals import Refused, refusals
 from avest.policy.throttle import LogLimiter
 from avest.state.app import Avest
@@ -42,6 +45,7 @@ class StreamHost(Protocol):
     """What a stream needs from the service that opened it (the gRPC servicer)."""
 
     app: Avest
+    limits: StreamLimits
     streams: set[ObserveStream]
     open_streams: int
     draining: bool
@@ -72,6 +76,8 @@ class ObserveStream:
         #: per refit or flush.
         self.out: asyncio.Queue[pb.ObserveResponse | str | tuple[str, str] | None] = asyncio.Queue()
         self._coefficients: dict[str, pb.Coefficients] = {}
+        #: Per pair, when its coefficients were last sent on this stream (loop time).
+        self._pushed: dict[str, float] = {}
         self._acks: dict[tuple[str, str], int] = {}
         #: (pair_id, worker_id) -> highest sequence acknowledged on this stream.
         self.acked: dict[tuple[str, str], int] = {}
@@ -85,10 +91,20 @@ class ObserveStream:
         self.last: dict[str, asyncio.Future[bool]] = {}
 
     def coefficients(self, pair_id: str, msg: pb.Coefficients) -> None:
-        if pair_id in self.pairs:
-            if pair_id not in self._coefficients:
-                self.out.put_nowait(pair_id)
-            self._coefficients[pair_id] = msg
+        """Queue ``pair_id``'s new coefficients: the latest only, sent at most once per
+        ``push_every_s`` (a later refit's replace one not yet sent)."""
+        if pair_id not in self.pairs:
+            return
+        queued = pair_id in self._coefficients
+        self._coefficients[pair_id] = msg
+        if queued:
+            return
+        loop = asyncio.get_running_loop()
+        wait = self._pushed.get(pair_id, -math.inf) + self.service.limits.push_every_s
+        if wait <= loop.time():
+            self.out.put_nowait(pair_id)
+        else:
+            loop.call_at(wait, self.out.put_nowait, pair_id)
 
     def durable(self, pair_id: str, worker: str, level: int) -> None:
         """``worker``'s steps of ``pair_id`` are durable up to ``level``: queue its ack."""
@@ -104,6 +120,7 @@ class ObserveStream:
     def _response(self, msg: pb.ObserveResponse | str | tuple[str, str]) -> pb.ObserveResponse:
         if isinstance(msg, str):
             coefficients = self._coefficients.pop(msg)
+            self._pushed[msg] = asyncio.get_running_loop().time()
             return pb.ObserveResponse(
                 coefficients_update=pb.CoefficientsUpdate(coefficients=coefficients)
             )
@@ -219,49 +236,23 @@ class ObserveStream:
 
     async def _consume(self) -> None:
         service = self.service
+        room = service.app.admission.room
         try:
             async for req in self.requests:
                 if service.draining:
                     break
-                if req is MALFORMED:
-                    service.malformed("Observe")
-                    self.error = Refused(*malformed_reply())
-                    break
-                if req.open:
-                    try:
-                        await self._open(req)
-                    except Refused as r:
-                        service.on_refused("Observe", r.reason)
-                        self.error = Refused(
-                            r.code, f"opening worker {limits.echo(req.worker_id)}: {r.message}"
-                        )
-                        break
-                    continue
+                # Room first (first come, first served): the service holds a few
+                # messages checked and unapplied at most; this stream reads no more
+                # until its message has room.
+                await room.take()
+                handed = False
                 try:
-                    pair, batch, strata = service.validate_observe(req)
-                    self._claim(pair.id, req.worker_id)
-                except Refused as r:
-                    service.on_refused("Observe", r.reason)
-                    # The step's sequence, as text (what 0.1 clients read) and as data.
-                    self.error = Refused(
-                        r.code,
-                        f"sequence {req.sequence} of worker {limits.echo(req.worker_id)}: "
-                        f"{r.message}",
-                        refusal.refused_sequence_metadata(req.sequence),
-                    )
+                    handed = await self._take(req)
+                finally:
+                    if not handed:
+                        room.give()
+                if self.error is not None:
                     break
-                key = (pair.id, req.worker_id)
-                self.pairs.add(pair.id)
-                self.acked.setdefault(key, 0)
-                summary = req.summary if req.HasField("summary") else None
-                # Waits while the pair's queue is full: this stream reads no more.
-                done = await service.app.submit(
-                    pair, req.worker_id, req.sequence, batch, summary, strata
-                )
-                done.add_done_callback(
-                    functools.partial(self._applied, pair, req.worker_id, req.sequence)
-                )
-                self.last[pair.id] = done
         except Exception:
             # A fault of the service, not of the step: say so (the stream would
             # otherwise end as if the service had closed it), and the client
@@ -282,6 +273,45 @@ class ObserveStream:
                     await self._settle()
                     await service.app.flush()
                 self.out.put_nowait(None)
+
+    async def _take(self, req: pb.ObserveRequest) -> bool:
+        """Check one message and hand it to its pair's owner; whether it was handed
+        (its room is then given back once applied). A refusal sets ``self.error``."""
+        service = self.service
+        if req is MALFORMED:
+            service.malformed("Observe")
+            self.error = Refused(*malformed_reply())
+            return False
+        if req.open:
+            try:
+                await self._open(req)
+            except Refused as r:
+                service.on_refused("Observe", r.reason)
+                self.error = Refused(
+                    r.code, f"opening worker {limits.echo(req.worker_id)}: {r.message}"
+                )
+            return False
+        try:
+            pair, batch, strata = service.validate_observe(req)
+            self._claim(pair.id, req.worker_id)
+        except Refused as r:
+            service.on_refused("Observe", r.reason)
+            # The step's sequence, as text (what 0.1 clients read) and as data.
+            self.error = Refused(
+                r.code,
+                f"sequence {req.sequence} of worker {limits.echo(req.worker_id)}: {r.message}",
+                refusal.refused_sequence_metadata(req.sequence),
+            )
+            return False
+        key = (pair.id, req.worker_id)
+        self.pairs.add(pair.id)
+        self.acked.setdefault(key, 0)
+        summary = req.summary if req.HasField("summary") else None
+        done = service.app.submit(pair, req.worker_id, req.sequence, batch, summary, strata)
+        done.add_done_callback(service.app.admission.room.give)
+        done.add_done_callback(functools.partial(self._applied, pair, req.worker_id, req.sequence))
+        self.last[pair.id] = done
+        return True
 
     async def _settle(self) -> None:
         """Wait (a while) for this stream's last messages to be applied."""

@@ -127,8 +127,9 @@ class ReadServer:
         self.pair_rates = KeyedRates(stream_limits.pair_rate)
         self._rates_lock = threading.Lock()  # the buckets are taken from THREADS threads
         self._logs = LogLimiter("avest.grpc.reads")
+        self._threads = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="avest-reads")
         self._server = grpc.server(
-            ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="avest-reads"),
+            self._threads,
             options=options,
             maximum_concurrent_rpcs=MAX_CALLS,
         )
@@ -169,11 +170,15 @@ class ReadServer:
         for name in ("", SERVICE):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
-    def stop(self, grace_s: float) -> None:
+    def stop(self, grace_s: float) -> threading.Event:
         """Refuse new calls and end the server (calls in flight get ``grace_s``); returns
-        at once, the server's threads finish on their own."""
+        at once, with the event set once the server has ended (then :meth:`close`)."""
         self.health.enter_graceful_shutdown()
-        self._server.stop(grace_s)
+        return self._server.stop(grace_s)
+
+    def close(self) -> None:
+        """End the server's threads (after :meth:`stop`'s event)."""
+        self._threads.shutdown(wait=False, cancel_futures=True)
 
     def _call(self, method: str, request: bytes, context: grpc.ServicerContext) -> bytes:
         t0 = time.perf_counter()

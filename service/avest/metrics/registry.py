@@ -130,6 +130,10 @@ class Metrics:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._render, render), CONTENT_TYPE_PLAIN_0_0_4
 
+    def close(self) -> None:
+        """End the render thread (the server has stopped serving ``/metrics``)."""
+        self._render.shutdown(wait=False, cancel_futures=True)
+
     # -- state shared with the HTTP API -------------------------------------
 
     def summary(self, pair: Any) -> CalibrationSummary:
