@@ -1187,7 +1187,7 @@ def overload_case(
         lag = _window_quantiles(lag0, server.buckets(LOOP_LAG), (0.5, 0.99))
         write = _window_quantiles(write0, server.buckets(STORE_WRITE), (0.5, 0.99))
         server.check(f"overload ({case})")
-        # Backpressure: messages that waited for room (an
+        # Backpressure: messages that waited for room in their pair's queue (an
         # older tree instead shed turns and paced steps; each reads "—" where absent).
         waits = server.metric("avest_backpressure_waits_total")
         shed = server.metric("avest_shed_turns_total")

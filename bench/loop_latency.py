@@ -5,11 +5,12 @@ The server (a subprocess) serves a bidirectional stream whose handler spends
 ``--work-us`` of CPU on each message (a stand-in for checks and fold) and acks it,
 and a unary call that answers at once, as:
 
-- ``aio``: grpc.aio, the work on the event loop, every stream reading as it likes
-  (avest's shape before its room for messages);
-- ``aio-gated``: the same, but a stream reads its next message only with room for it,
-  at most ``--in-flight`` messages in hand across the streams, given first come, first
-  served (avest's shape: :mod:`avest.state.admission`);
+- ``aio``: grpc.aio, the work on the event loop (avest's shape: the stream
+  handlers check, the pair's owner task folds, all on the loop);
+- ``aio-gated``: the same, but a stream does its message's work only with room for
+  it, at most ``--in-flight`` messages in hand across the streams, given first come,
+  first served (a shape tried for avest and measured against its pair queues:
+  bench/RESULTS.md);
 - ``aio-thread``: grpc.aio, the work on one thread of its own, the loop doing
   I/O only (each stream waits for its message's work before it reads the next);
 - ``aio-process``: grpc.aio, the work in a process of its own (the owners off the
@@ -30,7 +31,18 @@ acked messages per second, how long the streams waited for their first ack (how
 fast the server takes new calls), and (aio) the loop's lag, a ``sleep(0.01)``
 measured against the clock. A stream that fails fails the run.
 
+Why a saturated loop delays every call: grpc.aio learns of completions from a thread
+that writes one byte per completion to a socket, and the loop reads one byte each
+time it turns (draining every completion queued so far). A Unix socket holds about
+278 such one-byte writes (212,992 bytes of send buffer at 768 bytes each); past that
+the writing thread blocks, the completion queue fills behind it, and completions
+reach the loop about one per turn: a unary call then waits behind every stream's
+pending read and write. ``--switch-interval-ms`` (``sys.setswitchinterval`` in the
+server) lets ``aio-thread`` hand the GIL back to the loop sooner, so the loop turns
+often while the thread works.
+
     python bench/loop_latency.py [--streams 300] [--work-us 300] [--seconds 40] [--settle 28]
+        [--switch-interval-ms 0.5]
 """
 
 from __future__ import annotations
@@ -42,6 +54,7 @@ import multiprocessing as mp
 import socket
 import statistics
 import struct
+import sys
 import time
 from concurrent import futures
 from typing import Any
@@ -113,7 +126,11 @@ class _Process:
             await done
 
 
-def _serve_aio(ports: Any, work_us: float, lags: Any, where: str, in_flight: int) -> None:
+def _serve_aio(
+    ports: Any, work_us: float, lags: Any, where: str, in_flight: int, switch_ms: float | None
+) -> None:
+    if switch_ms is not None:  # how often a thread waiting for the GIL gets it
+        sys.setswitchinterval(switch_ms / 1e3)
     process = _Process(work_us, in_flight) if where == "process" else None
 
     async def main() -> None:
@@ -235,13 +252,13 @@ def _clients(port: int, streams: int, window: int, seconds: float, acked: Any) -
 
 def run(
     kind: str, streams: int, work_us: float, seconds: float, procs: int, window: int,
-    settle: float, in_flight: int,
+    settle: float, in_flight: int, switch_ms: float | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     ctx = mp.get_context("spawn")
     ports, lags, acked = ctx.Queue(), ctx.Queue(), ctx.Queue()
     args: tuple[Any, ...]
     if kind.startswith("aio"):
-        args = (ports, work_us, lags, kind.partition("-")[2] or "loop", in_flight)
+        args = (ports, work_us, lags, kind.partition("-")[2] or "loop", in_flight, switch_ms)
         # not a daemon: the process shape starts a process of its own (killed below)
         server = ctx.Process(target=_serve_aio, args=args, daemon=kind != "aio-process")
     else:
@@ -288,6 +305,8 @@ def run(
         loop_lags.append(lags.get())
     server.kill()
     out: dict[str, Any] = {"server": kind, "streams": streams, "work_us": work_us}
+    if switch_ms is not None:
+        out["switch_interval_ms"] = switch_ms
     for name, xs in samples.items():
         xs.sort()
         out[f"{name}_calls"] = len(xs)
@@ -317,12 +336,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--in-flight", type=int, default=16, help="aio-gated, aio-process: messages in hand"
     )
+    p.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        help="grpc.aio shapes: sys.setswitchinterval in the server (default: Python's 5 ms)",
+    )
     shapes = ["aio", "aio-gated", "aio-thread", "aio-process", "sync"]
     p.add_argument("--server", choices=[*shapes, "all"], default="all")
     a = p.parse_args(argv)
     for kind in shapes if a.server == "all" else [a.server]:
         args = (a.streams, a.work_us, a.seconds, a.procs, a.window, a.settle, a.in_flight)
-        print(json.dumps(run(kind, *args)))
+        print(json.dumps(run(kind, *args, a.switch_interval_ms)))
 
 
 if __name__ == "__main__":

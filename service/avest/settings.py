@@ -116,13 +116,12 @@ class Settings(BaseSettings):
         ge=0,
         description="unary calls per second per client address, per port (0: no limit)",
     )
-    in_flight: int = Field(
-        16,
+    pair_queue: int = Field(
+        64,
         ge=1,
-        description="Observe messages checked and not yet applied, across every stream; "
-        "beyond that each stream waits for room, first come first served, and is read no "
-        "further meanwhile (HTTP/2 flow control holds its sender back; nothing is refused "
-        "or lost)",
+        description="Observe messages a pair's queue holds in front of its owner; when it is "
+        "full the streams sending to the pair are read no further until there is room "
+        "(HTTP/2 flow control holds their senders back; nothing is refused or lost)",
     )
     # 100 ms bounds a pair to 10 refits a second,
     # whatever the fleet's size. bench/bench_refit_gate.py on the shared traces and
@@ -247,7 +246,7 @@ class Settings(BaseSettings):
             pair_ttl_s=self.pair_ttl_s,
             store=self.store,
             replica_name=self.replica_name,
-            in_flight=self.in_flight,
+            pair_queue=self.pair_queue,
             min_refit_s=self.min_refit_interval_ms / 1000.0,
         )
 

@@ -34,7 +34,7 @@ EXPECTED_ALERTS = {
     "AvestBatchesRefused",  # refused batches
     "AvestObserveStreamsFailing",  # streams failing: workers drop while disconnected
     "AvestObserveBacklog",
-    "AvestOverloaded",  # backpressure: streams waiting for room, sustained
+    "AvestOverloaded",  # backpressure: streams held back by a full pair queue, sustained
     "AvestEventLoopSaturated",  # the event loop's p99 lag past 0.5 s, sustained
     "AvestCalibrationDrift",  # ECE above a threshold, sustained
     "AvestAcceptanceDivergence",  # predicted vs observed acceptance

@@ -115,7 +115,7 @@ def test_a_failed_message_holds_back_its_workers_later_ones() -> None:
             applied.append((m.worker, m.sequence))
             return True
 
-        q = PairQueue("p", apply, lambda: False, 0.0)
+        q = PairQueue("p", 16, apply, lambda: False, 0.0)
         loop = asyncio.get_running_loop()
 
         def message(worker: str, seq: int) -> Message:
@@ -123,7 +123,7 @@ def test_a_failed_message_holds_back_its_workers_later_ones() -> None:
 
         sent = [message(w, s) for w, s in (("a", 1), ("a", 2), ("b", 1), ("a", 3), ("b", 2))]
         for m in sent:
-            q.submit(m)
+            await q.submit(m)
         release.set()
         outcomes = []
         for m in sent:
@@ -135,7 +135,7 @@ def test_a_failed_message_holds_back_its_workers_later_ones() -> None:
         broken.clear()  # the fault is gone: the worker resends from the failed one
         resent = [message("a", 2), message("a", 3)]
         for m in resent:
-            q.submit(m)
+            await q.submit(m)
         assert [await m.done for m in resent] == [True, True]
         q.drop()
         return applied, outcomes

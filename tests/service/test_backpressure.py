@@ -1,6 +1,6 @@
-"""Backpressure on a real server: a pair whose owner cannot keep up takes the room for
-checked messages, the streams sending to it are read no further until there is room
-(their senders wait in HTTP/2 flow control), a light worker next to them goes on being
+"""Backpressure on a real server: a pair whose owner cannot keep up fills its bounded
+queue, the streams sending to it are read no further until there is room (their
+senders wait in HTTP/2 flow control), a light worker next to them goes on being
 acknowledged, nothing is refused or lost, and /metrics shows it.
 
 The overload is made, not hoped for: every fold sleeps 5 ms (the service folds
@@ -111,7 +111,7 @@ class _Floods:
 @pytest.fixture
 def overloaded(open_server, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Live, str]]:  # noqa: ANN001
     _slow_folds(monkeypatch)
-    live = open_server(in_flight=4)
+    live = open_server(pair_queue=4)
     pid = register_named(live.stub, "busy", K, refit_interval=50)
     yield live, pid
 
@@ -151,7 +151,7 @@ def test_a_pair_that_cannot_keep_up_holds_its_streams_back_and_loses_nothing(
 
     try:
         with _Floods(live.grpc_address, pid, FLOOD_S) as floods:
-            # The floods take the room: their senders wait for it.
+            # The floods fill the pair's queue: its senders wait for room.
             assert _wait(held), seen[-3:]
             # The queue never holds more than its bound.
             assert max(s["queued"] for s in seen) <= 4, seen
@@ -189,19 +189,11 @@ def test_a_pair_that_cannot_keep_up_holds_its_streams_back_and_loses_nothing(
 
 
 def test_a_pair_that_keeps_up_holds_nobody_back(open_server) -> None:  # noqa: ANN001
-    """Every flood's steps are applied and the room is free once they end. (Streams
-    that send at once wait for room in turn, a message's check and fold long, so the
-    wait counter counts bursts too: it is not asserted zero.)"""
     live = open_server()
     pid = register_named(live.stub, "calm", K, refit_interval=50)
     with _Floods(live.grpc_address, pid, 2.0) as floods:
         pass
     assert floods.ends == ["OK"] * FLOODS
-    assert _wait(lambda: value(scrape(live), "avest_overloaded") == 0)
     samples = scrape(live)
-    assert value(samples, "avest_admission_queued") == 0
-    steps = live.stub.GetPair(pb.GetPairRequest(pair_id=pid)).pair.steps_observed
-    assert steps == sum(
-        w["steps"] for w in live.http.get(f"/v1/pairs/{pid}/workers").json()["workers"]
-    )
-    assert steps >= FLOODS * 2.0 / FLOOD_EVERY_S * 0.5
+    assert value(samples, "avest_overloaded") == 0
+    assert value(samples, "avest_backpressure_waits_total") == 0

@@ -1,8 +1,8 @@
 """Fairness: a light worker next to many busy streams is not starved.
 
-The room for checked messages is given first come, first served, so a light
-worker's step waits behind at most one step of each busy stream (and the room's
-size), whether it sends to its own pair or to the busy one. Counted, not timed:
+Its pair's queue lets streams in first come, first served, so a light worker's
+step waits behind at most one step of each busy stream (and the queue's own
+bound), whether it sends to its own pair or to the busy one. Counted, not timed:
 how many busy-stream steps the service applies between the light worker's send
 and the moment its step is applied (wall time on a loaded machine says little;
 the count says how many steps went first)."""
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 K, ROWS = 4, 8
 BUSY_STREAMS = 50
-#: Messages checked and not yet applied (--in-flight).
+#: Messages the pair's queue holds.
 DEPTH = 8
 LIGHT_STEPS = 20
 
@@ -51,7 +51,7 @@ def _busy(address: str, pid: str, streams: int, seconds: float) -> None:
 def _light_worker_waits(start_server, data, same_pair: bool) -> tuple[list[int], list[int]]:  # noqa: ANN001
     """Busy steps applied while each light step waited: until it was applied, and
     until it was acknowledged."""
-    handle = start_server(data, flush_interval_ms=10, in_flight=DEPTH)
+    handle = start_server(data, flush_interval_ms=10, pair_queue=DEPTH)
     registry = handle.server.app.registry
     with grpc.insecure_channel(handle.grpc_address) as channel:
         stub = pb_grpc.EstimatorServiceStub(channel)

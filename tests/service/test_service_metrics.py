@@ -377,7 +377,7 @@ class _App:
     def __init__(self) -> None:
         self.hooks = self._Hooks()
         self.registry = self._Registry()
-        self.admission = Admission()  # nothing waits for room
+        self.admission = Admission()  # no pair's queue made: nothing waits
 
 
 def test_injected_registries_are_independent() -> None:

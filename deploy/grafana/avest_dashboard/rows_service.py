@@ -128,7 +128,7 @@ def ingestion(lay: Layout) -> list[dict]:
             lay,
             "Backpressure",
             "Observe messages checked and waiting in the pairs' queues (summed over the "
-            "replicas), messages per second that found no room and waited "
+            "replicas), messages per second that found their pair's queue full and waited "
             "(their stream read no further until there was room; nothing refused or lost), "
             "and whether streams wait for room now (1 on some replica). Brief waits in bursts "
             "are normal; waiting that lasts means overload (alert AvestOverloaded).",

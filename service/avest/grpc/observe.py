@@ -1,10 +1,9 @@
 """One Observe call: check each message once, hand it to its pair's owner, push
 acknowledgements and coefficient updates (the latest of each, never a backlog).
 
-The stream itself only reads, checks and writes. Each message it reads waits for
-room among the few the service holds unapplied (:mod:`avest.state.admission`);
-meanwhile the stream reads nothing more, and HTTP/2 flow control holds its sender
-back."""
+The stream itself only reads, checks and writes. What it reads goes to the pair's
+bounded queue (:mod:`avest.state.admission`); while that queue is full the stream
+reads nothing more, and HTTP/2 flow control holds its sender back."""
 
 from __future__ import annotations
 
@@ -236,23 +235,49 @@ class ObserveStream:
 
     async def _consume(self) -> None:
         service = self.service
-        room = service.app.admission.room
         try:
             async for req in self.requests:
                 if service.draining:
                     break
-                # Room first (first come, first served): the service holds a few
-                # messages checked and unapplied at most; this stream reads no more
-                # until its message has room.
-                await room.take()
-                handed = False
-                try:
-                    handed = await self._take(req)
-                finally:
-                    if not handed:
-                        room.give()
-                if self.error is not None:
+                if req is MALFORMED:
+                    service.malformed("Observe")
+                    self.error = Refused(*malformed_reply())
                     break
+                if req.open:
+                    try:
+                        await self._open(req)
+                    except Refused as r:
+                        service.on_refused("Observe", r.reason)
+                        self.error = Refused(
+                            r.code, f"opening worker {limits.echo(req.worker_id)}: {r.message}"
+                        )
+                        break
+                    continue
+                try:
+                    pair, batch, strata = service.validate_observe(req)
+                    self._claim(pair.id, req.worker_id)
+                except Refused as r:
+                    service.on_refused("Observe", r.reason)
+                    # The step's sequence, as text (what 0.1 clients read) and as data.
+                    self.error = Refused(
+                        r.code,
+                        f"sequence {req.sequence} of worker {limits.echo(req.worker_id)}: "
+                        f"{r.message}",
+                        refusal.refused_sequence_metadata(req.sequence),
+                    )
+                    break
+                key = (pair.id, req.worker_id)
+                self.pairs.add(pair.id)
+                self.acked.setdefault(key, 0)
+                summary = req.summary if req.HasField("summary") else None
+                # Waits while the pair's queue is full: this stream reads no more.
+                done = await service.app.submit(
+                    pair, req.worker_id, req.sequence, batch, summary, strata
+                )
+                done.add_done_callback(
+                    functools.partial(self._applied, pair, req.worker_id, req.sequence)
+                )
+                self.last[pair.id] = done
         except Exception:
             # A fault of the service, not of the step: say so (the stream would
             # otherwise end as if the service had closed it), and the client
@@ -273,45 +298,6 @@ class ObserveStream:
                     await self._settle()
                     await service.app.flush()
                 self.out.put_nowait(None)
-
-    async def _take(self, req: pb.ObserveRequest) -> bool:
-        """Check one message and hand it to its pair's owner; whether it was handed
-        (its room is then given back once applied). A refusal sets ``self.error``."""
-        service = self.service
-        if req is MALFORMED:
-            service.malformed("Observe")
-            self.error = Refused(*malformed_reply())
-            return False
-        if req.open:
-            try:
-                await self._open(req)
-            except Refused as r:
-                service.on_refused("Observe", r.reason)
-                self.error = Refused(
-                    r.code, f"opening worker {limits.echo(req.worker_id)}: {r.message}"
-                )
-            return False
-        try:
-            pair, batch, strata = service.validate_observe(req)
-            self._claim(pair.id, req.worker_id)
-        except Refused as r:
-            service.on_refused("Observe", r.reason)
-            # The step's sequence, as text (what 0.1 clients read) and as data.
-            self.error = Refused(
-                r.code,
-                f"sequence {req.sequence} of worker {limits.echo(req.worker_id)}: {r.message}",
-                refusal.refused_sequence_metadata(req.sequence),
-            )
-            return False
-        key = (pair.id, req.worker_id)
-        self.pairs.add(pair.id)
-        self.acked.setdefault(key, 0)
-        summary = req.summary if req.HasField("summary") else None
-        done = service.app.submit(pair, req.worker_id, req.sequence, batch, summary, strata)
-        done.add_done_callback(service.app.admission.room.give)
-        done.add_done_callback(functools.partial(self._applied, pair, req.worker_id, req.sequence))
-        self.last[pair.id] = done
-        return True
 
     async def _settle(self) -> None:
         """Wait (a while) for this stream's last messages to be applied."""

@@ -87,7 +87,7 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
     def _pair(self, pair_id: str, rated: bool = True) -> Pair:
         """The pair named, counted against its rate (``pair_rate``) unless not ``rated``
         (deleting an abused pair is never refused for its rate, and Observe messages
-        wait for room instead)."""
+        wait for room in the pair's queue instead)."""
         if not pair_id:
             raise InvalidInput("pair_id", "must not be empty")
         if len(pair_id) > limits.MAX_PAIR_ID_BYTES:

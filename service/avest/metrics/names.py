@@ -425,8 +425,8 @@ METRICS: tuple[MetricSpec, ...] = (
         OVERLOADED,
         "gauge",
         (),
-        "1 while Observe streams wait for room among the messages checked and not yet "
-        "applied (--in-flight): they are read no further until there is room, else 0.",
+        "1 while Observe streams wait for room in some pair's full queue (--pair-queue): "
+        "they are read no further until there is room, else 0.",
     ),
     MetricSpec(
         ADMISSION_QUEUED,
@@ -438,7 +438,7 @@ METRICS: tuple[MetricSpec, ...] = (
         BACKPRESSURE_WAITS,
         "counter",
         (),
-        "Observe messages that found no room (--in-flight): their stream read nothing more "
+        "Observe messages that found their pair's queue full: their stream read nothing more "
         "until there was room (HTTP/2 flow control held the sender back); nothing is "
         "refused or lost.",
     ),

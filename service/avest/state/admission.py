@@ -1,23 +1,20 @@
-"""Admission: room for the Observe messages the service holds, and each pair's owner.
+"""Admission: a bounded queue in front of each pair's owner, the service's one backpressure.
 
-- **Room** (:class:`Room`, the service's one backpressure). A stream takes room
-  before it checks a message it read, and gives it back once the pair's owner has
-  applied it, so the service holds at most ``in_flight`` messages checked and not
-  applied, whatever the number of streams. A stream without room waits with its one
-  message read and reads nothing more: its client's next messages wait in HTTP/2
-  flow control and on the client. Nothing is refused, and nothing acknowledged is
-  lost (a message is acknowledged only once applied and made durable).
-- **Fairness.** Room is given first come, first served, so a busy stream gets one
-  place in the line per message like a light one: a light worker's message waits
+Every Observe message that passed its checks at the edge (the gRPC adapter) is
+handed to its pair's queue with :meth:`Admission.submit`. One owner task per pair
+takes the messages in the order they came and applies them
+(:meth:`avest.state.app.Avest.apply`): it alone folds, refits and, on replicas,
+offers rows to the pending log. Nothing else writes a pair's estimator.
+
+- **Backpressure.** The queue holds at most ``depth`` messages. When it is full,
+  ``submit`` waits, so the stream that sent the message reads nothing more: its
+  client's next messages wait in HTTP/2 flow control and on the client. Nothing
+  is refused and nothing acknowledged is lost (a message is acknowledged only once
+  it was applied and made durable).
+- **Fairness.** Streams waiting for room are let in first come, first served
+  (asyncio's queue wakes its putters in order), so a busy stream gets one place in
+  the line per message like a light one, and the light worker's message waits
   behind at most one message of each busy stream.
-- **Short turns.** The event loop also reads, writes and accepts new calls; with
-  a few messages in hand it never holds more than a few messages' work between two
-  of those (bench/loop_latency.py, ``aio-gated``), so new streams open and unary
-  calls answer while the owners fold flat out.
-- **One owner per pair.** One task per pair takes its messages in the order they
-  came and applies them (:meth:`avest.state.app.Avest.apply`): it alone folds,
-  refits and, on replicas, offers rows to the pending log. Nothing else writes a
-  pair's estimator.
 - **Refits at most so often.** A round that is full refits at once unless the
   pair refitted less than ``min_refit_s`` ago; then it stays open, pooling what
   comes, and the owner refits it when the interval is over. Refits and coefficient
@@ -29,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -39,14 +35,10 @@ from avest_wire.v1 import estimator_pb2 as pb
 
 log = logging.getLogger("avest")
 
-#: Messages checked and not yet applied, across every stream (the default of
-#: ``--in-flight``). A message passes the loop several times on its way (room, check,
-#: its owner, room back), so a few keep the owners busy only if each turn is short:
-#: at 1,000 busy streams 16 applied 1,330-1,390 summaries a second where 4 applied
-#: 580-1,150 (bench/bench_fleet.py --overload, bench/RESULTS.md); more lengthens the
-#: loop's turns, and grpc.aio takes new calls one per turn (bench/loop_latency.py,
-#: ``aio-gated``: 2 opened 1,000 streams within 1.9 s, 16 within 9.3 s).
-DEFAULT_IN_FLIGHT = 16
+#: Messages a pair's queue holds before its senders wait (the default of
+#: ``--pair-queue``): a few milliseconds of folding, so a light worker's message
+#: waits behind little, while a burst of many workers' rounds is taken whole.
+DEFAULT_DEPTH = 64
 #: Longest stretch an owner folds before it gives the event loop back (its reads,
 #: writes and the other owners go on meanwhile).
 HOLD_S = 0.002
@@ -74,59 +66,23 @@ Apply = Callable[[Message], Awaitable[bool]]
 RefitDue = Callable[[], bool]
 
 
-class Room:
-    """Room for ``size`` messages, given first come, first served."""
-
-    def __init__(self, size: int) -> None:
-        self.size = max(1, size)
-        self.taken = 0
-        #: Streams waiting for room, oldest first.
-        self._waiting: deque[asyncio.Future[None]] = deque()
-        #: Messages that found no room and waited, so far.
-        self.waited = 0
-
-    async def take(self) -> None:
-        if self.taken < self.size and not self._waiting:
-            self.taken += 1
-            return
-        self.waited += 1
-        wait: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting.append(wait)
-        try:
-            await wait  # handed over by give(): counted in taken already
-        except asyncio.CancelledError:
-            if wait.done() and not wait.cancelled():
-                self.give()  # handed over as the waiter was cancelled: pass it on
-            raise
-
-    def give(self, _: object = None) -> None:
-        """Give one message's room back (usable as a future's done callback)."""
-        while self._waiting:
-            wait = self._waiting.popleft()
-            if not wait.done():
-                wait.set_result(None)
-                return
-        self.taken -= 1
-
-    @property
-    def held(self) -> int:
-        """Streams waiting for room now."""
-        return sum(1 for wait in self._waiting if not wait.done())
-
-
 class PairQueue:
-    """One pair's queue (bounded by the service's :class:`Room`) and its owner task."""
+    """One pair's bounded queue and its owner task."""
 
-    def __init__(self, pair_id: str, apply: Apply, refit_due: RefitDue,
+    def __init__(self, pair_id: str, depth: int, apply: Apply, refit_due: RefitDue,
                  min_refit_s: float) -> None:  # fmt: skip
         self.pair_id = pair_id
-        self.queue: asyncio.Queue[Message | None] = asyncio.Queue()
+        self.queue: asyncio.Queue[Message | None] = asyncio.Queue(maxsize=max(1, depth))
         self._apply = apply
         self._refit_due = refit_due
         self.min_refit_s = min_refit_s
         #: When the pair last refitted (monotonic); a full round waits until
         #: ``min_refit_s`` after it.
         self.last_refit = -float("inf")
+        #: Messages that found the queue full and waited for room.
+        self.waited = 0
+        #: Senders waiting for room now.
+        self.held = 0
         self._getter: asyncio.Future[Message | None] | None = None
         #: Workers whose message failed to apply, with its sequence: their later
         #: messages already queued are refused too (applying them would skip the
@@ -142,8 +98,16 @@ class PairQueue:
     def refitted(self) -> None:
         self.last_refit = time.monotonic()
 
-    def submit(self, message: Message) -> None:
-        self.queue.put_nowait(message)
+    async def submit(self, message: Message) -> None:
+        if not self.queue.full():
+            self.queue.put_nowait(message)
+            return
+        self.waited += 1
+        self.held += 1
+        try:
+            await self.queue.put(message)
+        finally:
+            self.held -= 1
 
     async def _next(self) -> Message | None:
         """The next message; in between, a round held past its length refits once
@@ -184,10 +148,6 @@ class PairQueue:
                 del self._failed[message.worker]  # resent from the failed one on
             try:
                 new = await self._apply(message)
-            except asyncio.CancelledError:
-                if not message.done.done():  # dropped: never acknowledged, its room back
-                    message.done.set_result(False)
-                raise
             except Exception as exc:
                 self._failed[message.worker] = message.sequence
                 if not message.done.done():
@@ -212,21 +172,24 @@ class PairQueue:
 
 
 class Admission:
-    """The service's room for messages, and every pair's queue, made on the pair's
-    first message."""
+    """Every pair's queue, made on the pair's first message."""
 
-    def __init__(self, in_flight: int = DEFAULT_IN_FLIGHT, min_refit_s: float = 0.0) -> None:
-        self.room = Room(in_flight)
+    def __init__(self, depth: int = DEFAULT_DEPTH, min_refit_s: float = 0.0) -> None:
+        self.depth = depth
         self.min_refit_s = min_refit_s
         self.queues: dict[str, PairQueue] = {}
         #: When pairs without a queue here last refitted (a replica folding the pending
         #: log refits pairs whose messages other replicas received).
         self._refitted_at: dict[str, float] = {}
+        #: Waits of queues that are gone (deleted pairs), so the total only grows.
+        self._waited_before = 0
 
     def queue(self, pair_id: str, apply: Apply, refit_due: RefitDue) -> PairQueue:
         q = self.queues.get(pair_id)
         if q is None:
-            q = self.queues[pair_id] = PairQueue(pair_id, apply, refit_due, self.min_refit_s)
+            q = self.queues[pair_id] = PairQueue(
+                pair_id, self.depth, apply, refit_due, self.min_refit_s
+            )
         return q
 
     def may_refit(self, pair_id: str) -> bool:
@@ -247,6 +210,7 @@ class Admission:
         self._refitted_at.pop(pair_id, None)
         q = self.queues.pop(pair_id, None)
         if q is not None:
+            self._waited_before += q.waited
             q.drop()
 
     def close(self) -> None:
@@ -255,8 +219,8 @@ class Admission:
 
     @property
     def full(self) -> bool:
-        """Whether streams wait for room now."""
-        return self.room.held > 0
+        """Whether some pair's senders wait for room in its queue now."""
+        return any(q.held for q in self.queues.values())
 
     @property
     def waiting(self) -> int:
@@ -265,5 +229,5 @@ class Admission:
 
     @property
     def waited(self) -> int:
-        """Messages that found no room and waited for it, so far."""
-        return self.room.waited
+        """Messages that found their pair's queue full and waited for room, so far."""
+        return self._waited_before + sum(q.waited for q in self.queues.values())

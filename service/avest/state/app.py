@@ -99,7 +99,7 @@ class Avest:
         #: Heavy steps, folded on worker threads.
         self.folds = Folds(config.fold_thread_cells)
         #: Each pair's bounded queue and its owner, which applies what streams send.
-        self.admission = Admission(config.in_flight, config.min_refit_s)
+        self.admission = Admission(config.pair_queue, config.min_refit_s)
         #: Each pair's draft-length schedule per hardware label, the latest kept.
         self.schedules = Schedules()
         self._flush_now = asyncio.Event()
@@ -266,7 +266,7 @@ class Avest:
             self._flush_now.set()
         return pair, created
 
-    def submit(
+    async def submit(
         self,
         pair: Pair,
         worker: str,
@@ -276,13 +276,14 @@ class Avest:
         strata: tuple[str, ...] | str | None = None,
     ) -> asyncio.Future[bool]:
         """Hand a checked step or round summary to its pair's owner
-        (:mod:`avest.state.admission`; the caller took room for it). The future resolves with whether it was new, once applied. ``strata``: a step's
+        (:mod:`avest.state.admission`); waits while the pair's queue is full. The
+        future resolves with whether it was new, once applied. ``strata``: a step's
         stratum per row or a summary's stratum (docs/strata.md), None without."""
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         queue = self.admission.queue(
             pair.id, lambda m: self._apply(pair, m), lambda: self.refit_held(pair)
         )
-        queue.submit(Message(worker, seq, batch, message, done, strata))
+        await queue.submit(Message(worker, seq, batch, message, done, strata))
         return done
 
     async def _apply(self, pair: Pair, m: Message) -> bool:

@@ -43,9 +43,8 @@ class StateConfig:
     #: metrics, the ``replicas`` table), unique among them; "" for the host name and
     #: the process id.
     replica_name: str = ""
-    #: Observe messages checked and not yet applied, across every stream; streams
-    #: wait for room beyond that (:mod:`avest.state.admission`).
-    in_flight: int = 16
+    #: Messages a pair's queue holds before its senders wait (:mod:`avest.state.admission`).
+    pair_queue: int = 64
     #: A full round refits at most this often per pair (seconds; 0: at once).
     min_refit_s: float = 0.0
 
