@@ -138,9 +138,10 @@ class Settings(BaseSettings):
     )
     # 1 s: a stream's pushes a second are at most its pairs', whatever the refits; at
     # 1,000 streams and 10 refits a second, pushing each refit to each stream was
-    # 10,000 writes a second on the event loop (bench/RESULTS.md). A worker's round
-    # spans seconds, and one computed at older coefficients is moved to the current
-    # ones when it comes (rebase), so the estimate is the same.
+    # 10,000 writes a second on the event loop. At 128 workers it cut pushes per stream
+    # 7-9x and server CPU per summary 10-17 % (bench/RESULTS.md). A worker trims with
+    # coefficients at most a second older, and a round it computed at older ones is
+    # moved to the current ones when it comes (rebase, to first order).
     push_interval_ms: float = Field(
         1000.0,
         ge=0,
