@@ -16,8 +16,12 @@ order reversed (what is learnt early is learnt from other requests), and each wi
 its drafts' features shifted by +1 for the second half of its steps (a drift the
 gated estimator must follow with fewer refits).
 
+With ``--push-s`` the gated replay also paces what each worker scores with: a worker
+gets the pooled coefficients at most every ``--push-s`` simulated seconds, as the
+service pushes them (``--push-interval-ms``).
+
     python bench/bench_refit_gate.py [--traces DIR] [--workers 8 64 512]
-        [--steps-per-s 30] [--gate-s 0.1] [--early-s 2.0] [--json]
+        [--steps-per-s 30] [--gate-s 0.1] [--early-s 2.0] [--push-s 1.0] [--json]
 """
 
 from __future__ import annotations
@@ -58,14 +62,20 @@ def replay(
     rate: float,
     gate_s: float,
     early_s: float,
+    push_s: float = 0.0,
 ) -> Run:
     """The pooled estimator over ``trace`` split among ``workers``; refits gated by
-    ``gate_s`` seconds of the simulated clock (0: every full round refits)."""
+    ``gate_s`` seconds of the simulated clock (0: every full round refits). Each worker
+    scores its drafts with the coefficients it last received: with ``push_s`` > 0 a
+    worker gets new ones at most that often (the service's push interval), the latest
+    at its first step once the interval is over; at 0 it has every refit's at once."""
     k = trace.k
     est = OnlineEstimator(k, make_rule(DEFAULT_RULE), DEFAULT_REFIT_INTERVAL, calibrate=False)
     overall, early = CalibrationState.empty(k), CalibrationState.empty(k)
     last, refits, i = -float("inf"), 0, 0
     per_s = workers * rate
+    #: per worker: the coefficients it holds and when it received them
+    held: dict[int, tuple[Any, float]] = {}
 
     for ws in worker_steps(trace, workers):
         t = i / per_s
@@ -73,7 +83,11 @@ def replay(
             est.refit()
             last, refits = t, refits + 1
         batch = Batch(steps.features[ws.rows], steps.observed[ws.rows], steps.accepted[ws.rows])
-        eta = linear_predictor(est.coefficients, batch.features)
+        coefficients, received = held.get(ws.worker, (None, -float("inf")))
+        if coefficients is not est.coefficients and t - received >= push_s:
+            coefficients, received = est.coefficients, t
+            held[ws.worker] = (coefficients, received)
+        eta = linear_predictor(coefficients, batch.features)
         overall.update(eta, batch.observed, batch.accepted)
         if t < early_s:
             early.update(eta, batch.observed, batch.accepted)
@@ -115,6 +129,13 @@ def main() -> int:
         help="the min refit interval, seconds (default: the service's)",
     )
     p.add_argument("--early-s", type=float, default=2.0, help="the early window, seconds")
+    p.add_argument(
+        "--push-s",
+        type=float,
+        default=0.0,
+        help="with the gate on, workers get new coefficients at most this often (the "
+        "service's --push-interval-ms, in seconds; default 0: every refit's at once)",
+    )
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     files = sorted(a.traces.glob("*.npz"))
@@ -126,7 +147,7 @@ def main() -> int:
             steps = Steps.of(trace)
             for w in a.workers:
                 off = replay(trace, steps, w, a.steps_per_s, 0.0, a.early_s)
-                on = replay(trace, steps, w, a.steps_per_s, a.gate_s, a.early_s)
+                on = replay(trace, steps, w, a.steps_per_s, a.gate_s, a.early_s, a.push_s)
                 if off.steps != on.steps or off.overall.count != on.overall.count:
                     raise SystemExit(f"{f.name} {vname} W={w}: the two replays scored other drafts")
                 if off.refits == 0:
@@ -143,7 +164,11 @@ def main() -> int:
                 rows.append(row)
                 print(_line(row), file=sys.stderr, flush=True)
     if a.json:
-        print(json.dumps({"gate_s": a.gate_s, "steps_per_s": a.steps_per_s, "rows": rows}))
+        print(
+            json.dumps(
+                {"gate_s": a.gate_s, "push_s": a.push_s, "steps_per_s": a.steps_per_s, "rows": rows}
+            )
+        )
     else:
         print(_table(rows, a))
     return 0
@@ -164,8 +189,8 @@ def _line(r: dict[str, Any]) -> str:
 
 def _table(rows: list[dict[str, Any]], a: argparse.Namespace) -> str:
     out = [
-        f"gate {a.gate_s:g} s, {a.steps_per_s:g} steps/s per worker; each cell: gate off → on "
-        "(difference)",
+        f"gate {a.gate_s:g} s, pushes every {a.push_s:g} s, {a.steps_per_s:g} steps/s per worker; "
+        "each cell: gate off, every refit at once → gate and pushes on (difference)",
         "",
         "| trace | variant | W | s | refits | log loss | ECE | AUC | early log loss | early ECE |",
         "|---|---|---|---|---|---|---|---|---|---|",

@@ -136,14 +136,14 @@ class Settings(BaseSettings):
         "do not grow with the number of workers (0: refit every --refit-interval pooled "
         "steps)",
     )
-    # 1 s: a stream's pushes a second are at most its pairs', whatever the refits; at
-    # 1,000 streams and 10 refits a second, pushing each refit to each stream was
-    # 10,000 writes a second on the event loop. At 128 workers it cut pushes per stream
-    # 7-9x and server CPU per summary 10-17 % (bench/RESULTS.md). A worker trims with
-    # coefficients at most a second older, and a round it computed at older ones is
-    # moved to the current ones when it comes (rebase, to first order).
+    # 0 by default: a worker scores its drafts with what it was pushed last, and a
+    # paced push leaves it scoring with older coefficients while the pair learns.
+    # bench/bench_refit_gate.py --push-s on the shared traces and variants, 64 workers:
+    # log loss up to +0.012 over the gate alone at 0.25 s, +0.016 at 1 s. At 1 s, 128
+    # workers flat out got 7-9x fewer pushes and took 10-17 % less server CPU per
+    # summary (bench/RESULTS.md): a fleet whose CPU matters more may set it.
     push_interval_ms: float = Field(
-        1000.0,
+        0.0,
         ge=0,
         description="an Observe stream gets a pair's new coefficients at most this often: "
         "the latest, when the interval is over (0: after every refit)",

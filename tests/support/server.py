@@ -135,16 +135,15 @@ ADMIN = (("authorization", f"Bearer {ADMIN_TOKEN}"),)
 
 def settings_for(data_dir: str | Path, **overrides: Any) -> Settings:
     """Settings of a test server: free loopback ports, a 20 ms flush (a test sees its
-    steps saved at once), every full round refitted at once and pushed at once (a test
-    compares the service with the core's replay refit by refit; ``test_admission``
-    checks the default intervals), a 5 s drain and the admin token; ``overrides`` on top."""
+    steps saved at once), every full round refitted at once (a test compares the
+    service with the core's replay refit by refit; ``test_admission`` checks the
+    default interval), a 5 s drain and the admin token; ``overrides`` on top."""
     values: dict[str, Any] = dict(
         grpc_address="127.0.0.1:0",
         http_address="127.0.0.1:0",
         data_dir=str(data_dir),
         flush_interval_ms=20,
         min_refit_interval_ms=0,
-        push_interval_ms=0,
         grace_s=5.0,
         admin_token=ADMIN_TOKEN,
     )
