@@ -7,10 +7,9 @@ and a unary call that answers at once, as:
 
 - ``aio``: grpc.aio, the work on the event loop (avest's shape: the stream
   handlers check, the pair's owner task folds, all on the loop);
-- ``aio-gated``: the same, but a stream does its message's work only with room for
-  it, at most ``--in-flight`` messages in hand across the streams, given first come,
-  first served (a shape tried for avest and measured against its pair queues:
-  bench/RESULTS.md);
+- ``aio-gated``: the same, but a stream reads its next message and does its work only
+  with room for it, at most ``--in-flight`` messages in hand across the streams (the
+  room avest tried took a message's room after reading it: bench/RESULTS.md);
 - ``aio-thread``: grpc.aio, the work on one thread of its own, the loop doing
   I/O only (each stream waits for its message's work before it reads the next);
 - ``aio-process``: grpc.aio, the work in a process of its own (the owners off the

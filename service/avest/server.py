@@ -320,7 +320,7 @@ class Server:
         if self._http is not None:
             await self._http.stop(left())
         self.metrics.close()
-        if self._reads is not None and reads_stopped is not None:
+        if reads_stopped is not None:
             # its calls in flight had their grace: end its threads once it says so
             await asyncio.get_running_loop().run_in_executor(None, reads_stopped.wait, 2.0)
             self._reads.close()
