@@ -407,10 +407,10 @@ METRICS: tuple[MetricSpec, ...] = (
         LOOP_LAG,
         "histogram",
         (),
-        "How late the state's event loop ran its heartbeat (due every 0.5 s), in "
-        "seconds: what every callback on the loop (an Observe message's hand-over, a "
-        "unary call, an admin request) waits for at least; /healthz answers 503 once the "
-        "loop has not run it for 10 s.",
+        "How late the service's event loop ran its heartbeat (due every 0.5 s), in "
+        "seconds: what every callback on the loop (an Observe message, a unary call, an "
+        "admin request) waits for at least; /healthz answers 503 once the loop has not "
+        "run it for 10 s.",
     ),
     MetricSpec(
         STORE_WRITE_DURATION,

@@ -98,13 +98,6 @@ class PairQueue:
     def refitted(self) -> None:
         self.last_refit = time.monotonic()
 
-    def offer(self, message: Message) -> bool:
-        """Queue the message if there is room (and nobody waits for it)."""
-        if self.held or self.queue.full():
-            return False
-        self.queue.put_nowait(message)
-        return True
-
     async def submit(self, message: Message) -> None:
         if not self.queue.full():
             self.queue.put_nowait(message)

@@ -17,6 +17,7 @@ adapter on another loop reaches it through :meth:`Avest.call` and
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from avest.core.estimator import Batch
 from avest.core.rules import Refit
-from avest.state.admission import Admission, Message, PairQueue
+from avest.state.admission import Admission, Message
 from avest.state.config import StateConfig
 from avest.state.folds import Folded, Folds
 from avest.state.pairs import Pair, Registry, RuleConfig
@@ -37,7 +38,6 @@ from avest.state.recording import Recording
 from avest.state.schedules import Schedules
 from avest.state.store import PairStore
 from avest.state.stores import open_configured
-from avest.state.thread import mailbox
 from avest_wire.pair import PairKey
 from avest_wire.summary import RoundSummary
 from avest_wire.v1 import estimator_pb2 as pb
@@ -139,19 +139,18 @@ class Avest:
         loop = self._elsewhere()
         if loop is None:
             return fn(*args)
-        result: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        back = mailbox(asyncio.get_running_loop())
+        result: concurrent.futures.Future[T] = concurrent.futures.Future()
 
         def there() -> None:
-            try:
-                value = fn(*args)
-            except BaseException as exc:  # noqa: BLE001 - raised where it is awaited
-                back.post(_fail, result, exc)
+            if not result.set_running_or_notify_cancel():
                 return
-            back.post(_resolve, result, value)
+            try:
+                result.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - raised where it is awaited
+                result.set_exception(exc)
 
-        mailbox(loop).post(there)
-        return await result
+        loop.call_soon_threadsafe(there)
+        return await asyncio.wrap_future(result)
 
     async def run(self, call: Coroutine[Any, Any, T]) -> T:
         """Await ``call`` on the state's loop, from whichever loop awaits this."""
@@ -328,29 +327,16 @@ class Avest:
         future (of the caller's loop) resolves with whether it was new, once applied.
         ``strata``: a step's stratum per row or a summary's stratum (docs/strata.md),
         None without."""
-        loop = self._elsewhere()
-        if loop is None:
-            return await self._submit(pair, worker, seq, batch, message, strata)
-        # From another loop: one posted call each way (no task per message), and a
-        # task only to wait for room in a full queue.
         caller = asyncio.get_running_loop()
-        back = mailbox(caller)
-        taken: asyncio.Future[None] = caller.create_future()
+        if self._elsewhere() is None:
+            return await self._submit(pair, worker, seq, batch, message, strata)
         result: asyncio.Future[bool] = caller.create_future()
 
-        def there() -> None:
-            done: asyncio.Future[bool] = loop.create_future()
-            done.add_done_callback(lambda d: back.post(_copy, d, result))
-            queue = self._queue(pair)
-            m = Message(worker, seq, batch, message, done, strata)
-            if queue.offer(m):
-                back.post(_resolve, taken, None)
-            else:
-                waiting = asyncio.ensure_future(queue.submit(m))
-                waiting.add_done_callback(lambda _: back.post(_resolve, taken, None))
+        async def hand_over() -> None:
+            done = await self._submit(pair, worker, seq, batch, message, strata)
+            done.add_done_callback(lambda d: caller.call_soon_threadsafe(_copy, d, result))
 
-        mailbox(loop).post(there)
-        await taken
+        await self.run(hand_over())
         return result
 
     async def _submit(
@@ -363,13 +349,11 @@ class Avest:
         strata: tuple[str, ...] | str | None,
     ) -> asyncio.Future[bool]:
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        await self._queue(pair).submit(Message(worker, seq, batch, message, done, strata))
-        return done
-
-    def _queue(self, pair: Pair) -> PairQueue:
-        return self.admission.queue(
+        queue = self.admission.queue(
             pair.id, lambda m: self._apply(pair, m), lambda: self.refit_held(pair)
         )
+        await queue.submit(Message(worker, seq, batch, message, done, strata))
+        return done
 
     async def _apply(self, pair: Pair, m: Message) -> bool:
         """What the pair's owner does with one message: :meth:`observe`, with a heavy
@@ -696,16 +680,6 @@ class Avest:
     def in_use(self, pair: Pair) -> bool:
         """Whether an open stream is sending steps for the pair (set by the gRPC adapter)."""
         return any(check(pair) for check in self.usage)
-
-
-def _resolve(future: asyncio.Future[T], value: T) -> None:
-    if not future.done():
-        future.set_result(value)
-
-
-def _fail(future: asyncio.Future[Any], exc: BaseException) -> None:
-    if not future.done():
-        future.set_exception(exc)
 
 
 def _copy(done: asyncio.Future[bool], into: asyncio.Future[bool]) -> None:

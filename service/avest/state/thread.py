@@ -22,15 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import sys
 import threading
-import weakref
-from collections import deque
 from collections.abc import Callable
 from typing import Any
-
-log = logging.getLogger("avest")
 
 #: The interpreter lock is handed between threads this often (Python's default is
 #: 5 ms). The I/O loop needs it at least this often to read its completions while
@@ -40,71 +35,20 @@ log = logging.getLogger("avest")
 SWITCH_INTERVAL_S = 0.0005
 
 
-class Mailbox:
-    """Calls posted from any thread, run on one loop in the order posted, with one
-    wake-up of that loop per batch.
-
-    ``call_soon_threadsafe`` writes a byte to the loop's self-pipe for every call:
-    a system call, and a hand-over of the interpreter lock to wait for. One per
-    Observe message each way cost more than the message's own checks
-    (``BaseSelectorEventLoop._write_to_self``, 10 % of the server's samples), so
-    calls wait here and the loop is woken once for all that came meanwhile.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self._calls: deque[tuple[Callable[..., Any], tuple[Any, ...]]] = deque()
-        self._lock = threading.Lock()
-        self._woken = False
-
-    def post(self, fn: Callable[..., Any], *args: Any) -> None:
-        self._calls.append((fn, args))
-        with self._lock:
-            if self._woken:
-                return
-            self._woken = True
-        if not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self._run)
-
-    def _run(self) -> None:
-        with self._lock:
-            self._woken = False
-        calls = self._calls
-        while calls:
-            fn, args = calls.popleft()
-            try:
-                fn(*args)
-            except Exception:  # one call's fault is not the others'
-                log.exception("a call handed between the service's loops failed")
-
-
-_boxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weakref.WeakKeyDictionary()
-_boxes_lock = threading.Lock()
-
-
-def mailbox(loop: asyncio.AbstractEventLoop) -> Mailbox:
-    """The loop's one mailbox (one per loop, so calls to it keep their order)."""
-    with _boxes_lock:
-        box = _boxes.get(loop)
-        if box is None:
-            box = _boxes[loop] = Mailbox(loop)
-        return box
-
-
 def on_loop(loop: asyncio.AbstractEventLoop | None, fn: Callable[..., Any], *args: Any) -> None:
     """Call ``fn(*args)`` on ``loop``: now when that is the running loop (or ``None``:
-    one loop for all), else in order with the other calls posted to it."""
+    one loop for all), else as soon as ``loop`` turns."""
     if loop is None:
         fn(*args)
         return
     try:
-        here: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        here = asyncio.get_running_loop()
     except RuntimeError:
         here = None
     if here is loop:
         fn(*args)
-    else:
-        mailbox(loop).post(fn, *args)
+    elif not loop.is_closed():
+        loop.call_soon_threadsafe(fn, *args)
 
 
 class StateThread:
