@@ -1,8 +1,6 @@
 """``avest serve``: grpc.aio and the admin HTTP API in one asyncio process.
 
-:class:`Server` serves gRPC on the running loop, which does I/O only, and runs the
-state (and the admin API's handlers) on a loop of its own
-(:mod:`avest.state.thread`). It reports the bound
+:class:`Server` starts everything on the running loop, reports the bound
 addresses (port 0 picks free ports), and :meth:`Server.stop` drains: health
 NOT_SERVING, a final durable snapshot whose acknowledgements reach the open
 Observe streams, streams closed, then the store closed — all within
@@ -40,7 +38,6 @@ from avest.metrics.registry import Metrics
 from avest.policy.access import Access, is_loopback
 from avest.settings import Settings, split_address
 from avest.state.app import Avest
-from avest.state.thread import StateThread, on_loop
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 
@@ -80,9 +77,7 @@ class Server:
         self._reads: ReadServer | None = None
         self.read_port = 0
         self._http: HttpThread | None = None
-        #: The state's loop, on a thread of its own; this one (gRPC) does I/O only.
-        self._state = StateThread()
-        #: The state loop's heartbeat, which /healthz reads on the HTTP thread.
+        #: The event loop's heartbeat, which /healthz reads on the HTTP thread.
         self.heartbeat = Heartbeat(late=self.metrics.loop_lag.observe)
         self._stopped = asyncio.Event()
 
@@ -166,15 +161,8 @@ class Server:
         self.max_connections = min(
             self.settings.max_connections, max(16, (raise_fd_limit() - 128) // 2)
         )
-        here = asyncio.get_running_loop()
-        quiet_loop_errors(here)
-        quiet_loop_errors(self._state.loop)
-        self._state.start()
-        self.service.attach(here)
-        # The state's own loop restores the pairs and runs them from now on.
-        await asyncio.wrap_future(
-            asyncio.run_coroutine_threadsafe(self.app.start(), self._state.loop)
-        )
+        quiet_loop_errors(asyncio.get_running_loop())
+        await self.app.start()
         s = self.settings
         limit = s.max_message_bytes
         options: list[tuple[str, Any]] = [
@@ -263,7 +251,7 @@ class Server:
         self.http_port = sock.getsockname()[1]
         api = build_http(self.app, self.metrics, self.settings, self.access)
         config = uvicorn.Config(
-            LoopBridge(api, self._state.loop, self.heartbeat),
+            LoopBridge(api, asyncio.get_running_loop(), self.heartbeat),
             log_level=self.settings.log_level if self.settings.log_level != "info" else "warning",
             log_config=None,
             lifespan="off",
@@ -273,7 +261,7 @@ class Server:
             timeout_keep_alive=max(1, int(s.handshake_timeout_s)),
             **http_tls(s),
         )
-        on_loop(self._state.loop, self.heartbeat.start, self._state.loop)
+        self.heartbeat.start(asyncio.get_running_loop())
         self._http = HttpThread(config, sock)
         await self._http.start()
         log.debug(  # `avest serve` and `avest demo` print their own "avest serving" line
@@ -336,8 +324,7 @@ class Server:
             # its calls in flight had their grace: end its threads once it says so
             await asyncio.get_running_loop().run_in_executor(None, reads_stopped.wait, 2.0)
             self._reads.close()
-        on_loop(self._state.loop, self.heartbeat.stop)
-        await self._state.stop()
+        self.heartbeat.stop()
         log.info("avest stopped in %.2fs", time.monotonic() - started)
 
     async def wait(self) -> None:
@@ -387,11 +374,6 @@ async def serve(settings: Settings, announce: bool = True, exit_when_stopped: bo
     server = Server(settings)
     server.check_exposure()
     await server.start()
-    # Before the announcement: whoever reads it may send SIGTERM at once.
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     if announce:
         print(
             f"avest serving grpc={server.grpc_address} "
@@ -400,6 +382,10 @@ async def serve(settings: Settings, announce: bool = True, exit_when_stopped: bo
             + (f" read={server.read_address}" if server.read_address else ""),
             flush=True,
         )
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop()
     if exit_when_stopped:

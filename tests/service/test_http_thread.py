@@ -1,6 +1,6 @@
-"""The admin HTTP server on its own thread: /healthz reads the state loop's heartbeat.
+"""The admin HTTP server on its own thread: /healthz reads the event loop's heartbeat.
 
-A probe must not wait behind a saturated state loop (an overloaded service is
+A probe must not wait behind a saturated service loop (an overloaded service is
 alive), and must fail once the loop stops turning (a wedged one is not); every
 other route still runs on the loop that owns the state.
 """
@@ -21,7 +21,7 @@ from avest.metrics.names import LOOP_LAG
 
 
 def _hold_loop(handle: Any, seconds: float = 60.0) -> threading.Event:
-    """Block the state's event loop until the returned event is set (or ``seconds``
+    """Block the service's event loop until the returned event is set (or ``seconds``
     pass); returns once the loop is blocked."""
     blocked, release = threading.Event(), threading.Event()
 
@@ -29,8 +29,8 @@ def _hold_loop(handle: Any, seconds: float = 60.0) -> threading.Event:
         blocked.set()
         release.wait(seconds)
 
-    handle.server.app.loop.call_soon_threadsafe(hold)
-    assert blocked.wait(10), "the state's loop never ran the blocking callback"
+    handle.loop.call_soon_threadsafe(hold)
+    assert blocked.wait(10), "the service loop never ran the blocking callback"
     return release
 
 

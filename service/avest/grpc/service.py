@@ -4,10 +4,6 @@ Each RPC validates its request completely (through the core's checks)
 before touching any state, and maps refusals to status codes:
 ``InvalidInput`` -> INVALID_ARGUMENT, unknown pair -> NOT_FOUND, limits ->
 RESOURCE_EXHAUSTED, all with a message that names the field.
-
-The adapter's loop does I/O only: a unary call's work runs on the state's loop
-(:meth:`Avest.call`), and what the state tells the adapter (new coefficients,
-durable steps, a pair removed) comes back to this loop (:func:`on_loop`).
 """
 
 from __future__ import annotations
@@ -41,7 +37,6 @@ from avest.state.app import Avest
 from avest.state.costs import CostCurves
 from avest.state.errors import NotFound
 from avest.state.pairs import Pair, check_sequence
-from avest.state.thread import on_loop
 from avest_wire import limits
 from avest_wire import matrix as wire
 from avest_wire.errors import InvalidInput
@@ -78,18 +73,10 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         #: Set when the server drains: streams stop applying steps, so the
         #: final snapshot covers (and acknowledges) everything applied.
         self.draining = False
-        #: This adapter's loop when the state runs on another (:meth:`attach`).
-        self.loop: asyncio.AbstractEventLoop | None = None
-        app.hooks.coefficients.append(
-            lambda pair: on_loop(self.loop, self._push, pair.id, coefficients_pb(pair))
-        )
-        app.hooks.durable.append(lambda raised: on_loop(self.loop, self._durable, raised))
-        app.hooks.removed.append(lambda pair, why: on_loop(self.loop, self._removed, pair.id))
-        app.usage.append(lambda pair: any(pair.id in s.pairs for s in list(self.streams)))
-
-    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Serve on ``loop`` while the state runs on its own."""
-        self.loop = loop
+        app.hooks.coefficients.append(self._coefficients_changed)
+        app.hooks.durable.append(self._durable)
+        app.hooks.removed.append(self._removed)
+        app.usage.append(lambda pair: any(pair.id in s.pairs for s in self.streams))
 
     # -- helpers --------------------------------------------------------------
 
@@ -114,27 +101,25 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
     async def _unary(
         self, method: str, context: grpc.aio.ServicerContext, fn: Callable[[], Any]
     ) -> Any:
-        """``fn()`` on the state's loop; a refusal ends the call with its status."""
         try:
-            return await self.app.call(_refusing, fn)
+            with refusals():
+                return fn()
         except Refused as r:
             self.on_refused(method, r.reason)
             await context.abort(r.code, r.message)
 
-    def _push(self, pair_id: str, msg: pb.Coefficients) -> None:
-        """A pair's new coefficients, to its streams and watchers (the latest only)."""
+    def _coefficients_changed(self, pair: Pair) -> None:
+        msg = coefficients_pb(pair)
         for stream in list(self.streams):
-            stream.coefficients(pair_id, msg)
-        latest = self.latest.get(pair_id)
-        if latest is None:
-            self.latest[pair_id] = Latest(msg)
-        elif latest.value != msg:
+            stream.coefficients(pair.id, msg)
+        latest = self.latest.get(pair.id)
+        if latest is not None:
             latest.publish(msg)
 
-    def _removed(self, pair_id: str) -> None:
+    def _removed(self, pair: Pair, why: str) -> None:
         for stream in list(self.streams):
-            stream.pairs.discard(pair_id)
-        latest = self.latest.pop(pair_id, None)
+            stream.pairs.discard(pair.id)
+        latest = self.latest.pop(pair.id, None)
         if latest is not None:
             latest.publish(None)
 
@@ -196,19 +181,15 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
     async def GetSchedule(
         self, request: pb.GetScheduleRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetScheduleResponse:
-
-        async def there() -> Any:
+        try:
             with refusals():
                 if len(request.hardware.encode()) > limits.MAX_HARDWARE_BYTES:
                     raise InvalidInput(
                         "hardware", f"is longer than {limits.MAX_HARDWARE_BYTES} bytes"
                     )
-                return await self.app.schedules.get(
+                served = await self.app.schedules.get(
                     self._pair(request.pair_id), request.hardware or None
                 )
-
-        try:
-            served = await self.app.run(there())
         except Refused as r:
             self.on_refused("GetSchedule", r.reason)
             await context.abort(r.code, r.message)
@@ -253,8 +234,6 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
     async def SetCostCurves(
         self, request: pb.SetCostCurvesRequest, context: grpc.aio.ServicerContext
     ) -> pb.SetCostCurvesResponse:
-        auth = dict(context.invocation_metadata() or ()).get("authorization")
-
         def run() -> pb.SetCostCurvesResponse:
             pair = self._pair(request.pair_id)
             for name, curve in (
@@ -272,13 +251,14 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
                 int(request.cudagraph_capture_limit),
             )
             held = pair.costs.get(curves.hardware)
-            replaces = held is not None and held != curves
-            if replaces and self.access is not None and not may_replace_costs(self.access, auth):
-                raise Refused(
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    f"pair {pair.id[:40]} already has different cost curves for hardware "
-                    f"{curves.hardware[:40]!r}; replacing them needs the admin token",
-                )
+            if held is not None and held != curves and self.access is not None:
+                auth = dict(context.invocation_metadata() or ()).get("authorization")
+                if not may_replace_costs(self.access, auth):
+                    raise Refused(
+                        grpc.StatusCode.PERMISSION_DENIED,
+                        f"pair {pair.id[:40]} already has different cost curves for hardware "
+                        f"{curves.hardware[:40]!r}; replacing them needs the admin token",
+                    )
             self.app.set_costs(pair, curves)
             return pb.SetCostCurvesResponse()
 
@@ -293,9 +273,10 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
             except Exception as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"pair {request.pair_id}: {exc}")
             return pb.DeletePairResponse(pair=pb.Pair(pair_id=request.pair_id))
-        pair, last = await self._unary(
-            "DeletePair", context, lambda: _with_pb(self._pair(request.pair_id, rated=False))
+        pair = await self._unary(
+            "DeletePair", context, lambda: self._pair(request.pair_id, rated=False)
         )
+        last = pair_pb(pair)
         try:
             await self.app.remove(pair)
         except Exception as exc:  # the store refused: the pair is gone from memory only
@@ -305,13 +286,15 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
     async def WatchCoefficients(
         self, request: pb.WatchCoefficientsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.WatchCoefficientsResponse]:
-        pair_id, msg = await self._unary(
-            "WatchCoefficients", context, lambda: _with_coefficients(self._pair(request.pair_id))
-        )
-        # The latest pushed here already, else what the state holds now.
-        latest = self.latest.get(pair_id)
+        try:
+            with refusals():
+                pair = self._pair(request.pair_id)
+        except Refused as r:
+            self.on_refused("WatchCoefficients", r.reason)
+            await context.abort(r.code, r.message)
+        latest = self.latest.get(pair.id)
         if latest is None:
-            latest = self.latest[pair_id] = Latest(msg)
+            latest = self.latest[pair.id] = Latest(coefficients_pb(pair))
         self.open_streams += 1
         try:
             msg, seen = latest.value, latest.changes
@@ -379,19 +362,6 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
             stream.close()
         for latest in self.latest.values():
             latest.publish(None)
-
-
-def _refusing(fn: Callable[[], Any]) -> Any:
-    with refusals():
-        return fn()
-
-
-def _with_pb(pair: Pair) -> tuple[Pair, pb.Pair]:
-    return pair, pair_pb(pair)
-
-
-def _with_coefficients(pair: Pair) -> tuple[str, pb.Coefficients]:
-    return pair.id, coefficients_pb(pair)
 
 
 class Latest:

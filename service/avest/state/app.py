@@ -8,22 +8,18 @@ or a PostgreSQL database, :mod:`avest.state.stores`), and tells listeners when
 batches become durable (so Observe streams can acknowledge them) and when
 coefficients change (so streams and watchers get the update).
 
-Everything here runs on the loop :meth:`Avest.start` ran on (the server's state
-thread, :mod:`avest.state.thread`) except the store writes and heavy folds. An
-adapter on another loop reaches it through :meth:`Avest.call` and
-:meth:`Avest.run`, and hands the hooks' calls back to its own loop.
+Everything here runs on the event loop thread except the store writes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -60,7 +56,7 @@ RETRY_S = 0.5
 
 @dataclass
 class Hooks:
-    """Callbacks the adapters and metrics attach to (all called on the state's loop)."""
+    """Callbacks the adapters and metrics attach to (all on the loop thread)."""
 
     #: ``(pair)`` after a pair is registered or restored.
     registered: list[Callable[[Pair], None]] = field(default_factory=list)
@@ -122,47 +118,6 @@ class Avest:
         self.recordings: dict[str, Recording] = {}
         #: This replica's part when the store is shared (PostgreSQL), else None.
         self.replication: Replication | None = None
-        #: The loop the state runs on (set by :meth:`start`).
-        self.loop: asyncio.AbstractEventLoop | None = None
-
-    # -- reaching the state from another loop ----------------------------------
-
-    def _elsewhere(self) -> asyncio.AbstractEventLoop | None:
-        """The state's loop when the caller runs on another one, else None."""
-        loop = self.loop
-        if loop is None or loop is asyncio.get_running_loop():
-            return None
-        return loop
-
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on the state's loop, from whichever loop awaits it."""
-        loop = self._elsewhere()
-        if loop is None:
-            return fn(*args)
-        result: concurrent.futures.Future[T] = concurrent.futures.Future()
-
-        def there() -> None:
-            if not result.set_running_or_notify_cancel():
-                return
-            try:
-                result.set_result(fn(*args))
-            except BaseException as exc:  # noqa: BLE001 - raised where it is awaited
-                result.set_exception(exc)
-
-        loop.call_soon_threadsafe(there)
-        return await asyncio.wrap_future(result)
-
-    async def run(self, call: Coroutine[Any, Any, T]) -> T:
-        """Await ``call`` on the state's loop, from whichever loop awaits this."""
-        loop = self._elsewhere()
-        if loop is None:
-            return await call
-        there = asyncio.run_coroutine_threadsafe(call, loop)
-        try:
-            return await asyncio.wrap_future(there)
-        except asyncio.CancelledError:
-            there.cancel()
-            raise
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -179,7 +134,7 @@ class Avest:
         read (an I/O error) is not served either, and nothing is set aside for it:
         its rows are read again at the next start.
         """
-        loop = self.loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
         if self.store.backup is not None:
             log.warning(
                 "store migrated from format %d; the previous file is kept as %s",
@@ -256,8 +211,6 @@ class Avest:
         deadline: steps left unwritten were never acknowledged, so their
         workers resend them to the next process.
         """
-        if self._elsewhere() is not None:
-            return await self.run(self.close(deadline))
         if self._closed:
             return
         self._closed = True
@@ -324,30 +277,8 @@ class Avest:
     ) -> asyncio.Future[bool]:
         """Hand a checked step or round summary to its pair's owner
         (:mod:`avest.state.admission`); waits while the pair's queue is full. The
-        future (of the caller's loop) resolves with whether it was new, once applied.
-        ``strata``: a step's stratum per row or a summary's stratum (docs/strata.md),
-        None without."""
-        caller = asyncio.get_running_loop()
-        if self._elsewhere() is None:
-            return await self._submit(pair, worker, seq, batch, message, strata)
-        result: asyncio.Future[bool] = caller.create_future()
-
-        async def hand_over() -> None:
-            done = await self._submit(pair, worker, seq, batch, message, strata)
-            done.add_done_callback(lambda d: caller.call_soon_threadsafe(_copy, d, result))
-
-        await self.run(hand_over())
-        return result
-
-    async def _submit(
-        self,
-        pair: Pair,
-        worker: str,
-        seq: int,
-        batch: Batch | RoundSummary,
-        message: pb.RoundSummary | None,
-        strata: tuple[str, ...] | str | None,
-    ) -> asyncio.Future[bool]:
+        future resolves with whether it was new, once applied. ``strata``: a step's
+        stratum per row or a summary's stratum (docs/strata.md), None without."""
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         queue = self.admission.queue(
             pair.id, lambda m: self._apply(pair, m), lambda: self.refit_held(pair)
@@ -452,8 +383,6 @@ class Avest:
 
     async def watermark(self, pair: Pair, worker: str) -> tuple[int, int]:
         """What the pair holds of a worker: ``(applied, acknowledged)`` sequences."""
-        if self._elsewhere() is not None:
-            return await self.run(self.watermark(pair, worker))
         if self.replication is not None:
             return await self.replication.watermark(pair, worker)
         durable = pair.durable.get(worker, 0)
@@ -491,8 +420,6 @@ class Avest:
         decision): its id registers afresh afterwards. Returns why it was set aside,
         or None when it was not; when the store refuses, nothing changes and the
         error rises."""
-        if self._elsewhere() is not None:
-            return await self.run(self.discard(pair_id))
         why = self.quarantined.get(pair_id)
         if why is None:
             return None
@@ -510,8 +437,6 @@ class Avest:
         """Delete a pair: its stored rows, then the registry entry, its streams and
         watchers and its metric series (hooks). Its id may be registered again, from
         the cold start. When the store refuses, nothing changes and the error rises."""
-        if self._elsewhere() is not None:
-            return await self.run(self.remove(pair, why))
         async with self._flush_lock:
             try:
                 await asyncio.get_running_loop().run_in_executor(
@@ -542,8 +467,6 @@ class Avest:
         and abandoned half way would leave its workers' steps written but never
         marked durable, and never acknowledged.
         """
-        if self._elsewhere() is not None:
-            return await self.run(self.flush(force, deadline))
         task = asyncio.ensure_future(self._flush(force, deadline))
         task.add_done_callback(_retrieve)
         await asyncio.shield(task)
@@ -680,18 +603,6 @@ class Avest:
     def in_use(self, pair: Pair) -> bool:
         """Whether an open stream is sending steps for the pair (set by the gRPC adapter)."""
         return any(check(pair) for check in self.usage)
-
-
-def _copy(done: asyncio.Future[bool], into: asyncio.Future[bool]) -> None:
-    """Copy a message's outcome, from the state's loop, into its sender's future."""
-    if into.done():
-        return
-    if done.cancelled():
-        into.cancel()
-    elif done.exception() is not None:
-        into.set_exception(done.exception())  # type: ignore[arg-type]
-    else:
-        into.set_result(done.result())
 
 
 def _retrieve(task: asyncio.Future[None]) -> None:
