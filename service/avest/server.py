@@ -374,6 +374,11 @@ async def serve(settings: Settings, announce: bool = True, exit_when_stopped: bo
     server = Server(settings)
     server.check_exposure()
     await server.start()
+    # Before the announcement: whoever reads it may send SIGTERM at once.
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     if announce:
         print(
             f"avest serving grpc={server.grpc_address} "
@@ -382,10 +387,6 @@ async def serve(settings: Settings, announce: bool = True, exit_when_stopped: bo
             + (f" read={server.read_address}" if server.read_address else ""),
             flush=True,
         )
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop()
     if exit_when_stopped:

@@ -88,6 +88,9 @@ class ObserveStream:
         self.error: Refused | None = None
         #: Per pair, the last message handed to its owner (resolved once applied).
         self.last: dict[str, asyncio.Future[bool]] = {}
+        #: Pairs whose first worker on this stream is being opened: their coefficients
+        #: wait until its opening is sent (the first answer a worker reads).
+        self._opening: set[str] = set()
 
     def coefficients(self, pair_id: str, msg: pb.Coefficients) -> None:
         """Queue ``pair_id``'s new coefficients: the latest only, sent at most once per
@@ -96,7 +99,7 @@ class ObserveStream:
             return
         queued = pair_id in self._coefficients
         self._coefficients[pair_id] = msg
-        if queued:
+        if queued or pair_id in self._opening:
             return
         loop = asyncio.get_running_loop()
         wait = self._pushed.get(pair_id, -math.inf) + self.service.limits.push_every_s
@@ -161,10 +164,16 @@ class ObserveStream:
             pair = self.service.app.registry.get(req.pair_id)
         self._claim(pair.id, req.worker_id)
         key = (pair.id, req.worker_id)
+        first = pair.id not in self.pairs
+        if first:
+            self._opening.add(pair.id)
         self.pairs.add(pair.id)
         self.opened.add(key)
-        with refusals():
-            applied, durable = await self.service.app.watermark(pair, req.worker_id)
+        try:
+            with refusals():
+                applied, durable = await self.service.app.watermark(pair, req.worker_id)
+        finally:
+            self._opening.discard(pair.id)
         self.acked[key] = max(self.acked.get(key, 0), durable)
         self.out.put_nowait(
             pb.ObserveResponse(
@@ -176,6 +185,8 @@ class ObserveStream:
                 )
             )
         )
+        if first and pair.id in self._coefficients:  # refitted while it was opened
+            self.out.put_nowait(pair.id)
 
     def _applied(self, pair: Pair, worker: str, seq: int, done: asyncio.Future[bool]) -> None:
         """A message's owner is done with it: a duplicate is acknowledged again."""
