@@ -89,7 +89,8 @@ class ObserveStream:
         #: Per pair, the last message handed to its owner (resolved once applied).
         self.last: dict[str, asyncio.Future[bool]] = {}
         #: Pairs whose first worker on this stream is being opened: their coefficients
-        #: wait until its opening is sent (the first answer a worker reads).
+        #: wait until its opening is sent (the first answer a worker reads; a replica
+        #: reads the watermark from PostgreSQL, and a refit can be pushed meanwhile).
         self._opening: set[str] = set()
 
     def coefficients(self, pair_id: str, msg: pb.Coefficients) -> None:
