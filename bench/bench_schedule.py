@@ -101,10 +101,8 @@ class Cell:
         }
 
     def as_json(self) -> dict[str, Any]:
-        return {
-            "trace": self.trace,
-            "profile": self.profile,
-            "concurrency": self.c,
+        where = {"trace": self.trace, "profile": self.profile, "concurrency": self.c}
+        return where | {
             "best_fixed": self.best_fixed,
             "best_fixed_throughput": self.best,
             "av_throughput": self.av,

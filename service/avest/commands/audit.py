@@ -16,13 +16,7 @@ from typing import Any
 from avest.commands.options import dumps, integer, number
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    parser = subparsers.add_parser(
-        "audit",
-        help="check budget rules for losslessness by Monte Carlo",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trials", type=integer(1), default=200_000, help="steps per audit")
     parser.add_argument(
         "--seed", type=integer(0), default=0, help="base seed (one derived per audit)"

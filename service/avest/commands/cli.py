@@ -1,9 +1,10 @@
 """The ``avest`` command line: one subcommand per module in ``avest.commands``.
 
-Each module defines ``register(subparsers)``, which adds its parser and sets
-``func`` to a callable returning the exit status. Modules are imported only
-when their command runs... except for their parsers, which are cheap; heavy
-imports (grpc, numpy work, matplotlib) live inside each ``run``.
+Each module defines ``register(parser)``, which adds its command's arguments to
+the parser made here (its docstring is the command's description) and sets
+``func`` to a callable returning the exit status. Modules are imported only when
+their command runs... except for their parsers, which are cheap; heavy imports
+(grpc, numpy work, matplotlib) live inside each ``run``.
 
 A client-only install (``pip install .``: numpy, grpcio, protobuf) runs the
 commands that only talk to a service (``pairs``, ``replay``, ``health``,
@@ -47,23 +48,24 @@ SERVER_DEPENDENCIES = {
     "psycopg",
 }
 
-#: Subcommand modules, in the order ``avest --help`` lists them.
-COMMANDS = (
-    "serve",
-    "health",
-    "demo",
-    "replay",
-    "record",
-    "pairs",
-    "schedule",
-    "store",
-    "traces",
-    "evaluate",
-    "fleet",
-    "simulate",
-    "audit",
-    "completion",
-)
+#: Subcommand modules, in the order ``avest --help`` lists them, with the line it
+#: gives each. A module's docstring is its command's ``--help`` description.
+COMMANDS = {
+    "serve": "run the estimator service (gRPC + admin HTTP)",
+    "health": "probe a running service's /healthz (exit 0 when healthy), with or without TLS",
+    "demo": "start a service, replay a bundled trace as several workers, watch it converge",
+    "replay": "stream a trace into a running service as simulated workers",
+    "record": "record a pair's incoming raw steps (or a sampled fraction) to an avest-trace/1 file",
+    "pairs": "list the pairs of a running service",
+    "schedule": "print a pair's draft length by batch size, ready for vLLM's --speculative-config",
+    "store": "move pairs between stores (SQLite, PostgreSQL)",
+    "traces": "build traces from recorded ones (merge)",
+    "evaluate": "replay a trace predict-then-learn and measure every method",
+    "fleet": "in-worker vLLM estimators against avest's pooled one, for W workers",
+    "simulate": "simulate the goodput of adaptive verification on a trace",
+    "audit": "check budget rules for losslessness by Monte Carlo",
+    "completion": "print a shell completion script (bash or zsh)",
+}
 
 
 #: Commands that need the server extra whatever their arguments (``avest --help``
@@ -114,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         try:
             module = importlib.import_module(f"avest.commands.{name}")
-            module.register(sub)
+            module.register(_add_command(sub, name, module.__doc__ or ""))
         except ModuleNotFoundError as exc:
             # A client-only install (``pip install avest``) lacks the server's
             # dependencies: keep the command listed and say what to install when
@@ -126,6 +128,17 @@ def build_parser() -> argparse.ArgumentParser:
         if listed.dest in SERVER_COMMANDS and "server extra" not in (listed.help or ""):
             listed.help = f"[server extra] {listed.help}"
     return parser
+
+
+def _add_command(sub: argparse._SubParsersAction, name: str, doc: str) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    """The command's parser: ``avest --help`` lists its line from :data:`COMMANDS`, its
+    own ``--help`` shows its module's docstring (reST's double backquotes dropped)."""
+    return sub.add_parser(
+        name,
+        help=COMMANDS[name],
+        description=doc.replace("``", "").strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 def _add_unavailable(sub: argparse._SubParsersAction, name: str, missing: str) -> None:  # type: ignore[type-arg]

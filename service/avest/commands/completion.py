@@ -22,15 +22,7 @@ from dataclasses import dataclass
 SHELLS = ("bash", "zsh")
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = subparsers.add_parser(
-        "completion",
-        help="print a shell completion script (bash or zsh)",
-        description="Print a completion script for avest's subcommands, flags and flag values. "
-        'bash: eval "$(avest completion bash)" in ~/.bashrc (or save it as '
-        "~/.local/share/bash-completion/completions/avest); zsh: save it as _avest in a "
-        'directory on $fpath, or eval "$(avest completion zsh)" after compinit.',
-    )
+def register(p: argparse.ArgumentParser) -> None:
     p.add_argument("shell", choices=SHELLS, help="the shell to complete in")
     p.set_defaults(func=run)
 

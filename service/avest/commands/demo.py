@@ -1,4 +1,10 @@
-"""``avest demo``: a service on embedded defaults, fed a bundled trace by simulated workers."""
+"""``avest demo``: a service on embedded defaults, fed a bundled trace by simulated workers.
+
+Starts the service on embedded defaults (SQLite in a temporary directory unless
+--data-dir is given), replays the bundled sample trace as several concurrent workers,
+prints each refit's coefficients and calibration as they arrive, then keeps serving so
+the metrics and the reliability diagram can be looked at (Ctrl-C stops).
+"""
 
 from __future__ import annotations
 
@@ -16,15 +22,7 @@ from avest.commands.serve import FREE_ADDRESSES, busy
 from avest.commands.traces import add_trace_argument, load_trace
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = subparsers.add_parser(
-        "demo",
-        help="start a service, replay a bundled trace as several workers, watch it converge",
-        description="Starts the service on embedded defaults (SQLite in a temporary directory "
-        "unless --data-dir is given), replays the bundled sample trace as several concurrent "
-        "workers, prints each refit's coefficients and calibration as they arrive, then keeps "
-        "serving so the metrics and the reliability diagram can be looked at (Ctrl-C stops).",
-    )
+def register(p: argparse.ArgumentParser) -> None:
     add_trace_argument(p)
     p.add_argument("--grpc-address", default="127.0.0.1:50051")
     p.add_argument("--http-address", default="127.0.0.1:8000")

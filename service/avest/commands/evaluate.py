@@ -1,4 +1,9 @@
-"""``avest evaluate TRACE``: the feature table for a recorded trace."""
+"""``avest evaluate TRACE``: the feature table for a recorded trace.
+
+Replay an avest-trace/1 file: each draft is scored by the coefficients in force when it
+was drafted, then learned. Prints AUC, log loss, ECE and mean predicted vs observed
+acceptance per method.
+"""
 
 from __future__ import annotations
 
@@ -7,29 +12,16 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from avest.commands.options import dumps, integer, number
-from avest.commands.traces import add_trace_argument, load_trace
+from avest.commands.options import dumps, number
+from avest.commands.traces import add_refit_interval_argument, add_trace_argument, load_trace
 
 if TYPE_CHECKING:
     from avest.commands.progress import Progress
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = subparsers.add_parser(
-        "evaluate",
-        help="replay a trace predict-then-learn and measure every method",
-        description="Replay an avest-trace/1 file: each draft is scored by the coefficients in "
-        "force when it was drafted, then learned. Prints AUC, log loss, ECE and mean predicted "
-        "vs observed acceptance per method.",
-    )
+def register(p: argparse.ArgumentParser) -> None:
     add_trace_argument(p)
-    p.add_argument(
-        "--refit-interval",
-        type=integer(1),
-        default=100,
-        metavar="N",
-        help="refit every N steps (default 100, as vLLM)",
-    )
+    add_refit_interval_argument(p)
     p.add_argument(
         "--from",
         dest="from_fraction",

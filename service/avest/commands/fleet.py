@@ -1,5 +1,12 @@
 """``avest fleet TRACE``: what a fleet of W workers gains from a pooled estimator.
 
+Replay a trace as a fleet: request r on worker r mod W, each worker restarted every S of
+its own steps. Scores predict-then-learn every labelled draft with vLLM's in-worker
+estimator (cold at launch and every restart), avest's pooled estimator (warm, with and
+without the calibration layer) and the pooled estimator reset with the workers; AUC, log
+loss and ECE overall and over each worker's first steps after every (re)start; then the
+goodput of each driving every worker's budgets under a cost profile.
+
 A subcommand of its own rather than an ``evaluate`` option: it replays each
 trace once per fleet shape (workers x restart interval), its rows are
 estimators of a fleet rather than methods, and it adds the goodput of each
@@ -13,26 +20,16 @@ import sys
 
 from avest.commands.options import dumps, integer
 from avest.commands.simulate import _ints
+from avest.commands.traces import add_refit_interval_argument
 
 #: The profile and per-worker concurrency of the goodput columns by default.
 DEFAULT_PROFILE = "a100-llama8b-parallel"
 DEFAULT_CONCURRENCY = 32
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(p: argparse.ArgumentParser) -> None:
     from avest.core.rule_factory import DEFAULT_RULE, RULE_NAMES
 
-    p = subparsers.add_parser(
-        "fleet",
-        help="in-worker vLLM estimators against avest's pooled one, for W workers",
-        description="Replay a trace as a fleet: request r on worker r mod W, each worker "
-        "restarted every S of its own steps. Scores predict-then-learn every labelled draft "
-        "with vLLM's in-worker estimator (cold at launch and every restart), avest's pooled "
-        "estimator (warm, with and without the calibration layer) and the pooled estimator "
-        "reset with the workers; AUC, log loss and ECE overall and over each worker's first "
-        "steps after every (re)start; then the goodput of each driving every worker's budgets "
-        "under a cost profile.",
-    )
     p.add_argument(
         "traces", nargs="*", metavar="TRACE", help="trace files (.npz); default: the bundled sample"
     )
@@ -46,9 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         metavar="LIST",
         help="restart each worker every S of its own steps; 0 = never (default 0,200)",
     )
-    p.add_argument(
-        "--refit-interval", type=integer(1), default=100, metavar="N", help="default 100"
-    )
+    add_refit_interval_argument(p)
     p.add_argument(
         "--rule",
         choices=RULE_NAMES,

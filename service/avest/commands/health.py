@@ -1,5 +1,8 @@
 """``avest health``: probe a running service's ``/healthz`` the way it is served.
 
+Probe /healthz (or /readyz) of the service that `avest serve` with the same flags or
+AVEST_* environment runs: HTTPS when AVEST_TLS_CERT is set.
+
 Reads the same settings as ``avest serve`` (flags or ``AVEST_*``): the HTTP
 address (a wildcard bind is probed on loopback) and TLS. With TLS on it speaks
 HTTPS; the probe checks that the service answers, not who it is, so the
@@ -23,13 +26,7 @@ HEALTH_CERT_ENV = "AVEST_HEALTH_CERT"
 HEALTH_KEY_ENV = "AVEST_HEALTH_KEY"
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = subparsers.add_parser(
-        "health",
-        help="probe a running service's /healthz (exit 0 when healthy), with or without TLS",
-        description="Probe /healthz (or /readyz) of the service that `avest serve` with the "
-        "same flags or AVEST_* environment runs: HTTPS when AVEST_TLS_CERT is set.",
-    )
+def register(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-address", default=None, help="HOST:PORT [env AVEST_HTTP_ADDRESS]")
     p.add_argument("--ready", action="store_true", help="probe /readyz instead of /healthz")
     p.add_argument("--ca", default=None, help="PEM CA: verify the service's certificate with it")

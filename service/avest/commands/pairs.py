@@ -48,8 +48,7 @@ def rpc_failure(command: str, address: str, code: str, details: str) -> str:
     return f"avest {command}: {address}: {code}: {details}{hint}"
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = subparsers.add_parser("pairs", help="list the pairs of a running service")
+def register(p: argparse.ArgumentParser) -> None:
     add_address_argument(p)
     add_token_arguments(p)
     p.add_argument("--json", action="store_true", help="print a JSON list (NaN as null)")

@@ -1,4 +1,10 @@
-"""``avest record PAIR OUT``: record a pair's incoming raw stream into a trace file."""
+"""``avest record PAIR OUT``: record a pair's incoming raw stream into a trace file.
+
+Ask a running service (admin HTTP) to record the raw steps its workers send for a pair,
+wait until it holds --steps of them (or --timeout passes), and write them as an
+avest-trace/1 file. Workers in summary mode send raw steps only at their sampling rate
+(AVEST_RAW_SAMPLE); round summaries carry no drafts.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +15,7 @@ import time
 from avest.commands.options import add_token_arguments, integer, number, token
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = subparsers.add_parser(
-        "record",
-        help="record a pair's incoming raw steps (or a sampled fraction) to an avest-trace/1 file",
-        description="Ask a running service (admin HTTP) to record the raw steps its workers "
-        "send for a pair, wait until it holds --steps of them (or --timeout passes), and write "
-        "them as an avest-trace/1 file. Workers in summary mode send raw steps only at their "
-        "sampling rate (AVEST_RAW_SAMPLE); round summaries carry no drafts.",
-    )
+def register(p: argparse.ArgumentParser) -> None:
     p.add_argument("pair", help="pair id (see `avest pairs`)")
     p.add_argument("out", help="trace file to write (.npz)")
     p.add_argument("--http", default="http://127.0.0.1:8000", help="the service's admin HTTP URL")

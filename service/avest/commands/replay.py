@@ -1,4 +1,8 @@
-"""``avest replay TRACE``: stream a trace into a running service as W workers."""
+"""``avest replay TRACE``: stream a trace into a running service as W workers.
+
+Register the trace's pair and stream its steps into the service as W concurrent workers
+(each step's rows split among them), then print the pair's coefficients and calibration.
+"""
 
 from __future__ import annotations
 
@@ -22,14 +26,7 @@ from avest_wire.rules import UPDATE_RULES
 CONNECT_TIMEOUT_S = 5.0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = subparsers.add_parser(
-        "replay",
-        help="stream a trace into a running service as simulated workers",
-        description="Register the trace's pair and stream its steps into the service as W "
-        "concurrent workers (each step's rows split among them), then print the pair's "
-        "coefficients and calibration.",
-    )
+def register(p: argparse.ArgumentParser) -> None:
     add_trace_argument(p)
     add_address_argument(p)
     add_token_arguments(p)

@@ -1,5 +1,11 @@
 """``avest schedule``: a pair's draft length by batch size, from a running service.
 
+Ask a running service for a pair's draft-length schedule on one hardware label (its cost
+curves) and print vLLM's speculative_config entry
+{"num_speculative_tokens_per_batch_size": [[start, end, length], ...]} (ends inclusive,
+0 turns speculation off). The service needs about a thousand recent drafts of the pair
+first.
+
 Prints the ``speculative_config`` entry vLLM takes, as JSON: ``avest schedule PAIR
 --hardware H100 > schedule.json`` and merge it into ``--speculative-config``. With
 ``--table`` it prints each range, its length, whether adaptive verification pays off
@@ -15,16 +21,7 @@ from avest.commands.options import add_token_arguments, dumps, token
 from avest.commands.pairs import add_address_argument, grpc_address, rpc_failure
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = subparsers.add_parser(
-        "schedule",
-        help="print a pair's draft length by batch size, ready for vLLM's --speculative-config",
-        description="Ask a running service for a pair's draft-length schedule on one hardware "
-        "label (its cost curves) and print vLLM's speculative_config entry "
-        '{"num_speculative_tokens_per_batch_size": [[start, end, length], ...]} (ends '
-        "inclusive, 0 turns speculation off). The service needs about a thousand recent drafts "
-        "of the pair first.",
-    )
+def register(p: argparse.ArgumentParser) -> None:
     p.add_argument("pair_id", metavar="PAIR", help="the pair's id (avest pairs lists them)")
     p.add_argument(
         "--hardware",

@@ -1,4 +1,8 @@
-"""``avest serve``: the sidecar on embedded defaults (SQLite in --data-dir)."""
+"""``avest serve``: the sidecar on embedded defaults (SQLite in --data-dir).
+
+Run the avest service. Every setting is also read from the environment variable shown in
+brackets; a flag wins over the environment.
+"""
 
 from __future__ import annotations
 
@@ -11,15 +15,9 @@ import sys
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(p: argparse.ArgumentParser) -> None:
     from avest import settings
 
-    p = subparsers.add_parser(
-        "serve",
-        help="run the estimator service (gRPC + admin HTTP)",
-        description="Run the avest service. Every setting is also read from the "
-        "environment variable shown in brackets; a flag wins over the environment.",
-    )
     settings.add_arguments(p)
     p.set_defaults(func=run)
 

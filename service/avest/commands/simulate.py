@@ -1,4 +1,15 @@
-"""``avest simulate TRACE --costs COSTS``: what adaptive verification buys."""
+"""``avest simulate TRACE --costs COSTS``: what adaptive verification buys.
+
+Replay a trace's decode steps at each concurrency (C rows per step, in trace order)
+under measured or derived step-cost curves, and compare fixed verification lengths with
+adaptive verification: the avest estimator (learning online, predict-then-learn) under
+every budget rule, q_max unfitted, the per-position rate, the in-sample
+maximum-likelihood fit and the trace's oracle confidences. Step time = draft cost +
+verify cost[C + verified drafts]; a policy that drafts d positions pays d draft passes
+(profiles with draft_per=position), whatever it trims. fixed-0 is speculation off.
+Traces shorter than --min-steps steps at a concurrency are cycled (requests re-enter
+with their rows).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +20,7 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from avest.commands.options import dumps, integer, number
+from avest.commands.traces import add_refit_interval_argument
 
 
 def _ints(low: int) -> Callable[[str], list[int]]:
@@ -44,24 +56,11 @@ def _lengths(text: str) -> list[int] | str:
 MIN_STEPS = 2000
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(p: argparse.ArgumentParser) -> None:
     from avest.core.rule_factory import DEFAULT_RULE, RULE_NAMES
     from avest.settings import Settings
 
     defaults = Settings()
-    p = subparsers.add_parser(
-        "simulate",
-        help="simulate the goodput of adaptive verification on a trace",
-        description="Replay a trace's decode steps at each concurrency (C rows per step, in "
-        "trace order) under measured or derived step-cost curves, and compare fixed "
-        "verification lengths with adaptive verification: the avest estimator (learning "
-        "online, predict-then-learn) under every budget rule, q_max unfitted, the "
-        "per-position rate, the in-sample maximum-likelihood fit and the trace's oracle "
-        "confidences. Step time = draft cost + verify cost[C + verified drafts]; a policy that "
-        "drafts d positions pays d draft passes (profiles with draft_per=position), whatever it "
-        "trims. fixed-0 is speculation off. Traces shorter than --min-steps steps at a "
-        "concurrency are cycled (requests re-enter with their rows).",
-    )
     p.add_argument(
         "traces", nargs="*", metavar="TRACE", help="trace files (.npz); default: the bundled sample"
     )
@@ -79,13 +78,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         metavar="LIST",
         help="requests per step (default 8,16,32,64,128)",
     )
-    p.add_argument(
-        "--refit-interval",
-        type=integer(1),
-        default=defaults.refit_interval,
-        metavar="N",
-        help=f"estimator refits every N simulated steps (default {defaults.refit_interval})",
-    )
+    add_refit_interval_argument(p, defaults.refit_interval)
     p.add_argument(
         "--update-rule",
         choices=RULE_NAMES,

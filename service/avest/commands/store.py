@@ -14,8 +14,7 @@ import argparse
 import sys
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = subparsers.add_parser("store", help="move pairs between stores (SQLite, PostgreSQL)")
+def register(p: argparse.ArgumentParser) -> None:
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     copy = actions.add_parser(
         "copy",

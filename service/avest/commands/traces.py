@@ -32,6 +32,13 @@ def add_trace_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", nargs="?", help="trace file (.npz); default: the bundled sample")
 
 
+def add_refit_interval_argument(p: argparse.ArgumentParser, default: int = 100) -> None:
+    """``--refit-interval`` of the commands that replay a trace through the estimator
+    (100 steps by default, as vLLM's)."""
+    about = f"the estimator refits every N replayed steps (default {default})"
+    p.add_argument("--refit-interval", type=integer(1), default=default, metavar="N", help=about)
+
+
 def load_trace(command: str, path: str | None) -> tuple[str, Trace] | None:
     """The path read and its trace, or ``None`` once stderr says why ``avest
     <command>`` cannot read it (the command then exits 2)."""
@@ -73,8 +80,7 @@ def _label(text: str) -> str:
 _label.__name__ = "stratum name"  # what argparse names in its errors
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = subparsers.add_parser("traces", help="build traces from recorded ones (merge)")
+def register(p: argparse.ArgumentParser) -> None:
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     merge = actions.add_parser(
         "merge",

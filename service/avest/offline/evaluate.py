@@ -87,14 +87,11 @@ class Report:
     methods: dict[str, MethodResult] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
-        return {
-            "trace": self.trace,
-            "labelled": self.labelled,
-            "scored_labelled": self.scored_labelled,
-            "from": self.from_fraction,
-            "refit_interval": self.refit_interval,
-            "methods": {n: m.as_json() for n, m in self.methods.items()},
-        }
+        out = {n: getattr(self, n) for n in ("trace", "labelled", "scored_labelled")}
+        out["from"] = self.from_fraction
+        out["refit_interval"] = self.refit_interval
+        out["methods"] = {n: m.as_json() for n, m in self.methods.items()}
+        return out
 
 
 def _num(v: float) -> float | None:

@@ -231,9 +231,8 @@ class StrataReport:
     coefficients: dict[str, dict[str, Coefficients]] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
-        return {
-            "trace": self.trace,
-            "from": self.from_fraction,
+        replayed = {"trace": self.trace, "from": self.from_fraction}
+        return replayed | {
             "refit_interval": self.refit_interval,
             "strata": self.strata,
             "methods": {

@@ -82,12 +82,10 @@ class Recording:
         }
 
     def status(self) -> dict[str, object]:
-        return {
-            "fraction": self.fraction,
-            "max_steps": self.max_steps,
-            "offered": self.offered,
-            "kept": self.kept,
-            "rows": int(sum(f.shape[0] for f in self.features)),
+        rows = int(sum(f.shape[0] for f in self.features))
+        counted = ("fraction", "max_steps", "offered", "kept")
+        return {n: getattr(self, n) for n in counted} | {
+            "rows": rows,
             "done": self.done,
             "started": self.started,
         }

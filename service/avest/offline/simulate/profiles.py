@@ -133,14 +133,9 @@ class CostProfile:
         )
 
     def as_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "description": self.description,
-            "regime": self.regime,
-            "draft_per": self.draft_per,
-            "cudagraph_limit": self.cudagraph_limit,
-            "source": self.source,
-        }
+        """What describes the profile (its curves are the tables it builds)."""
+        described = ("name", "description", "regime", "draft_per", "cudagraph_limit", "source")
+        return {name: getattr(self, name) for name in described}
 
     def step_costs(self, k: int, max_requests: int, max_tokens: int) -> StepCosts:
         """Tables for a trace with ``k`` draft positions (see :class:`StepCosts`)."""

@@ -39,17 +39,21 @@ class Recommendation:
         return self.adaptive_gain > 0
 
     def as_json(self) -> dict[str, Any]:
-        return {
-            "concurrency": self.concurrency,
-            "num_speculative_tokens": self.num_speculative_tokens,
-            "adaptive_verification": self.adaptive_verification,
-            "best_fixed": self.best_fixed,
-            "best_fixed_throughput": self.best_fixed_throughput,
-            "adaptive_drafts": self.adaptive_drafts,
-            "adaptive_policy": self.adaptive_policy,
-            "adaptive_throughput": self.adaptive_throughput,
-            "adaptive_gain": self.adaptive_gain,
-        }
+        return {name: getattr(self, name) for name in _JSON_FIELDS}
+
+
+#: What :meth:`Recommendation.as_json` holds, in order: the choice first, then its evidence.
+_JSON_FIELDS = (
+    "concurrency",
+    "num_speculative_tokens",
+    "adaptive_verification",
+    "best_fixed",
+    "best_fixed_throughput",
+    "adaptive_drafts",
+    "adaptive_policy",
+    "adaptive_throughput",
+    "adaptive_gain",
+)
 
 
 def recommend(sim: Simulation, rule: str) -> list[Recommendation]:
