@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import multiprocessing as mp
@@ -183,15 +184,20 @@ def reused() -> tuple[Callable[..., list[Any]], int]:
     return make_steps, ROUND_STEPS
 
 
-def summary_bytes(k: int, version: int, slope: float, intercepts: Sequence[float]) -> bytes:
+def summary_bytes(
+    k: int, version: int, slope: float, intercepts: Sequence[float], sketch: bool = True
+) -> bytes:
     """:func:`summary_ingest.summary_body`'s summary (100 steps of 256 x K drafts), computed
-    at the coefficients given: the ObserveRequest's ``k`` and ``summary`` serialized."""
+    at the coefficients given: the ObserveRequest's ``k`` and ``summary`` serialized
+    (``sketch``: with its calibration sketch, as a worker sends the rounds it is asked to)."""
     make_steps, round_steps = reused()
     acc = RoundAccumulator(k)
     for x, d, a in make_steps(round_steps, 256, k, seed=3):
         acc.add(x, d, a, slope, intercepts)
     s = acc.take(version, slope, intercepts)
-    assert s is not None
+    assert s is not None and s.sketch is not None
+    if not sketch:
+        s = dataclasses.replace(s, sketch=None)
     return bytes(pb.ObserveRequest(k=k, summary=summary_to_pb(s)).SerializeToString())
 
 
@@ -230,6 +236,13 @@ class ClientSpec:
     pair_id: str
     workers: list[str]
     body: bytes
+    #: The summary without its sketch: sent in the rounds the service does not ask a
+    #: sketch of (``WorkerOpened.sketch_every``, as the client library does); empty:
+    #: ``body`` always.
+    bare: bytes = b""
+    #: ``kind == "floor"``: a sketch with one message in this many (the mix avest's
+    #: workers sent), there being no service to ask.
+    sketch_every: int = 1
     count: int = 0  # per worker, then stop; 0: until told to stop
     rate: float = 0.0  # per worker per second; 0: flat out
     seconds: float = 0.0  # stop writing this long after go; 0: no limit
@@ -368,6 +381,7 @@ async def open_worker(
 async def _stream(c: _Client, wid: str) -> None:
     spec = c.spec
     st: dict[str, Any] = {"worker": wid, "sent": 0, "acked": 0, "pushes": 0, "version": None}
+    st["sketched"], every, phase = 0, [max(1, spec.sketch_every)], random.randrange(1 << 20)
     st["phase"], st["reopened"], t_start = "opening", 0, time.perf_counter()
     c.streams.append(st)
     channel = grpc.aio.insecure_channel(spec.address, options=CHANNEL)
@@ -384,6 +398,7 @@ async def _stream(c: _Client, wid: str) -> None:
                 channel, spec.pair_id, wid, spec.wait_s, spec.reopen, st
             )
             seq = opened.applied_sequence
+            every[0] = max(1, opened.sketch_every)
         else:
             call = channel.stream_stream(
                 FLOOR, request_serializer=None, response_deserializer=None
@@ -418,6 +433,7 @@ async def _stream(c: _Client, wid: str) -> None:
                 elif resp.HasField("coefficients_update"):
                     st["pushes"] += 1
                     st["version"] = resp.coefficients_update.coefficients.version
+                    every[0] = max(1, resp.coefficients_update.sketch_every)
                 if n:
                     st["acked"] += n
                     c.count_ack(n, now)
@@ -443,7 +459,9 @@ async def _stream(c: _Client, wid: str) -> None:
                 if c.stopping or time.perf_counter() >= deadline:
                     break
                 seq += 1
-                msg = message(prefix, seq, spec.body)
+                sketched = not spec.bare or (st["sent"] + phase) % every[0] == 0
+                st["sketched"] += sketched
+                msg = message(prefix, seq, spec.body if sketched else spec.bare)
                 now = time.perf_counter()
                 c.first_write = min(c.first_write, now)
                 pending.append((seq, now))
@@ -730,6 +748,7 @@ def run_clients(spec: ClientSpec, procs: int, server_pid: int, wait_s: float) ->
         "pushes_per_stream_max": max(pushes, default=0),
         "pushed_version_max": max(versions, default=None),
         "reopened": sum(s.get("reopened", 0) for s in res["streams"]),
+        "sketched": sum(s.get("sketched", 0) for s in res["streams"]),
     }
 
 
@@ -865,19 +884,24 @@ class Server:
         return rc
 
 
-def body_for(reg: pb.RegisterPairResponse, k: int, kind: str = "summary") -> bytes:
+def body_for(
+    reg: pb.RegisterPairResponse, k: int, kind: str = "summary", sketch: bool = True
+) -> bytes:
     c = reg.coefficients
     if kind == "raw":
-        return raw_step_bytes(k, c.version)
-    return summary_bytes(k, c.version, c.slope, list(c.intercepts))
+        return raw_step_bytes(k, c.version) if sketch else b""
+    return summary_bytes(k, c.version, c.slope, list(c.intercepts), sketch)
 
 
 def worker_ids(n: int, tag: str) -> list[str]:
     return [f"fleet-{tag}-{i:05d}" for i in range(n)]
 
 
-def floor_run(cfg: Config, msg_body: bytes, pair_id: str) -> dict[str, Any]:
-    """The same messages, streams and client against the bare grpc.aio server."""
+def floor_run(
+    cfg: Config, msg_body: bytes, pair_id: str, bare: bytes = b"", sketch_every: int = 1
+) -> dict[str, Any]:
+    """The same messages, streams and client against the bare grpc.aio server (a sketch
+    with one summary in ``sketch_every``, the others ``bare``)."""
     ctx = mp.get_context("spawn")
     ports: Any = ctx.Queue()
     proc = ctx.Process(target=floor_serve, args=(ports,), daemon=True)
@@ -887,7 +911,7 @@ def floor_run(cfg: Config, msg_body: bytes, pair_id: str) -> dict[str, Any]:
         assert proc.pid is not None
         spec = ClientSpec(
             f"127.0.0.1:{port}", "floor", pair_id, worker_ids(cfg.workers, "floor"), msg_body,
-            count=cfg.summaries, wait_s=cfg.wait_s,
+            bare=bare, sketch_every=sketch_every, count=cfg.summaries, wait_s=cfg.wait_s,
         )  # fmt: skip
         res = run_clients(spec, cfg.client_procs, proc.pid, cfg.wait_s)
         if proc.exitcode is not None:
@@ -900,10 +924,10 @@ def floor_run(cfg: Config, msg_body: bytes, pair_id: str) -> dict[str, Any]:
 
 def flat_out(server: Server, cfg: Config, kind: str, label: str) -> dict[str, Any]:
     reg = server.register(cfg.k, section=label)
-    body = body_for(reg, cfg.k, kind)
+    body, bare = body_for(reg, cfg.k, kind), body_for(reg, cfg.k, kind, sketch=False)
     before = server.coefficients(reg.pair_id)
     spec = ClientSpec(
-        server.address, "avest", reg.pair_id, worker_ids(cfg.workers, label), body,
+        server.address, "avest", reg.pair_id, worker_ids(cfg.workers, label), body, bare,
         count=cfg.summaries, wait_s=cfg.wait_s, reopen=cfg.reopen,
     )  # fmt: skip
     res = run_clients(spec, cfg.client_procs, server.pid, cfg.wait_s)
@@ -926,6 +950,11 @@ def flat_out(server: Server, cfg: Config, kind: str, label: str) -> dict[str, An
 
 
 def section_cpu(server: Server, cfg: Config) -> dict[str, Any]:
+    log(f"{server.name} cpu: avest, {cfg.workers} streams x {cfg.summaries}")
+    load0 = os.getloadavg()[0]
+    res = flat_out(server, cfg, "summary", "cpu")
+    # the floor gets the same messages: as many with their sketch as avest asked for
+    every = max(1, round(res["sent"] / max(1, res["sketched"])))
     log(f"{server.name} cpu: bare gRPC floor, {cfg.workers} streams x {cfg.summaries}")
     reg_probe = server.register(cfg.k, section="floor-body")
     body = body_for(reg_probe, cfg.k)
@@ -933,11 +962,10 @@ def section_cpu(server: Server, cfg: Config) -> dict[str, Any]:
         pb.ObserveRequest(pair_id=reg_probe.pair_id, worker_id=worker_ids(1, "floor")[0])
         .SerializeToString(), 1, body,
     )  # fmt: skip
-    floor = floor_run(cfg, body, reg_probe.pair_id)
-    log(f"{server.name} cpu: avest, {cfg.workers} streams x {cfg.summaries}")
-    load0 = os.getloadavg()[0]
-    res = flat_out(server, cfg, "summary", "cpu")
+    bare = body_for(reg_probe, cfg.k, sketch=False)
+    floor = floor_run(cfg, body, reg_probe.pair_id, bare, every)
     res.update(
+        sketched_share=round(res["sketched"] / max(1, res["sent"]), 3),
         floor_per_s=floor["acked_per_s"],
         floor_server_cpu_us=floor["server_cpu_us"],
         floor_client_cpu_us=floor["client_cpu_us"],
@@ -957,9 +985,9 @@ def section_latency(server: Server, cfg: Config, capacity: float) -> dict[str, A
         f"{server.name} latency: {rate:.0f} summaries/s over {cfg.workers} streams, {cfg.latency_s:.0f} s"
     )
     reg = server.register(cfg.k, section="latency")
-    body = body_for(reg, cfg.k)
+    body, bare = body_for(reg, cfg.k), body_for(reg, cfg.k, sketch=False)
     spec = ClientSpec(
-        server.address, "avest", reg.pair_id, worker_ids(cfg.workers, "lat"), body,
+        server.address, "avest", reg.pair_id, worker_ids(cfg.workers, "lat"), body, bare,
         rate=rate / cfg.workers, seconds=cfg.latency_s, wait_s=cfg.wait_s, reopen=cfg.reopen,
     )  # fmt: skip
     load0 = os.getloadavg()[0]
@@ -1154,7 +1182,8 @@ def overload_case(
         shared = Shared.make(go=while_opening)
         spec = ClientSpec(
             server.address, "avest", busy.pair_id, worker_ids(m, "busy"),
-            body_for(busy, cfg.k, cfg.busy_kind), rate=offered / m, wait_s=cfg.wait_s, reopen=cfg.reopen, window=cfg.busy_window,
+            body_for(busy, cfg.k, cfg.busy_kind), body_for(busy, cfg.k, cfg.busy_kind, sketch=False),
+            rate=offered / m, wait_s=cfg.wait_s, reopen=cfg.reopen, window=cfg.busy_window,
         )  # fmt: skip
         t_start = time.perf_counter()
         clients = Clients(spec, cfg.busy_procs, shared)
@@ -1273,6 +1302,7 @@ ROWS: dict[str, list[tuple[str, str]]] = {
         ("streams (one worker each)", "streams"),
         ("summaries acknowledged", "acked"),
         ("update rule, refit interval in force (steps)", "rule_interval"),
+        ("summaries sent with their sketch (as avest asked; the floor's alike)", "sketched_share"),
         ("**capacity: acked summaries/s**", "acked_per_s"),
         ("**server CPU µs per summary**", "server_cpu_us"),
         ("bare grpc.aio: messages/s", "floor_per_s"),

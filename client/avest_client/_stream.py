@@ -20,6 +20,8 @@ unacknowledged step go out again, in order, before new ones.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
 import random
 import re
@@ -254,6 +256,13 @@ class Session:
         self.connected = False
         #: Streams refused because another stream sends as this worker id.
         self.collisions = 0
+        #: The service asks for a round summary's sketch with one round in this many
+        #: (``WorkerOpened.sketch_every``; 1 from a service that does not ask).
+        self.sketch_every = 1
+        #: Round summaries sent, per stratum (None: the whole round), and where this
+        #: worker's sketched rounds fall among them (spread over a pair's workers).
+        self._rounds: collections.Counter[str | None] = collections.Counter()
+        self._phase = random.randrange(1 << 30)
         self._attempt = 0
         self._streams = 0
 
@@ -287,10 +296,14 @@ class Session:
                 self.ledger.ack(ack.acked_sequence)
                 self._attempt = 0  # the stream works: reset the backoff
         elif event == "coefficients_update":
-            self.update(resp.coefficients_update.coefficients)
+            update = resp.coefficients_update
+            if not update.coefficients.pair_id or update.coefficients.pair_id == self.pair_id:
+                self.sketch_every = max(1, update.sketch_every)
+            self.update(update.coefficients)
         elif event == "opened":
             opened = resp.opened
             if opened.pair_id == self.pair_id and opened.worker_id == self.worker_id:
+                self.sketch_every = max(1, opened.sketch_every)
                 self.worker_opened(opened.applied_sequence, opened.acked_sequence)
 
     def worker_opened(self, applied: int, acked: int) -> None:
@@ -364,6 +377,8 @@ class Session:
         if step.message is None and isinstance(step.payload, (RoundSummary, StratumSummary)):
             own = step.payload if isinstance(step.payload, StratumSummary) else None
             summary = own.summary if own is not None else step.payload
+            if not self._sketch_due(own.stratum if own is not None else None):
+                summary = dataclasses.replace(summary, sketch=None)
             step.message = pb.ObserveRequest(
                 pair_id=self.pair_id,
                 worker_id=self.worker_id,
@@ -393,6 +408,13 @@ class Session:
                 set_step_strata(step.message, d.strata)
             step.payload = None
         return step.message
+
+    def _sketch_due(self, stratum: str | None) -> bool:
+        """Whether this round summary (of ``stratum``) goes with its sketch: one in
+        :attr:`sketch_every` of each stratum's, decided when it is first sent."""
+        sent = self._rounds[stratum]
+        self._rounds[stratum] = sent + 1
+        return (sent + self._phase) % self.sketch_every == 0
 
     def stream_ended(
         self, code: grpc.StatusCode, details: str, closing: bool, trailing: Metadata = None

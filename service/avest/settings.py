@@ -17,7 +17,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from avest.core.rule_factory import RULE_NAMES
-from avest.grpc.limits import StreamLimits
+from avest.grpc.limits import SKETCHED_WORKERS, StreamLimits
 from avest.state.config import StateConfig
 from avest.state.stores import is_postgres
 
@@ -148,6 +148,12 @@ class Settings(BaseSettings):
         description="an Observe stream gets a pair's new coefficients at most this often: "
         "the latest, when the interval is over (0: after every refit)",
     )
+    sketched_workers: int = Field(
+        SKETCHED_WORKERS,
+        ge=0,
+        description="workers of a pair whose every round summary carries its calibration "
+        "sketch; with more streaming, each sends one in ceil(workers / this) (0: every one)",
+    )
     fold_thread_cells: int = Field(
         65536,
         ge=0,
@@ -258,6 +264,7 @@ class Settings(BaseSettings):
             pair_rate=self.pair_rate,
             max_message_bytes=self.max_message_bytes,
             push_every_s=self.push_interval_ms / 1000.0,
+            sketched_workers=self.sketched_workers,
         )
 
 

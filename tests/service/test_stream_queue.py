@@ -5,8 +5,10 @@ a pair's updates go at most once per push interval, the latest when it is over."
 from __future__ import annotations
 
 import asyncio
+import collections
 from types import SimpleNamespace
 
+from avest.grpc.limits import StreamLimits
 from avest.grpc.observe import ObserveStream
 from avest_wire.v1 import estimator_pb2 as pb
 
@@ -15,7 +17,8 @@ def _stream(durable: dict[str, int], push_every_s: float = 0.0) -> ObserveStream
     pair = SimpleNamespace(durable=durable)
     host = SimpleNamespace(
         app=SimpleNamespace(registry=SimpleNamespace(pairs={"p": pair})),
-        limits=SimpleNamespace(push_every_s=push_every_s),
+        limits=StreamLimits(max_rows=1, pair_rate=0.0, push_every_s=push_every_s),
+        streaming=collections.Counter(),
     )
     return ObserveStream(host, None, None)  # type: ignore[arg-type]
 

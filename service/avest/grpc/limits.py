@@ -6,6 +6,16 @@ from dataclasses import dataclass
 
 from avest_wire.limits import MAX_MESSAGE_BYTES
 
+#: Workers of one pair whose every round summary carries its calibration sketch. A
+#: round of B = 256 requests over 100 steps at K = 8 sketches tens of thousands of
+#: drafts (4,500 histogram cells): 16 workers' rounds are far more than the pair's
+#: calibration measures and layer need, and a pair with up to 16 workers streaming
+#: keeps every sketch. Beyond, each worker sends one sketch in ceil(workers / 16)
+#: rounds, so the sketches a pair checks and pools stop growing with the fleet: they
+#: are most of the service's work per summary (bench/RESULTS.md, "Sketches that stop
+#: growing with the fleet").
+SKETCHED_WORKERS = 16
+
 
 @dataclass(frozen=True)
 class StreamLimits:
@@ -18,3 +28,11 @@ class StreamLimits:
     #: Seconds between two coefficient pushes of one pair on one Observe stream (the
     #: latest goes when the interval is over; 0: each refit's at once).
     push_every_s: float = 0.0
+    #: Workers of a pair whose every round carries its sketch (0: every worker's).
+    sketched_workers: int = SKETCHED_WORKERS
+
+    def sketch_every(self, streaming: int) -> int:
+        """One round summary in how many carries its sketch, with ``streaming`` workers
+        of its pair streaming (``WorkerOpened.sketch_every``)."""
+        per = self.sketched_workers
+        return 1 if per <= 0 or streaming <= per else -(-streaming // per)

@@ -8,6 +8,7 @@ reads nothing more, and HTTP/2 flow control holds its sender back."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 import math
@@ -51,6 +52,8 @@ class StreamHost(Protocol):
     on_refused: Callable[[str, str], None]
     #: (pair_id, worker_id) -> the open stream sending as that worker.
     owners: dict[tuple[str, str], ObserveStream]
+    #: pair_id -> how many of its workers open streams send as (``owners``' count).
+    streaming: collections.Counter[str]
 
     def malformed(self, method: str) -> None: ...
 
@@ -124,15 +127,20 @@ class ObserveStream:
         if isinstance(msg, str):
             coefficients = self._coefficients.pop(msg)
             self._pushed[msg] = asyncio.get_running_loop().time()
-            return pb.ObserveResponse(
-                coefficients_update=pb.CoefficientsUpdate(coefficients=coefficients)
+            update = pb.CoefficientsUpdate(
+                coefficients=coefficients, sketch_every=self._sketch_every(msg)
             )
+            return pb.ObserveResponse(coefficients_update=update)
         if isinstance(msg, tuple):
             level = self._acks.pop(msg)
             return pb.ObserveResponse(
                 ack=pb.Ack(pair_id=msg[0], worker_id=msg[1], acked_sequence=level)
             )
         return msg
+
+    def _sketch_every(self, pair_id: str) -> int:
+        """What the pair's workers are asked now: a sketch with one round in how many."""
+        return self.service.limits.sketch_every(self.service.streaming[pair_id])
 
     def close(self) -> None:
         self.out.put_nowait(None)
@@ -149,6 +157,7 @@ class ObserveStream:
                 "sending on another open stream; give each sender its own worker_id",
             )
         self.service.owners[key] = self
+        self.service.streaming[pair_id] += 1
         self.claimed.add(key)
 
     async def _open(self, req: pb.ObserveRequest) -> None:
@@ -183,6 +192,7 @@ class ObserveStream:
                     worker_id=req.worker_id,
                     applied_sequence=applied,
                     acked_sequence=durable,
+                    sketch_every=self._sketch_every(pair.id),
                 )
             )
         )
@@ -240,9 +250,13 @@ class ObserveStream:
             )
 
     def release(self) -> None:
+        streaming = self.service.streaming
         for key in self.claimed:
             if self.service.owners.get(key) is self:
                 del self.service.owners[key]
+                streaming[key[0]] -= 1
+                if streaming[key[0]] <= 0:
+                    del streaming[key[0]]
         self.claimed.clear()
 
     async def _consume(self) -> None:

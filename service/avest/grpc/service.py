@@ -9,6 +9,7 @@ RESOURCE_EXHAUSTED, all with a message that names the field.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -67,6 +68,8 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         self.latest: dict[str, Latest] = {}
         self.open_streams = 0
         self.owners: dict[tuple[str, str], ObserveStream] = {}
+        #: Per pair, how many of its workers open streams send as (``owners`` counted).
+        self.streaming: collections.Counter[str] = collections.Counter()
         #: Unary calls per pair, whoever sends them (``pair_rate``).
         self.pair_rates = KeyedRates(limits.pair_rate)
         self._logs = LogLimiter("avest.grpc")

@@ -162,22 +162,26 @@ class Ack(_message.Message):
     def __init__(self, pair_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., acked_sequence: _Optional[int] = ...) -> None: ...
 
 class CoefficientsUpdate(_message.Message):
-    __slots__ = ("coefficients",)
+    __slots__ = ("coefficients", "sketch_every")
     COEFFICIENTS_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_EVERY_FIELD_NUMBER: _ClassVar[int]
     coefficients: Coefficients
-    def __init__(self, coefficients: _Optional[_Union[Coefficients, _Mapping]] = ...) -> None: ...
+    sketch_every: int
+    def __init__(self, coefficients: _Optional[_Union[Coefficients, _Mapping]] = ..., sketch_every: _Optional[int] = ...) -> None: ...
 
 class WorkerOpened(_message.Message):
-    __slots__ = ("pair_id", "worker_id", "applied_sequence", "acked_sequence")
+    __slots__ = ("pair_id", "worker_id", "applied_sequence", "acked_sequence", "sketch_every")
     PAIR_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     APPLIED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     ACKED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_EVERY_FIELD_NUMBER: _ClassVar[int]
     pair_id: str
     worker_id: str
     applied_sequence: int
     acked_sequence: int
-    def __init__(self, pair_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., applied_sequence: _Optional[int] = ..., acked_sequence: _Optional[int] = ...) -> None: ...
+    sketch_every: int
+    def __init__(self, pair_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., applied_sequence: _Optional[int] = ..., acked_sequence: _Optional[int] = ..., sketch_every: _Optional[int] = ...) -> None: ...
 
 class ObserveResponse(_message.Message):
     __slots__ = ("ack", "coefficients_update", "opened")
