@@ -138,14 +138,15 @@ def _reference(url: str, root: Path, order: list[list[pb.ObserveRequest]], steps
         return settled(url, [replica], msgs[0].pair_id, steps)[0]
 
 
+def _two_replicas(cluster: PostgresCluster, tmp_path: Path):  # noqa: ANN202
+    """A pair of K positions on two replicas: ``(url, group, pair_id)``."""
+    return pair_on_replicas(cluster, tmp_path / "pair", 2, K, REFIT_INTERVAL)
+
+
 def test_a_killed_refitter_hands_its_pair_over_losing_nothing(
     tmp_path: Path, postgres_cluster: PostgresCluster
 ) -> None:
-    with pair_on_replicas(postgres_cluster, tmp_path / "pair", 2, K, REFIT_INTERVAL) as (
-        url,
-        group,
-        pair_id,
-    ):
+    with _two_replicas(postgres_cluster, tmp_path) as (url, group, pair_id):
         lead, other = refitter_and_other(group)
         w0 = synthetic_steps(pair_id, "w0", K, 2 * STEPS, seed=0)
         w1 = synthetic_steps(pair_id, "w1", K, 2 * STEPS, seed=1)
@@ -176,11 +177,7 @@ def test_a_killed_refitter_hands_its_pair_over_losing_nothing(
 def test_postgresql_stopped_for_ten_seconds_holds_the_acks_and_loses_nothing(
     tmp_path: Path, postgres_cluster: PostgresCluster
 ) -> None:
-    with pair_on_replicas(postgres_cluster, tmp_path / "pair", 2, K, REFIT_INTERVAL) as (
-        url,
-        group,
-        pair_id,
-    ):
+    with _two_replicas(postgres_cluster, tmp_path) as (url, group, pair_id):
         steps = synthetic_steps(pair_id, "w0", K, 2 * STEPS, seed=0)
         assert send(group[0], steps[:STEPS]) == STEPS
         settled(url, group, pair_id, STEPS)

@@ -25,25 +25,9 @@ from tests.support.rpc import (
     stub_for,
     synthetic_steps,
 )
-from tests.support.server import ADMIN, ServerHandle, launch
+from tests.support.server import ADMIN, ServerHandle, launch, populate
 
 pytestmark = pytest.mark.slow
-
-
-def _populate(data: Path, pairs: int = 3, steps: int = 35, k: int = 64) -> dict[str, pb.Pair]:
-    """``pairs`` trained pairs (different data) in a store; their state by id."""
-    srv = launch(data)
-    try:
-        channel, stub = stub_for(srv.grpc_address)
-        out = {}
-        for n in range(pairs):
-            reg = register_k(stub, k, n)
-            observe_all(stub, synthetic_steps(reg.pair_id, f"w{n}", k, steps, seed=n))
-            out[reg.pair_id] = stub.GetPair(pb.GetPairRequest(pair_id=reg.pair_id)).pair
-        channel.close()
-    finally:
-        srv.stop()
-    return out
 
 
 def _metric(srv: ServerHandle, name: str, labels: str = "") -> float | None:
@@ -60,7 +44,7 @@ def _metric(srv: ServerHandle, name: str, labels: str = "") -> float | None:
 @pytest.mark.parametrize("fault", ["truncated", "deleted"])
 def test_a_store_that_held_pairs_and_is_now_empty_refuses_to_start(tmp_path, trace_slice, fault):
     data = tmp_path / "data"
-    _populate(data, pairs=2)
+    populate(data, pairs=2)
     db = data / "avest.sqlite3"
     for extra in (Path(f"{db}-wal"), Path(f"{db}-shm")):
         extra.unlink(missing_ok=True)
@@ -83,7 +67,7 @@ def test_a_store_that_held_pairs_and_is_now_empty_refuses_to_start(tmp_path, tra
 
 def test_a_store_emptied_of_rows_refuses_to_start(tmp_path, trace_slice):
     data = tmp_path / "data"
-    _populate(data, pairs=1)
+    populate(data, pairs=1)
     with sqlite3.connect(data / "avest.sqlite3") as c:
         c.execute("PRAGMA foreign_keys=OFF")
         for table in ("snapshots", "workers", "coefficient_history", "cost_curves", "pairs"):
@@ -123,7 +107,7 @@ def _file_offset(db: Path, pair_id: str) -> tuple[int, int]:
 @pytest.mark.parametrize("fault", ["flipped-byte", "garbage-page"])
 def test_a_corrupt_snapshot_quarantines_its_pair_and_the_others_serve(tmp_path, trace_slice, fault):
     data = tmp_path / "data"
-    before = _populate(data, pairs=3)
+    before = populate(data, pairs=3)
     bad = sorted(before)[1]
     db = data / "avest.sqlite3"
     at, page = _file_offset(db, bad)

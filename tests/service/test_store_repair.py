@@ -46,7 +46,7 @@ from tests.support.rpc import (
     synthetic_steps,
 )
 from tests.support.serve import serve
-from tests.support.server import ADMIN, launch
+from tests.support.server import ADMIN, launch, populate
 
 pytestmark = pytest.mark.slow
 
@@ -57,22 +57,6 @@ WAIT_S = 60.0
 
 
 # -- helpers ---------------------------------------------------------------------------
-
-
-def _populate(data: Path, pairs: int = 3, steps: int = 35) -> dict[str, pb.Pair]:
-    """``pairs`` trained pairs (label ``n`` = 0, 1, ...; worker ``w<n>``); their state."""
-    srv = launch(data)
-    try:
-        channel, stub = stub_for(srv.grpc_address)
-        out = {}
-        for n in range(pairs):
-            reg = register_k(stub, K, n)
-            observe_all(stub, synthetic_steps(reg.pair_id, f"w{n}", K, steps, seed=n))
-            out[reg.pair_id] = stub.GetPair(pb.GetPairRequest(pair_id=reg.pair_id)).pair
-        channel.close()
-    finally:
-        srv.stop()
-    return out
 
 
 def _settled(db: Path) -> int:
@@ -143,6 +127,16 @@ def _readyz(srv: Any) -> httpx.Response:
     return httpx.get(f"{srv.http_url}/readyz", timeout=10)
 
 
+def _serves_every_pair(data: Path, before: dict[str, pb.Pair]) -> None:
+    """A server started on ``data`` serves every pair as it was, and is ready."""
+    srv = launch(data)
+    try:
+        assert pairs_by_id(srv.grpc_address) == before
+        assert _readyz(srv).json() == {"status": "ready"}
+    finally:
+        srv.stop()
+
+
 def _register(srv: Any, n: int) -> pb.RegisterPairResponse:
     channel, stub = stub_for(srv.grpc_address)
     try:
@@ -177,7 +171,7 @@ def test_random_bytes_on_an_index_page_are_repaired_at_start_and_every_pair_serv
     tmp_path, caplog, index
 ):
     data = tmp_path / "data"
-    before = _populate(data)
+    before = populate(data, k=K)
     db = data / DATABASE
     size = _settled(db)
     noise = random.Random(index).randbytes(size)
@@ -216,7 +210,7 @@ def test_random_bytes_on_an_index_page_are_repaired_at_start_and_every_pair_serv
 
 def test_an_index_that_disagrees_with_its_table_is_rebuilt_in_place(tmp_path, caplog):
     data = tmp_path / "data"
-    before = _populate(data)
+    before = populate(data, k=K)
     db = data / DATABASE
     size = _settled(db)
     page = _root(db, "sqlite_autoindex_workers_1")
@@ -232,12 +226,7 @@ def test_an_index_that_disagrees_with_its_table_is_rebuilt_in_place(tmp_path, ca
     assert _rows(db, "PRAGMA integrity_check") != [("ok",)]
     caplog.set_level(logging.INFO, logger="avest")
 
-    srv = launch(data)
-    try:
-        assert pairs_by_id(srv.grpc_address) == before
-        assert _readyz(srv).json() == {"status": "ready"}
-    finally:
-        srv.stop()
+    _serves_every_pair(data, before)
     said = [m for m in _messages(caplog) if m.startswith("store repaired at start")]
     assert len(said) == 1 and "REINDEX rebuilt the indexes" in said[0], _messages(caplog)
     assert "sqlite_autoindex_workers_1" in said[0]
@@ -252,7 +241,7 @@ def test_only_the_pair_whose_rows_are_unreadable_is_set_aside_and_its_file_left_
     tmp_path, caplog
 ):
     data = tmp_path / "data"
-    before = _populate(data)
+    before = populate(data, k=K)
     bad = sorted(before)[1]
     n_bad = int(before[bad].key.labels["n"])
     db = data / DATABASE
@@ -298,7 +287,7 @@ def test_only_the_pair_whose_rows_are_unreadable_is_set_aside_and_its_file_left_
 
 def test_readyz_is_503_while_none_of_the_stored_pairs_can_be_served(tmp_path):
     data = tmp_path / "data"
-    before = _populate(data)
+    before = populate(data, k=K)
     db = data / DATABASE
     with sqlite3.connect(db) as c:
         c.execute("UPDATE snapshots SET checksum = 'not the checksum'")
@@ -327,7 +316,7 @@ def test_readyz_is_503_while_none_of_the_stored_pairs_can_be_served(tmp_path):
 
 def test_deleting_a_set_aside_pair_from_the_store_frees_its_id(tmp_path):
     data = tmp_path / "data"
-    before = _populate(data, pairs=2)
+    before = populate(data, pairs=2, k=K)
     gone, kept = sorted(before)
     db = data / DATABASE
     with sqlite3.connect(db) as c:
@@ -357,7 +346,7 @@ def test_deleting_a_set_aside_pair_from_the_store_frees_its_id(tmp_path):
 
 def test_an_admin_deletes_a_set_aside_pair_and_its_key_registers_afresh(tmp_path):
     data = tmp_path / "data"
-    before = _populate(data, pairs=1)
+    before = populate(data, pairs=1, k=K)
     (gone,) = before
     with sqlite3.connect(data / DATABASE) as c:
         c.execute("UPDATE snapshots SET checksum = 'x'")
@@ -428,7 +417,7 @@ def test_a_disk_that_refuses_reads_is_an_io_error_and_nothing_is_set_aside(
     tmp_path, monkeypatch, caplog, fault, which
 ):
     data = tmp_path / "data"
-    before = _populate(data)
+    before = populate(data, k=K)
     db = data / DATABASE
     bad = set(before) if which == "all" else {sorted(before)[1]}
 
@@ -464,12 +453,7 @@ def test_a_disk_that_refuses_reads_is_an_io_error_and_nothing_is_set_aside(
     assert {r[0] for r in _rows(db, "SELECT id FROM pairs")} == set(before)
 
     monkeypatch.undo()  # the disk reads again: every pair serves
-    srv = launch(data)
-    try:
-        assert pairs_by_id(srv.grpc_address) == before
-        assert _readyz(srv).json() == {"status": "ready"}
-    finally:
-        srv.stop()
+    _serves_every_pair(data, before)
 
 
 #: Bytes the service's files may grow past its log's size when the fault starts: less

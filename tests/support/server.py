@@ -157,6 +157,27 @@ def launch(data_dir: str | Path, **overrides: Any) -> ServerHandle:
     return ServerHandle(settings_for(data_dir, **overrides))
 
 
+def populate(data_dir: str | Path, pairs: int = 3, steps: int = 35, k: int = 64) -> dict[str, Any]:
+    """A store with ``pairs`` trained pairs (label ``n`` = 0, 1, ...; worker ``w<n>``; each
+    its own synthetic steps), made by a server started and stopped on ``data_dir``: each
+    pair's ``avest.v1.Pair`` by id."""
+    from avest_wire.v1 import estimator_pb2 as pb
+    from tests.support.rpc import observe_all, register_k, stub_for, synthetic_steps
+
+    srv = launch(data_dir)
+    try:
+        channel, stub = stub_for(srv.grpc_address)
+        out = {}
+        for n in range(pairs):
+            reg = register_k(stub, k, n)
+            observe_all(stub, synthetic_steps(reg.pair_id, f"w{n}", k, steps, seed=n))
+            out[reg.pair_id] = stub.GetPair(pb.GetPairRequest(pair_id=reg.pair_id)).pair
+        channel.close()
+    finally:
+        srv.stop()
+    return out
+
+
 def thread_stacks() -> str:
     """Every thread's stack, innermost call last (for a hang's report)."""
     names = {t.ident: t.name for t in threading.enumerate()}
