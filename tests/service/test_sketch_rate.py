@@ -146,6 +146,11 @@ def test_workers_send_a_sketch_with_one_round_in_what_they_are_asked(open_server
     # the last to open was asked for one round in 4, the first for every round: far
     # fewer sketched drafts than pooled ones, and some
     assert 0 < sketched < 0.8 * drafts
+    # the worker table says which worker sent how many
+    rows = live.http.get(f"/v1/pairs/{reg.pair_id}/workers").json()["workers"]
+    counts = {r["worker_id"]: (r["summaries"], r["sketches"]) for r in rows}
+    assert counts["w0"] == (rounds + 1, rounds + 1)
+    assert counts["w3"][0] == rounds + 1 and 1 <= counts["w3"][1] <= 3
 
 
 def test_a_session_sends_a_sketch_with_one_round_in_what_it_was_asked():

@@ -259,6 +259,11 @@ class WorkerOut(BaseModel):
     first_seen: float = Field(description="Unix time")
     last_seen: float = Field(description="Unix time")
     summaries: int
+    sketches: int = Field(
+        0,
+        description="Round summaries that carried their calibration sketch (with more of "
+        "the pair's workers streaming than --sketched-workers, one round in several does)",
+    )
     raw_steps: int
     steps: int = Field(description="Decode steps covered (summaries' steps and raw steps)")
     drafts: int = Field(description="Labelled drafts")

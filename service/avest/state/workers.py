@@ -65,6 +65,9 @@ class WorkerSeen:
     #: ``summary`` when its last message was a round summary, else ``raw``.
     mode: str = "raw"
     summaries: int = 0
+    #: Round summaries that carried their calibration sketch (the service asks for
+    #: one in fewer rounds as more of a pair's workers stream: ``--sketched-workers``).
+    sketches: int = 0
     raw_steps: int = 0
     #: Decode steps covered (summaries' steps plus raw steps).
     steps: int = 0
@@ -153,6 +156,7 @@ class WorkerTable:
         row = self._touch(worker, now)
         row.mode = "summary"
         row.summaries += 1
+        row.sketches += summary.sketch is not None
         row.steps += summary.steps
         row.drafts += summary.drafts
         row.version, row.lag = summary.version, max(0, lag)
@@ -338,6 +342,7 @@ class WorkerTable:
             other.held += r.held
             other.held_steps += r.held_steps
             other.summaries += r.summaries
+            other.sketches += r.sketches
             other.raw_steps += r.raw_steps
             other.steps += r.steps
             other.drafts += r.drafts
