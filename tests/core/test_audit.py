@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import numpy as np
@@ -10,6 +9,7 @@ import pytest
 from scipy import stats
 
 from avest.commands import audit as audit_command
+from avest.commands.cli import build_parser
 from avest.core.audit import (
     DRAFTERS,
     chi2_sf,
@@ -119,9 +119,7 @@ def test_bad_audit_arguments(args, field):
 
 
 def parse(argv):
-    parser = argparse.ArgumentParser()
-    audit_command.register(parser.add_subparsers())
-    return parser.parse_args(["audit", *argv])
+    return build_parser().parse_args(["audit", *argv])
 
 
 def test_cli_json(capsys):
