@@ -15,6 +15,7 @@ from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
 from tests.support.helpers import wait_until
 from tests.support.live import register
+from tests.support.steps import synthetic_steps
 
 K = 5
 
@@ -54,14 +55,9 @@ def _open(stub: pb_grpc.EstimatorServiceStub, pair_id: str, worker: str) -> tupl
 
 
 def _summary(coef: pb.Coefficients, steps: int, seed: int = 0):  # noqa: ANN202
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
+    """A round of ``steps`` synthetic decode steps, summed at ``coef``, with its sketch."""
     acc = RoundAccumulator(K)
-    for _ in range(steps):
-        x = rng.normal(1.0, 2.0, size=(16, K))
-        verified = np.full(16, K)
-        accepted = rng.integers(0, K + 1, size=16)
+    for x, verified, accepted in synthetic_steps(steps, k=K, seed=seed):
         acc.add(x, verified, accepted, coef.slope, tuple(coef.intercepts))
     summary = acc.take(coef.version, coef.slope, tuple(coef.intercepts))
     assert summary is not None and summary.sketch is not None
