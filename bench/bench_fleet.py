@@ -699,6 +699,15 @@ class Clients:
             p.join(10)
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of a process and of its live descendants (``--grpc-process``'s front)."""
+    total = cpu_s(pid)
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError, ValueError):
+            total += sum(tree_cpu_s(int(c)) for c in children.read_text().split())
+    return total
+
+
 def _pct(values: Sequence[float], q: float) -> float | None:
     return round(float(np.percentile(np.asarray(values) * 1e3, q)), 1) if len(values) else None
 
@@ -710,10 +719,10 @@ def run_clients(spec: ClientSpec, procs: int, server_pid: int, wait_s: float) ->
     clients = Clients(spec, procs, shared)
     try:
         clients.wait("ready", wait_s)
-        cpu0 = cpu_s(server_pid)
+        cpu0 = tree_cpu_s(server_pid)
         shared.go.set()
         acked = clients.wait("acked", wait_s + 30)
-        server_cpu = cpu_s(server_pid) - cpu0
+        server_cpu = tree_cpu_s(server_pid) - cpu0
         client_cpu_window = sum(v[1] for v in acked.values())
         shared.stop.set()
         shared.close.set()
@@ -1201,7 +1210,7 @@ def overload_case(
         clients.check()
         server.check(f"overload ({case})")
         opened_at_start = shared.opened.value
-        acked0, cpu0, ccpu0 = shared.acked.value, cpu_s(server.pid), clients.cpu()
+        acked0, cpu0, ccpu0 = shared.acked.value, tree_cpu_s(server.pid), clients.cpu()
         lag0 = server.buckets(LOOP_LAG)
         write0 = server.buckets(STORE_WRITE)
         pcpu0, t0 = time.process_time(), time.perf_counter()
@@ -1211,7 +1220,7 @@ def overload_case(
             )
         )
         elapsed = time.perf_counter() - t0
-        acked1, cpu1, ccpu1 = shared.acked.value, cpu_s(server.pid), clients.cpu()
+        acked1, cpu1, ccpu1 = shared.acked.value, tree_cpu_s(server.pid), clients.cpu()
         pcpu1 = time.process_time()
         lag = _window_quantiles(lag0, server.buckets(LOOP_LAG), (0.5, 0.99))
         write = _window_quantiles(write0, server.buckets(STORE_WRITE), (0.5, 0.99))

@@ -25,11 +25,12 @@ from typing import Any
 import grpc
 import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from avest.grpc.gate import Gate
 from avest.grpc.interceptor import RpcInterceptor
 from avest.grpc.reads import Published, ReadServer, add_port
+from avest.grpc.relay import RelayServer
 from avest.grpc.service import EstimatorService
 from avest.http.api import build_http
 from avest.http.bridge import Heartbeat, HttpThread, LoopBridge
@@ -45,6 +46,12 @@ log = logging.getLogger("avest")
 #: Share of the grace period the final snapshot may use; the rest closes streams and sockets.
 FLUSH_SHARE = 0.6
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EstimatorService"].full_name
+#: The services the main port serves.
+SERVICES = (
+    pb.DESCRIPTOR.services_by_name["EstimatorService"],
+    health_pb2.DESCRIPTOR.services_by_name["Health"],
+    reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"],
+)
 
 
 class BindError(OSError):
@@ -70,7 +77,7 @@ class Server:
         self.max_connections = settings.max_connections
         #: Listeners whose traffic (tokens, or open writes) is readable on the network.
         self.exposure: list[str] = []
-        self._grpc: grpc.aio.Server | None = None
+        self._grpc: grpc.aio.Server | RelayServer | None = None
         #: Each pair as the read port serves it (its GetCoefficients response and served
         #: model), kept when there is a read port.
         self.published = Published(self.app) if settings.read_address else None
@@ -184,27 +191,28 @@ class Server:
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ("grpc.http2.max_ping_strikes", 3),
         ]
-        self._grpc = grpc.aio.server(
-            interceptors=[
-                RpcInterceptor(self.metrics.rpc_duration),
-                Gate(self.access, self.metrics.refused, rpc_rate=s.rpc_rate),
-            ],
-            options=options,
-            maximum_concurrent_rpcs=s.max_streams,
-        )
-        pb_grpc.add_EstimatorServiceServicer_to_server(self.service, self._grpc)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
-        reflection.enable_server_reflection(
-            (
-                SERVICE_NAME,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
-            self._grpc,
-        )
+        interceptors = [
+            RpcInterceptor(self.metrics.rpc_duration),
+            Gate(self.access, self.metrics.refused, rpc_rate=s.rpc_rate),
+        ]
+        server: grpc.aio.Server | RelayServer
+        if s.grpc_process:
+            server = RelayServer(interceptors, options, s.max_streams, SERVICES)
+        else:
+            server = grpc.aio.server(
+                interceptors=interceptors, options=options, maximum_concurrent_rpcs=s.max_streams
+            )
+        self._grpc = server
+        pb_grpc.add_EstimatorServiceServicer_to_server(self.service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection([d.full_name for d in SERVICES], server)
         host, port = split_address(self.settings.grpc_address)
         credentials = grpc_credentials(s)
-        self.grpc_port = add_port(self._grpc, f"{host}:{port}", credentials)
+        if isinstance(server, RelayServer):
+            self.grpc_port = await server.listen(f"{host}:{port}", tls_files(s))
+            server.lost.add_done_callback(lambda _: asyncio.ensure_future(self.stop()))
+        else:
+            self.grpc_port = add_port(server, f"{host}:{port}", credentials)
         if self.grpc_port == 0:
             await self._abandon_start()
             raise BindError(
@@ -340,6 +348,14 @@ def grpc_credentials(s: Settings) -> grpc.ServerCredentials | None:
         root_certificates=ca,
         require_client_auth=ca is not None,
     )
+
+
+def tls_files(s: Settings) -> tuple[bytes, bytes, bytes | None] | None:
+    """The key, certificate and client CA (or None) for the gRPC front process."""
+    if not s.tls_cert:
+        return None
+    ca = Path(s.tls_client_ca).read_bytes() if s.tls_client_ca else None
+    return Path(s.tls_key).read_bytes(), Path(s.tls_cert).read_bytes(), ca
 
 
 def http_tls(s: Settings) -> dict[str, object]:

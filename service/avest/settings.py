@@ -40,6 +40,12 @@ class Settings(BaseSettings):
         "health) on a gRPC server of its own threads, answered while Observe streams keep "
         "the main port busy; empty for none",
     )
+    grpc_process: bool = Field(
+        False,
+        description="serve the gRPC port from a process of its own, which relays each call "
+        "to this one: gRPC's I/O gets a core of its own, so calls and new streams are taken "
+        "at once while the pairs' owners keep this process busy",
+    )
     data_dir: str = Field("./avest-data", description="directory holding the SQLite database")
     store: str = Field(
         "",
