@@ -1408,6 +1408,10 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+#: The probes whose p50 / p99 / max the overload table shows.
+PROBED = ("healthz", "getcoef", "getcoef_read", "budget_read")
+
+
 def _cell(section: str, r: dict[str, Any], key: str) -> Any:
     if key in r:
         return r[key]
@@ -1426,18 +1430,7 @@ def _cell(section: str, r: dict[str, Any], key: str) -> Any:
         "shares": [get("server_cpu_share"), get("client_cpu_share")],
         "busy": f"{get('busy_streams')} ({get('busy_kind')}, at most "
         f"{get('busy_window')} unacknowledged each)",
-        "healthz": [get("healthz_p50_ms"), get("healthz_p99_ms"), get("healthz_max_ms")],
-        "getcoef": [get("getcoef_p50_ms"), get("getcoef_p99_ms"), get("getcoef_max_ms")],
-        "getcoef_read": [
-            get("getcoef_read_p50_ms"),
-            get("getcoef_read_p99_ms"),
-            get("getcoef_read_max_ms"),
-        ],
-        "budget_read": [
-            get("budget_read_p50_ms"),
-            get("budget_read_p99_ms"),
-            get("budget_read_max_ms"),
-        ],
+        **{name: [get(f"{name}_{q}_ms") for q in ("p50", "p99", "max")] for name in PROBED},
         "probes": [
             get("healthz_probes"),
             get("getcoef_probes"),

@@ -23,7 +23,6 @@ import contextlib
 import errno
 import logging
 import random
-import resource
 import sqlite3
 import threading
 from collections.abc import Callable, Sequence
@@ -45,7 +44,6 @@ from tests.support.rpc import (
     stub_for,
     synthetic_steps,
 )
-from tests.support.serve import serve
 from tests.support.server import ADMIN, launch, populate
 
 pytestmark = pytest.mark.slow
@@ -454,56 +452,6 @@ def test_a_disk_that_refuses_reads_is_an_io_error_and_nothing_is_set_aside(
 
     monkeypatch.undo()  # the disk reads again: every pair serves
     _serves_every_pair(data, before)
-
-
-#: Bytes the service's files may grow past its log's size when the fault starts: less
-#: than one group commit of a K = 64 pair writes (its snapshot alone is tens of kB).
-ROOM_BYTES = 16 * 1024
-
-
-def test_a_disk_that_refuses_writes_reads_as_a_store_io_error(tmp_path):
-    data = tmp_path / "data"
-    served = serve(data, "--flush-interval-ms", "20")
-    try:
-        channel, stub = stub_for(served.grpc_address)
-        pair_id = register_k(stub, K, 0, refit_interval=5).pair_id
-        steps = synthetic_steps(pair_id, "w", K, 40, seed=1)
-        assert observe_all(stub, steps[:20])[0] == 20
-        pid = served.proc.pid
-        soft, hard = resource.prlimit(pid, resource.RLIMIT_FSIZE)
-        resource.prlimit(pid, resource.RLIMIT_FSIZE, (served.log_bytes() + ROOM_BYTES, hard))
-        done = threading.Event()
-
-        def requests():  # noqa: ANN202
-            yield from steps[20:]
-            done.wait(WAIT_S)
-
-        def consume() -> None:
-            for resp in stub.Observe(requests(), timeout=3 * WAIT_S):
-                if resp.HasField("ack") and resp.ack.acked_sequence == 40:
-                    done.set()
-
-        reader = threading.Thread(target=consume)
-        reader.start()
-        try:
-            assert wait_until(
-                lambda: (
-                    httpx.get(served.http_url + "/readyz", timeout=10).json().get("status")
-                    == "store-error"
-                ),
-                WAIT_S,
-            ), served.output()[-3000:]
-            reason = httpx.get(served.http_url + "/readyz", timeout=10).json()["reason"]
-            assert "store I/O error: " in reason and "malformed" not in reason, reason
-            assert wait_until(lambda: "store I/O error: " in served.output(), WAIT_S)
-            resource.prlimit(pid, resource.RLIMIT_FSIZE, (soft, hard))
-            assert done.wait(WAIT_S), served.output()[-3000:]
-        finally:
-            done.set()
-            reader.join(WAIT_S)
-        channel.close()
-    finally:
-        assert served.stop() == 0
 
 
 # -- stopping while the disk is full -------------------------------------------------------
