@@ -560,10 +560,16 @@ class Avest:
     async def _flush_loop(self) -> None:
         interval = self.config.flush_interval_ms / 1000.0
         reported = ""  # the store error last logged
+        loop = asyncio.get_running_loop()
+        due = loop.time() + interval
         while True:
+            # One group commit per interval from the start of the last, not from its
+            # end: a step applied as a write begins waits at most the interval plus
+            # the next write, not two writes and the interval.
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._flush_now.wait(), timeout=interval)
+                await asyncio.wait_for(self._flush_now.wait(), timeout=max(0.0, due - loop.time()))
             self._flush_now.clear()
+            due = loop.time() + interval
             if self.draining:
                 return  # the server's final snapshot, bounded by the grace period, takes over
             try:
