@@ -17,7 +17,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from avest.core.rule_factory import RULE_NAMES
-from avest.grpc.limits import SKETCHED_WORKERS, StreamLimits
+from avest.grpc.limits import PAIR_PUSHES_PER_S, SKETCHED_WORKERS, StreamLimits
 from avest.state.config import StateConfig
 from avest.state.stores import is_postgres
 
@@ -154,6 +154,13 @@ class Settings(BaseSettings):
         description="an Observe stream gets a pair's new coefficients at most this often: "
         "the latest, when the interval is over (0: after every refit)",
     )
+    pair_pushes_per_s: float = Field(
+        PAIR_PUSHES_PER_S,
+        ge=0,
+        description="coefficient pushes a second per pair, its Observe streams together: "
+        "with more workers streaming than a tenth of this, each stream gets the latest at "
+        "most every workers / this seconds (0: every refit's to every stream)",
+    )
     sketched_workers: int = Field(
         SKETCHED_WORKERS,
         ge=0,
@@ -271,6 +278,7 @@ class Settings(BaseSettings):
             max_message_bytes=self.max_message_bytes,
             push_every_s=self.push_interval_ms / 1000.0,
             sketched_workers=self.sketched_workers,
+            pair_pushes_per_s=self.pair_pushes_per_s,
         )
 
 

@@ -8,17 +8,22 @@ import asyncio
 import collections
 from types import SimpleNamespace
 
+import pytest
+
 from avest.grpc.limits import StreamLimits
 from avest.grpc.observe import ObserveStream
 from avest_wire.v1 import estimator_pb2 as pb
 
 
-def _stream(durable: dict[str, int], push_every_s: float = 0.0) -> ObserveStream:
+def _stream(
+    durable: dict[str, int], push_every_s: float = 0.0, streaming: int = 0
+) -> ObserveStream:
     pair = SimpleNamespace(durable=durable)
     host = SimpleNamespace(
         app=SimpleNamespace(registry=SimpleNamespace(pairs={"p": pair})),
         limits=StreamLimits(max_rows=1, pair_rate=0.0, push_every_s=push_every_s),
-        streaming=collections.Counter(),
+        streaming=collections.Counter({"p": streaming}),
+        updates={},
     )
     return ObserveStream(host, None, None)  # type: ignore[arg-type]
 
@@ -61,10 +66,15 @@ def test_unsent_updates_and_acks_are_replaced_by_newer_ones() -> None:
     asyncio.run(run())
 
 
-def test_a_pairs_updates_go_at_most_once_per_push_interval_the_latest() -> None:
+@pytest.mark.parametrize(
+    ("push_every_s", "streaming", "interval"),
+    [(0.2, 0, 0.2), (0.0, 200, 0.2)],  # set, or from the pair's 200 workers streaming
+)
+def test_a_pairs_updates_go_at_most_once_per_push_interval_the_latest(
+    push_every_s: float, streaming: int, interval: float
+) -> None:
     async def run() -> None:
-        interval = 0.2
-        stream = _stream({}, push_every_s=interval)
+        stream = _stream({}, push_every_s=push_every_s, streaming=streaming)
         stream.pairs.add("p")
         loop = asyncio.get_running_loop()
         # The first goes at once.
@@ -80,5 +90,32 @@ def test_a_pairs_updates_go_at_most_once_per_push_interval_the_latest() -> None:
         assert msg is not None
         assert stream._response(msg).coefficients_update.coefficients.version == 11
         assert stream.out.empty()
+
+    asyncio.run(run())
+
+
+def test_a_pairs_pushes_a_second_stay_bounded_as_its_streams_grow() -> None:
+    limits = StreamLimits(max_rows=1, pair_rate=0.0)  # 1,000 pushes a second per pair
+    assert [limits.push_every(w) for w in (1, 100, 1000, 4000)] == [0.001, 0.1, 1.0, 4.0]
+    for workers in (1, 100, 1000, 4000):  # every refit's (10 a second at most) or fewer
+        assert workers * min(10.0, 1 / limits.push_every(workers)) <= 1000
+    # the operator's interval, when longer, and no bound at all
+    assert StreamLimits(max_rows=1, pair_rate=0.0, push_every_s=2.0).push_every(1000) == 2.0
+    unbounded = StreamLimits(max_rows=1, pair_rate=0.0, pair_pushes_per_s=0)
+    assert unbounded.push_every(10**6) == 0.0
+
+
+def test_one_push_message_serves_every_stream_of_a_refit() -> None:
+    async def run() -> None:
+        one, two = _stream({}), _stream({})
+        two.service = one.service  # one service, two streams
+        coefficients = pb.Coefficients(pair_id="p", version=3)
+        sent = []
+        for stream in (one, two):
+            stream.pairs.add("p")
+            stream.coefficients("p", coefficients)
+            sent += _drain(stream)
+        assert len(sent) == 2 and sent[0] is sent[1]
+        assert sent[0].coefficients_update.coefficients.version == 3
 
     asyncio.run(run())

@@ -54,6 +54,9 @@ class StreamHost(Protocol):
     owners: dict[tuple[str, str], ObserveStream]
     #: pair_id -> how many of its workers open streams send as (``owners``' count).
     streaming: collections.Counter[str]
+    #: pair_id -> its latest coefficients push (the coefficients and sketch rate it was
+    #: made of), made once for all its streams.
+    updates: dict[str, tuple[pb.Coefficients, int, pb.ObserveResponse]]
 
     def malformed(self, method: str) -> None: ...
 
@@ -98,7 +101,7 @@ class ObserveStream:
 
     def coefficients(self, pair_id: str, msg: pb.Coefficients) -> None:
         """Queue ``pair_id``'s new coefficients: the latest only, sent at most once per
-        ``push_every_s`` (a later refit's replace one not yet sent)."""
+        :meth:`StreamLimits.push_every` (a later refit's replace one not yet sent)."""
         if pair_id not in self.pairs:
             return
         queued = pair_id in self._coefficients
@@ -106,7 +109,8 @@ class ObserveStream:
         if queued or pair_id in self._opening:
             return
         loop = asyncio.get_running_loop()
-        wait = self._pushed.get(pair_id, -math.inf) + self.service.limits.push_every_s
+        every = self.service.limits.push_every(self.service.streaming[pair_id])
+        wait = self._pushed.get(pair_id, -math.inf) + every
         if wait <= loop.time():
             self.out.put_nowait(pair_id)
         else:
@@ -127,10 +131,14 @@ class ObserveStream:
         if isinstance(msg, str):
             coefficients = self._coefficients.pop(msg)
             self._pushed[msg] = asyncio.get_running_loop().time()
-            update = pb.CoefficientsUpdate(
-                coefficients=coefficients, sketch_every=self._sketch_every(msg)
-            )
-            return pb.ObserveResponse(coefficients_update=update)
+            every = self._sketch_every(msg)
+            # one message per refit for every stream of the pair, not one each
+            made = self.service.updates.get(msg)
+            if made is None or made[0] is not coefficients or made[1] != every:
+                update = pb.CoefficientsUpdate(coefficients=coefficients, sketch_every=every)
+                made = (coefficients, every, pb.ObserveResponse(coefficients_update=update))
+                self.service.updates[msg] = made
+            return made[2]
         if isinstance(msg, tuple):
             level = self._acks.pop(msg)
             return pb.ObserveResponse(

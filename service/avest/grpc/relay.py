@@ -245,8 +245,13 @@ class RelayedCall:
             self._room_waiter = asyncio.get_running_loop().create_future()
             await self._room_waiter
         self.room -= 1
-        data = message if self._serialize is None else self._serialize(message)
-        self.host.send(RESPONSE, self.id, data)
+        host = self.host
+        if message is host.last_response:  # one push to many streams: serialized once
+            data = host.last_bytes
+        else:
+            data = message if self._serialize is None else self._serialize(message)
+            host.last_response, host.last_bytes = message, data
+        host.send(RESPONSE, self.id, data)
 
     async def run(self) -> None:
         ctx = self.context
@@ -308,6 +313,9 @@ class RelayHost:
         self.calls: dict[int, RelayedCall] = {}
         self.protocol: FrameProtocol | None = None
         self.listening: asyncio.Future[tuple[int, str]] | None = None
+        #: The last response sent, serialized.
+        self.last_response: Any = None
+        self.last_bytes = b""
 
     def send(self, kind: int, call: int, payload: bytes = b"") -> None:
         if self.protocol is not None:

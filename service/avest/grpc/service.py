@@ -70,6 +70,8 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
         self.owners: dict[tuple[str, str], ObserveStream] = {}
         #: Per pair, how many of its workers open streams send as (``owners`` counted).
         self.streaming: collections.Counter[str] = collections.Counter()
+        #: Per pair, its latest push as made for every stream (see ObserveStream).
+        self.updates: dict[str, tuple[pb.Coefficients, int, pb.ObserveResponse]] = {}
         #: Unary calls per pair, whoever sends them (``pair_rate``).
         self.pair_rates = KeyedRates(limits.pair_rate)
         self._logs = LogLimiter("avest.grpc")
@@ -122,6 +124,7 @@ class EstimatorService(pb_grpc.EstimatorServiceServicer):
     def _removed(self, pair: Pair, why: str) -> None:
         for stream in list(self.streams):
             stream.pairs.discard(pair.id)
+        self.updates.pop(pair.id, None)
         latest = self.latest.pop(pair.id, None)
         if latest is not None:
             latest.publish(None)
