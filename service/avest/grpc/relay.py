@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import pickle
+import socket
 import struct
+import sys
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -40,7 +43,7 @@ REQUEST = 2  # a request's bytes
 HALF_CLOSE = 3  # no more requests
 CANCEL = 4  # the client went away (or its deadline passed)
 RESPONSE_ROOM = 5  # the last response was written: make the next
-LISTENING = 6  # (call 0) pickled (bound port, or an error message)
+LISTENING = 6  # (call 0) the pickled port bound, 0 when it could not bind
 # service -> front
 RESPONSE = 11  # a response's bytes
 END = 12  # pickled (status code value, details, trailing metadata)
@@ -52,9 +55,6 @@ STOP = 15  # (call 0) pickled grace seconds: stop the server and exit
 #: flowing while the last ones are handed over, few enough that a stream whose pair's
 #: queue is full holds only this many here (the rest wait in HTTP/2's window).
 READ_AHEAD = 4
-
-#: The kinds of method handler, as :mod:`avest.grpc.handlers` names them.
-KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
 
 
 def frame(kind: int, call: int, payload: bytes = b"") -> bytes:
@@ -442,10 +442,6 @@ class RelayServer(grpc.aio.Server):  # type: ignore[misc]
     async def listen(self, address: str, tls: tuple[bytes, bytes, bytes | None] | None) -> int:
         """Start the front process listening on ``address`` (TLS: key, certificate and
         client CA): the port it bound, 0 when it could not."""
-        import os
-        import socket
-        import sys
-
         loop = asyncio.get_running_loop()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         with theirs:
