@@ -1421,22 +1421,13 @@ def _cell(section: str, r: dict[str, Any], key: str) -> Any:
         f"{get('refit_interval')}",
         "client_pair": f"{_fmt(get('client_cpu_us'))} ({_fmt(get('floor_client_cpu_us'))})",
         "versions": f"{get('version_before')} → {get('version_after')}",
-        "pushes": [
-            get("pushes_per_stream_min"),
-            get("pushes_per_stream_mean"),
-            get("pushes_per_stream_max"),
-        ],
+        "pushes": [get(f"pushes_per_stream_{q}") for q in ("min", "mean", "max")],
         "acks": [get("ack_p50_ms"), get("ack_p99_ms")],
         "shares": [get("server_cpu_share"), get("client_cpu_share")],
         "busy": f"{get('busy_streams')} ({get('busy_kind')}, at most "
         f"{get('busy_window')} unacknowledged each)",
         **{name: [get(f"{name}_{q}_ms") for q in ("p50", "p99", "max")] for name in PROBED},
-        "probes": [
-            get("healthz_probes"),
-            get("getcoef_probes"),
-            get("getcoef_read_probes"),
-            get("budget_read_probes"),
-        ],
+        "probes": [get(f"{name}_probes") for name in PROBED],
         "loop_lag": [get("loop_lag_p50_s"), get("loop_lag_p99_s")],
         "store_write": [get("store_write_p50_s"), get("store_write_p99_s")],
         "shedding": f"{_fmt(get('backpressure_waits'))}; "

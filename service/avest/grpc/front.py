@@ -124,17 +124,23 @@ class Front:
             front.protocol.send(OPEN, call_id, pickle.dumps(head))
             return call_id, call
 
-        def send_one(call_id: int, request: bytes) -> None:
-            front.protocol.send(REQUEST, call_id, request)
-            front.protocol.send(HALF_CLOSE, call_id)
+        def start(request: Any, context: grpc.aio.ServicerContext) -> tuple[int, _Call, Any]:
+            """Open the call at the service and send its request, or start pumping its
+            stream of them."""
+            call_id, call = open_call(context)
+            if kind.startswith("unary"):
+                front.protocol.send(REQUEST, call_id, request)
+                front.protocol.send(HALF_CLOSE, call_id)
+                return call_id, call, None
+            return call_id, call, asyncio.ensure_future(front._pump(call_id, call, request))
+
+        def forget(call_id: int, pump: asyncio.Future[None] | None) -> None:
+            front.calls.pop(call_id, None)
+            if pump is not None:
+                pump.cancel()
 
         async def one_response(request: Any, context: grpc.aio.ServicerContext) -> bytes | None:
-            call_id, call = open_call(context)
-            pump = None
-            if kind == "unary_unary":
-                send_one(call_id, request)
-            else:
-                pump = asyncio.ensure_future(front._pump(call_id, call, request))
+            call_id, call, pump = start(request, context)
             response = None
             try:
                 while True:
@@ -148,20 +154,13 @@ class Front:
                 front.protocol.send(CANCEL, call_id)
                 raise
             finally:
-                front.calls.pop(call_id, None)
-                if pump is not None:
-                    pump.cancel()
+                forget(call_id, pump)
 
         async def responses(
             request: Any, context: grpc.aio.ServicerContext
         ) -> AsyncIterator[bytes]:
-            call_id, call = open_call(context)
-            pump = None
-            if kind == "unary_stream":
-                send_one(call_id, request)
-            else:
-                pump = asyncio.ensure_future(front._pump(call_id, call, request))
-            ended = None
+            call_id, call, pump = start(request, context)
+            ended = b""
             try:
                 while True:
                     got, payload = await call.next()
@@ -175,9 +174,7 @@ class Front:
                 front.protocol.send(CANCEL, call_id)
                 raise
             finally:
-                front.calls.pop(call_id, None)
-                if pump is not None:
-                    pump.cancel()
+                forget(call_id, pump)
             await front._finish(context, ended)
 
         factory: Callable[..., grpc.RpcMethodHandler] = {
