@@ -34,6 +34,7 @@ from avest.grpc.relay import (
     RESPONSE_ROOM,
     START,
     STOP,
+    WRITE_AHEAD,
     FrameProtocol,
 )
 
@@ -160,13 +161,16 @@ class Front:
             request: Any, context: grpc.aio.ServicerContext
         ) -> AsyncIterator[bytes]:
             call_id, call, pump = start(request, context)
-            ended = b""
+            ended, written = b"", 0
             try:
                 while True:
                     got, payload = await call.next()
                     if got == RESPONSE:
                         yield payload
-                        front.protocol.send(RESPONSE_ROOM, call_id)
+                        written += 1
+                        if written == WRITE_AHEAD:
+                            front.protocol.send(RESPONSE_ROOM, call_id, bytes((written,)))
+                            written = 0
                     elif got == END:
                         ended = payload
                         break

@@ -9,11 +9,11 @@ the same way. The service's loop then never holds gRPC's completions up: however
 the owners keep it, every call reaches the front at once, and the front hands it over
 in the next turn here.
 
-Flow control stays what gRPC gives: the front reads a stream's next request only when
-the handler here asks for it (``REQUEST_ROOM``), and the handler here makes its next
-response only once the front has written the last one (``RESPONSE_ROOM``). A pair's
-queue that is full still stops reading its streams, and a slow reader still gets the
-latest value, not a backlog.
+Flow control stays what gRPC gives: the front reads a stream's requests only as far
+as the handler here gave room (``REQUEST_ROOM``, :data:`READ_AHEAD` ahead of what it
+took), and the handler here makes responses only :data:`WRITE_AHEAD` ahead of what the
+front has written (``RESPONSE_ROOM``). A pair's queue that is full still stops reading
+its streams, and a slow reader still gets the latest value, not a backlog.
 
 The frames (both ways): a header (payload length, kind, call id) and the payload.
 """
@@ -42,7 +42,7 @@ OPEN = 1  # pickled (method, metadata, peer, seconds left or None)
 REQUEST = 2  # a request's bytes
 HALF_CLOSE = 3  # no more requests
 CANCEL = 4  # the client went away (or its deadline passed)
-RESPONSE_ROOM = 5  # the last response was written: make the next
+RESPONSE_ROOM = 5  # this many more responses written (one byte): make as many more
 LISTENING = 6  # (call 0) the pickled port bound, 0 when it could not bind
 # service -> front
 RESPONSE = 11  # a response's bytes
@@ -55,6 +55,10 @@ STOP = 15  # (call 0) pickled grace seconds: stop the server and exit
 #: flowing while the last ones are handed over, few enough that a stream whose pair's
 #: queue is full holds only this many here (the rest wait in HTTP/2's window).
 READ_AHEAD = 4
+#: Responses of one stream made ahead of what the front has written: a stream whose
+#: client reads slowly holds at most this many in the front (the latest value waits
+#: here). Room comes back in lots of this size, one frame for each.
+WRITE_AHEAD = 2
 
 
 def frame(kind: int, call: int, payload: bytes = b"") -> bytes:
@@ -181,6 +185,7 @@ class _Requests:
         self.queue: deque[bytes | None] = deque()
         self.waiter: asyncio.Future[None] | None = None
         self._asked = False
+        self._taken = 0
         self._over = False
 
     def put(self, payload: bytes | None) -> None:
@@ -201,8 +206,11 @@ class _Requests:
             self.waiter = asyncio.get_running_loop().create_future()
             await self.waiter
         payload = self.queue.popleft()
-        if payload is not None and self._asked:  # one taken: room for one more
-            self._call.host.send(REQUEST_ROOM, self._call.id, b"\x01")
+        if payload is not None and self._asked:  # room again, in lots of half the window
+            self._taken += 1
+            if self._taken * 2 >= READ_AHEAD:
+                self._call.host.send(REQUEST_ROOM, self._call.id, bytes((self._taken,)))
+                self._taken = 0
         if payload is None:
             self._over = True
             raise StopAsyncIteration
@@ -226,7 +234,7 @@ class RelayedCall:
         self.method = method
         self.context = RelayContext(self, metadata, peer, left)
         self.requests = _Requests(self)
-        self.room = 1
+        self.room = WRITE_AHEAD
         self._room_waiter: asyncio.Future[None] | None = None
         self.cancelled = False
         self.ended = False
@@ -234,8 +242,8 @@ class RelayedCall:
         self._serialize: Callable[[Any], bytes] | None = None
         self.task: asyncio.Task[None] | None = None
 
-    def more_room(self) -> None:
-        self.room += 1
+    def more_room(self, written: int) -> None:
+        self.room += written
         if self._room_waiter is not None and not self._room_waiter.done():
             self._room_waiter.set_result(None)
 
@@ -345,7 +353,7 @@ class RelayHost:
         elif kind == HALF_CLOSE:
             call.requests.put(None)
         elif kind == RESPONSE_ROOM:
-            call.more_room()
+            call.more_room(payload[0])
         elif kind == CANCEL:
             call.cancelled = True
             if call.task is not None:
