@@ -87,6 +87,9 @@ class Server:
         #: The event loop's heartbeat, which /healthz reads on the HTTP thread.
         self.heartbeat = Heartbeat(late=self.metrics.loop_lag.observe)
         self._stopped = asyncio.Event()
+        #: Stopped by a failure rather than asked to (the process exits with 1).
+        self.failed = False
+        self._stopping: asyncio.Future[None] | None = None
 
     @property
     def grpc_address(self) -> str:
@@ -210,7 +213,7 @@ class Server:
         credentials = grpc_credentials(s)
         if isinstance(server, RelayServer):
             self.grpc_port = await server.listen(f"{host}:{port}", tls_files(s))
-            server.lost.add_done_callback(lambda _: asyncio.ensure_future(self.stop()))
+            server.lost.add_done_callback(self._front_lost)
         else:
             self.grpc_port = add_port(server, f"{host}:{port}", credentials)
         if self.grpc_port == 0:
@@ -279,20 +282,29 @@ class Server:
             self.app.store.location,
         )
 
+    def _front_lost(self, _: object) -> None:
+        """The gRPC front process died: stop, and exit with an error (``failed``)."""
+        self.failed = True
+        asyncio.ensure_future(self.stop())  # kept as self._stopping
+
     async def _abandon_start(self) -> None:
         """Undo a start that cannot complete (a listen address taken): stop what runs."""
         with contextlib.suppress(Exception):
             await self.stop()
 
     async def stop(self) -> None:
-        """Drain within the grace period (``grace_s`` for all of it); idempotent.
+        """Drain within the grace period (``grace_s`` for all of it); idempotent: a
+        second call waits for the first's drain.
 
         The final snapshot gets most of the grace period and writes only the
         pairs that changed, in chunks; what it cannot write in time was never
         acknowledged, so workers resend it to the next process.
         """
-        if self._stopped.is_set():
-            return
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop())
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self) -> None:
         self._stopped.set()
         started = time.monotonic()
         grace = self.settings.grace_s
@@ -403,10 +415,14 @@ async def serve(settings: Settings, announce: bool = True, exit_when_stopped: bo
             + (f" read={server.read_address}" if server.read_address else ""),
             flush=True,
         )
-    await stop.wait()
+    # SIGTERM or SIGINT, or the server stopping on its own (its gRPC front died)
+    await asyncio.wait(
+        (asyncio.ensure_future(stop.wait()), asyncio.ensure_future(server.wait())),
+        return_when=asyncio.FIRST_COMPLETED,
+    )
     await server.stop()
     if exit_when_stopped:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(1 if server.failed else 0)

@@ -28,6 +28,7 @@ from avest_wire.v1 import estimator_pb2 as pb
 from tests.support.helpers import wait_until
 from tests.support.live import register
 from tests.support.rpc import observe_request
+from tests.support.serve import serve
 
 K = 5
 
@@ -201,3 +202,16 @@ def test_the_service_stops_when_its_front_dies(open_server) -> None:  # noqa: AN
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
     assert wait_until(lambda: live.handle.server._stopped.is_set(), timeout=15)
+    assert live.handle.server.failed
+
+
+def test_avest_serve_exits_with_an_error_when_its_front_dies(tmp_path: Path) -> None:
+    served = serve(tmp_path / "data", "--grpc-process")
+    try:
+        children = Path(f"/proc/{served.proc.pid}/task/{served.proc.pid}/children")
+        front = int(children.read_text().split()[0])
+        os.kill(front, signal.SIGKILL)
+        assert served.proc.wait(timeout=30) == 1
+        assert "the gRPC front process exited" in served.output()
+    finally:
+        served.stop()
