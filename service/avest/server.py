@@ -30,7 +30,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from avest.grpc.gate import Gate
 from avest.grpc.interceptor import RpcInterceptor
 from avest.grpc.reads import Published, ReadServer, add_port
-from avest.grpc.relay import RelayServer
+from avest.grpc.relay import RelayServer, server_credentials
 from avest.grpc.service import EstimatorService
 from avest.http.api import build_http
 from avest.http.bridge import Heartbeat, HttpThread, LoopBridge
@@ -352,18 +352,12 @@ class Server:
 
 
 def grpc_credentials(s: Settings) -> grpc.ServerCredentials | None:
-    if not s.tls_cert:
-        return None
-    ca = Path(s.tls_client_ca).read_bytes() if s.tls_client_ca else None
-    return grpc.ssl_server_credentials(
-        [(Path(s.tls_key).read_bytes(), Path(s.tls_cert).read_bytes())],
-        root_certificates=ca,
-        require_client_auth=ca is not None,
-    )
+    tls = tls_files(s)
+    return None if tls is None else server_credentials(*tls)
 
 
 def tls_files(s: Settings) -> tuple[bytes, bytes, bytes | None] | None:
-    """The key, certificate and client CA (or None) for the gRPC front process."""
+    """The key, certificate and client CA (or None) that gRPC serves TLS with."""
     if not s.tls_cert:
         return None
     ca = Path(s.tls_client_ca).read_bytes() if s.tls_client_ca else None

@@ -36,6 +36,7 @@ from avest.grpc.relay import (
     STOP,
     WRITE_AHEAD,
     FrameProtocol,
+    server_credentials,
 )
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -216,11 +217,7 @@ async def _serve(fd: int) -> None:
         if tls is None:
             port = server.add_insecure_port(start["address"])
         else:
-            key, cert, ca = tls
-            credentials = grpc.ssl_server_credentials(
-                [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
-            )
-            port = server.add_secure_port(start["address"], credentials)
+            port = server.add_secure_port(start["address"], server_credentials(*tls))
     except RuntimeError:  # grpcio: "Failed to bind to address ..."
         port = 0
     if port:

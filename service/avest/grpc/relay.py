@@ -61,6 +61,13 @@ READ_AHEAD = 4
 WRITE_AHEAD = 2
 
 
+def server_credentials(key: bytes, cert: bytes, ca: bytes | None) -> grpc.ServerCredentials:
+    """TLS for a gRPC server, mutual when a client CA is given."""
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+    )
+
+
 def frame(kind: int, call: int, payload: bytes = b"") -> bytes:
     return HEADER.pack(len(payload), kind, call) + payload
 
