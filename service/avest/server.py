@@ -30,7 +30,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from avest.grpc.gate import Gate
 from avest.grpc.interceptor import RpcInterceptor
 from avest.grpc.reads import Published, ReadServer, add_port
-from avest.grpc.relay import RelayServer, server_credentials
+from avest.grpc.relay import FrontReads, RelayServer, server_credentials
 from avest.grpc.service import EstimatorService
 from avest.http.api import build_http
 from avest.http.bridge import Heartbeat, HttpThread, LoopBridge
@@ -79,8 +79,11 @@ class Server:
         self.exposure: list[str] = []
         self._grpc: grpc.aio.Server | RelayServer | None = None
         #: Each pair as the read port serves it (its GetCoefficients response and served
-        #: model), kept when there is a read port.
-        self.published = Published(self.app) if settings.read_address else None
+        #: model), kept when there is a read port or a gRPC front (which answers
+        #: GetCoefficients from a copy of it).
+        self.published = (
+            Published(self.app) if settings.read_address or settings.grpc_process else None
+        )
         self._reads: ReadServer | None = None
         self.read_port = 0
         self._http: HttpThread | None = None
@@ -212,7 +215,13 @@ class Server:
         host, port = split_address(self.settings.grpc_address)
         credentials = grpc_credentials(s)
         if isinstance(server, RelayServer):
-            self.grpc_port = await server.listen(f"{host}:{port}", tls_files(s))
+            assert self.published is not None
+            server.host.answered = self._answered_in_front
+            self.published.listeners.append(server.publish)
+            reads = FrontReads(
+                (s.worker_token, s.admin_token), s.rpc_rate, self.published.coefficients
+            )
+            self.grpc_port = await server.listen(f"{host}:{port}", tls_files(s), reads)
             server.lost.add_done_callback(self._front_lost)
         else:
             self.grpc_port = add_port(server, f"{host}:{port}", credentials)
@@ -222,14 +231,13 @@ class Server:
                 f"cannot listen on {self.settings.grpc_address} (gRPC, --grpc-address): "
                 "the address is in use or not available here"
             )
-        if self.published is not None:
+        if s.read_address:
+            assert self.published is not None
             self._reads = ReadServer(
                 self.published,
                 self.access,
                 self.metrics.refused,
-                lambda method, code, seconds: self.metrics.rpc_duration.labels(
-                    method, code
-                ).observe(seconds),
+                self._answered,
                 options,
                 self.service.limits,
                 s.rpc_rate,
@@ -281,6 +289,17 @@ class Server:
             self.http_address,
             self.app.store.location,
         )
+
+    def _answered(self, method: str, code: str, seconds: float) -> None:
+        self.metrics.rpc_duration.labels(method, code).observe(seconds)
+
+    def _answered_in_front(
+        self, method: str, code: str, seconds: float, reason: str | None
+    ) -> None:
+        """A call the gRPC front answered itself (GetCoefficients), in the metrics."""
+        if reason is not None:
+            self.metrics.refused(method, reason)
+        self._answered(method, code, seconds)
 
     def _front_lost(self, _: object) -> None:
         """The gRPC front process died: stop, and exit with an error (``failed``)."""

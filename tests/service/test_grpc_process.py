@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -25,8 +26,10 @@ from avest.grpc.relay import READ_AHEAD, RelayServer
 from avest_client import AvestError, Credentials, EstimatorClient
 from avest_wire import refusal
 from avest_wire.v1 import estimator_pb2 as pb
-from tests.support.helpers import wait_until
+from tests.support.helpers import held_loop, wait_until
 from tests.support.live import register
+from tests.support.metrics import scrape
+from tests.support.metrics import value as metric_value
 from tests.support.rpc import observe_request
 from tests.support.serve import serve
 
@@ -105,6 +108,95 @@ def test_refusals_keep_their_codes_details_and_trailing_metadata(open_server) ->
     with pytest.raises(grpc.RpcError) as err:
         live.channel.unary_unary("/avest.v1.EstimatorService/Nothing")(b"", timeout=5)
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_the_front_answers_get_coefficients_itself_from_what_the_service_published(
+    open_server,  # noqa: ANN001
+) -> None:
+    live = open_server(grpc_process=True, worker_token="w-token", admin_token="a-token")
+    meta = (("authorization", "Bearer w-token"),)
+    # RegisterPair is relayed; its answer comes after the front's copy has the pair.
+    pair_id = live.stub.RegisterPair(
+        pb.RegisterPairRequest(
+            key=pb.PairKey(
+                target_model="t", draft_model="d", method="eagle", num_speculative_tokens=K
+            ),
+            update_rule=pb.UPDATE_RULE_RECURSIVE,
+            refit_interval=10,
+        ),
+        timeout=10,
+        metadata=meta,
+    ).pair_id
+    get = live.stub.GetCoefficients
+    first = get(pb.GetCoefficientsRequest(pair_id=pair_id), timeout=10, metadata=meta)
+    assert first.coefficients.pair_id == pair_id and first.coefficients.version == 0
+    # A refit, through the front: the next answer has its coefficients.
+    rng = np.random.default_rng(1)
+    with EstimatorClient(
+        live.grpc_address, timeout=10, credentials=Credentials(token="w-token")
+    ) as client:
+        forwarder = client.forwarder(pair_id, worker_id="w0", k=K)
+        for _ in range(12):
+            forwarder.submit(rng.normal(size=(4, K)).astype(np.float32), [K] * 4, [2] * 4)
+        assert forwarder.flush(timeout=20)
+        forwarder.close()
+    pair = live.handle.server.app.registry.pairs[pair_id]
+    assert pair.estimator.version >= 1
+    assert wait_until(
+        lambda: (
+            get(
+                pb.GetCoefficientsRequest(pair_id=pair_id), timeout=10, metadata=meta
+            ).coefficients.version
+            == pair.estimator.version
+        )
+    )
+    with held_loop(live.handle):
+        # Nothing runs on the service's loop: only the front can answer these.
+        now = get(pb.GetCoefficientsRequest(pair_id=pair_id), timeout=10, metadata=meta)
+        assert now.coefficients.version == pair.estimator.version
+        assert list(now.coefficients.intercepts) == pytest.approx(
+            list(pair.coefficients.intercepts)
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            get(pb.GetCoefficientsRequest(pair_id=pair_id), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as err:
+            get(pb.GetCoefficientsRequest(pair_id="nope"), timeout=10, metadata=meta)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in err.value.details()
+        raw = live.channel.unary_unary("/avest.v1.EstimatorService/GetCoefficients")
+        with pytest.raises(grpc.RpcError) as err:
+            raw(b"\xff\xff\xff", timeout=10, metadata=meta)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # A relayed call waits for the loop.
+        with pytest.raises(grpc.RpcError) as err:
+            live.stub.GetPair(pb.GetPairRequest(pair_id=pair_id), timeout=1.0, metadata=meta)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    # Each answer is in the service's RPC metrics and refusals, as the main port's are.
+    def counted(code: str) -> float:
+        return metric_value(
+            scrape(live), "avest_rpc_duration_seconds_count", method="GetCoefficients", code=code
+        )
+
+    assert wait_until(lambda: counted("OK") >= 3)
+    assert counted("UNAUTHENTICATED") == 1 and counted("NOT_FOUND") == 1
+    assert counted("INVALID_ARGUMENT") == 1
+    # A pair deleted is gone from the front's copy too.
+    deleted = httpx.delete(
+        f"{live.http_url}/v1/pairs/{pair_id}",
+        timeout=10,
+        headers={"authorization": "Bearer a-token"},
+    )
+    assert deleted.status_code in (200, 204), deleted.text
+
+    def gone() -> bool:
+        try:
+            get(pb.GetCoefficientsRequest(pair_id=pair_id), timeout=10, metadata=meta)
+        except grpc.RpcError as e:
+            return e.code() == grpc.StatusCode.NOT_FOUND
+        return False
+
+    assert wait_until(gone)
 
 
 def test_a_stream_the_client_cancels_ends_its_handler(open_server) -> None:  # noqa: ANN001

@@ -8,7 +8,6 @@ other route still runs on the loop that owns the state.
 from __future__ import annotations
 
 import socket
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,20 +17,7 @@ import pytest
 
 import avest
 from avest.metrics.names import LOOP_LAG
-
-
-def _hold_loop(handle: Any, seconds: float = 60.0) -> threading.Event:
-    """Block the service's event loop until the returned event is set (or ``seconds``
-    pass); returns once the loop is blocked."""
-    blocked, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        blocked.set()
-        release.wait(seconds)
-
-    handle.loop.call_soon_threadsafe(hold)
-    assert blocked.wait(10), "the service loop never ran the blocking callback"
-    return release
+from tests.support.helpers import hold_loop
 
 
 def test_healthz_answers_while_the_loop_is_busy_and_readyz_waits_for_it(
@@ -40,7 +26,7 @@ def test_healthz_answers_while_the_loop_is_busy_and_readyz_waits_for_it(
     handle = start_server(tmp_path / "data")
     url = handle.http_url
     assert httpx.get(url + "/readyz", timeout=10).status_code == 200
-    release = _hold_loop(handle)
+    release = hold_loop(handle)
     try:
         r = httpx.get(url + "/healthz", timeout=10)
         assert r.status_code == 200
@@ -67,7 +53,7 @@ def test_healthz_is_503_while_the_loop_does_not_turn(
     handle = start_server(tmp_path / "data")
     url = handle.http_url
     handle.server.heartbeat.stale_after_s = 0.5
-    release = _hold_loop(handle)
+    release = hold_loop(handle)
     try:
         time.sleep(1.0)
         r = httpx.get(url + "/healthz", timeout=10)
@@ -91,7 +77,7 @@ def test_a_client_that_leaves_mid_request_leaves_the_api_serving(
     # up; the handler's relay is cancelled, and the API still answers afterwards.
     handle = start_server(tmp_path / "data")
     url = handle.http_url
-    release = _hold_loop(handle)
+    release = hold_loop(handle)
     try:
         with pytest.raises(httpx.ReadTimeout):
             httpx.get(url + "/v1/pairs", timeout=0.5)
@@ -135,7 +121,7 @@ def test_a_held_loop_shows_in_its_lag_histogram(start_server: Callable[..., Any]
         return got["_sum"], got["_count"]
 
     before_sum, _ = lag()
-    release = _hold_loop(handle)
+    release = hold_loop(handle)
     time.sleep(1.5)
     release.set()
     deadline = time.monotonic() + 30

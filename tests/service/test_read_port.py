@@ -28,6 +28,7 @@ from avest_client import AsyncEstimatorClient, AvestError, Credentials, Estimato
 from avest_wire import matrix as wire
 from avest_wire.v1 import estimator_pb2 as pb
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc
+from tests.support.helpers import held_loop
 from tests.support.rpc import observe_request
 from tests.support.server import launch
 
@@ -278,28 +279,11 @@ def test_the_read_port_keeps_the_client_rate(
         assert "calls per second from this client" in details
 
 
-@contextlib.contextmanager
-def _held(handle: Any) -> Iterator[None]:
-    """The service loop held (nothing on it runs) for the block."""
-    blocked, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        blocked.set()
-        release.wait(60)
-
-    handle.loop.call_soon_threadsafe(hold)
-    assert blocked.wait(10)
-    try:
-        yield
-    finally:
-        release.set()
-
-
-def test_the_read_port_answers_while_the_service_loop_is_held(ports: Any) -> None:
+def test_the_read_port_answers_while_the_service_loop_isheld_loop(ports: Any) -> None:
     handle, main, read = ports
     pair_id = _register(main)
     expected = _get(main, pair_id)
-    with _held(handle):
+    with held_loop(handle):
         # The main port's handlers run on the held loop: its call cannot finish.
         with pytest.raises(grpc.RpcError) as info:
             _get(main, pair_id, timeout=1.0)
@@ -333,7 +317,7 @@ def test_a_client_given_the_read_address_reads_there_and_writes_to_the_main_port
         client.set_cost_curves(
             pair_id, [(1, 3.0), (64, 5.0)], [(1, 20.0), (256, 90.0)], hardware="gpu"
         )
-        with _held(handle):
+        with held_loop(handle):
             # The loop is held: only the read port can answer these.
             assert client.coefficients(pair_id).pair_id == pair_id
             conf, _ = client.score(pair_id, feats)
@@ -354,7 +338,7 @@ def test_a_client_given_the_read_address_reads_there_and_writes_to_the_main_port
             conf, _ = await aclient.score(pair_id, feats)
             assert conf.shape == (2, K)
 
-    with _held(handle):
+    with held_loop(handle):
         asyncio.run(asynchronous())
 
 

@@ -3,15 +3,17 @@ float32 rounding, and skipping for a missing vLLM environment."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import sys
+import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 import pytest
@@ -22,6 +24,30 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def hold_loop(handle: Any, seconds: float = 60.0) -> threading.Event:
+    """Block a served handle's event loop until the returned event is set (or
+    ``seconds`` pass); returns once the loop is blocked."""
+    blocked, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        blocked.set()
+        release.wait(seconds)
+
+    handle.loop.call_soon_threadsafe(hold)
+    assert blocked.wait(10), "the service loop never ran the blocking callback"
+    return release
+
+
+@contextlib.contextmanager
+def held_loop(handle: Any) -> Iterator[None]:
+    """The handle's event loop held (nothing on it runs) for the block."""
+    release = hold_loop(handle)
+    try:
+        yield
+    finally:
+        release.set()
 
 
 def wait_until(pred: Callable[[], bool], timeout: float = 10.0, interval: float = 0.01) -> bool:

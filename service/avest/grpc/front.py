@@ -5,7 +5,9 @@ on one end of a Unix socket pair. It waits for its settings (``START``: the list
 address, grpcio's server options, TLS, each method's kind), listens, says on which
 port (``LISTENING``), and relays every call (:mod:`avest.grpc.relay` describes the
 frames) until told to stop (``STOP``) or until the service's end of the socket closes.
-Its event loop only moves bytes: it parses nothing.
+Its event loop moves bytes and parses nothing, but for ``GetCoefficients``, which it
+answers itself from its copy of each pair's published response (``PUBLISH``), so that
+a caller polling coefficients never waits for the service's loop.
 """
 
 from __future__ import annotations
@@ -16,18 +18,22 @@ import pickle
 import signal
 import socket
 import sys
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
+from avest.grpc.reads import COEFFICIENTS, SERVICE, ReadAnswers, ReadMethod
 from avest.grpc.relay import (
+    ANSWERED,
     CANCEL,
     END,
     HALF_CLOSE,
     LISTENING,
     OPEN,
+    PUBLISH,
     REQUEST,
     REQUEST_ROOM,
     RESPONSE,
@@ -38,6 +44,10 @@ from avest.grpc.relay import (
     FrameProtocol,
     server_credentials,
 )
+from avest.policy.access import Access
+
+#: The one method answered here: from the published bytes, as they are.
+_LOCAL = {"GetCoefficients": ReadMethod(COEFFICIENTS.request, False, lambda found, r: found)}
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -85,10 +95,21 @@ class Front:
         self._ids = itertools.count(1)
         self.started: asyncio.Future[dict[str, Any]] = loop.create_future()
         self.stopping: asyncio.Future[float] = loop.create_future()
+        #: Each pair's ``GetCoefficients`` response, as the service last published it.
+        self.published: dict[str, bytes] = {}
 
     def on_frame(self, kind: int, call_id: int, payload: bytes) -> None:
-        if kind == START:
-            self.started.set_result(pickle.loads(payload))
+        if kind == PUBLISH:
+            pair_id, coefficients = pickle.loads(payload)
+            if coefficients is None:
+                self.published.pop(pair_id, None)
+            else:
+                self.published[pair_id] = coefficients
+        elif kind == START:
+            start = pickle.loads(payload)
+            if start["reads"] is not None:  # as of START: the PUBLISH frames come after
+                self.published.update(start["reads"][2])
+            self.started.set_result(start)
         elif kind == STOP:
             if not self.stopping.done():
                 self.stopping.set_result(pickle.loads(payload))
@@ -114,6 +135,25 @@ class Front:
             context.set_trailing_metadata(trailing)
         if code != 0:
             await context.abort(_CODES.get(code, grpc.StatusCode.UNKNOWN), details)
+
+    def answered_here(self, answers: ReadAnswers, method: str) -> grpc.RpcMethodHandler:
+        """A unary read answered in this process; the service is told of it for the RPC
+        metrics."""
+
+        async def answer(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            t0 = time.perf_counter()
+            got = answers.answer(method, request, context.invocation_metadata(), context.peer())
+            code, message, reason = (
+                (grpc.StatusCode.OK, "", None) if isinstance(got, bytes) else got
+            )
+            report = (method, code.name, time.perf_counter() - t0, reason)
+            self.protocol.send(ANSWERED, 0, pickle.dumps(report))
+            if isinstance(got, bytes):
+                return got
+            await context.abort(code, message)
+            raise AssertionError("unreachable: abort raises")  # pragma: no cover
+
+        return grpc.unary_unary_rpc_method_handler(answer)
 
     def handler(self, method: str, kind: str) -> grpc.RpcMethodHandler:
         front = self
@@ -209,9 +249,16 @@ async def _serve(fd: int) -> None:
     server = grpc.aio.server(
         options=start["options"], maximum_concurrent_rpcs=start["maximum_concurrent_rpcs"]
     )
-    server.add_generic_rpc_handlers(
-        (_Methods({m: front.handler(m, kind) for m, kind in start["kinds"].items()}),)
-    )
+    handlers = {m: front.handler(m, kind) for m, kind in start["kinds"].items()}
+    if start["reads"] is not None:
+        (worker_token, admin_token), rpc_rate, _ = start["reads"]
+        answers = ReadAnswers(
+            _LOCAL, front.published.get, Access(worker_token, admin_token), rpc_rate, 0.0,
+            "avest.grpc.front", "the gRPC front",
+        )  # fmt: skip
+        for name in _LOCAL:
+            handlers[f"/{SERVICE}/{name}"] = front.answered_here(answers, name)
+    server.add_generic_rpc_handlers((_Methods(handlers),))
     tls = start["tls"]
     try:
         if tls is None:

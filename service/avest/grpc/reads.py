@@ -89,19 +89,124 @@ class Published:
 
     def __init__(self, app: Avest) -> None:
         self._entries: dict[str, Entry] = {}
+        #: Told each pair's new ``GetCoefficients`` bytes (None: the pair is gone), on
+        #: the service loop: the gRPC front keeps its copy so.
+        self.listeners: list[Callable[[str, bytes | None], None]] = []
         app.hooks.registered.append(self.publish)
         app.hooks.coefficients.append(self.publish)
         app.hooks.removed.append(self._remove)
 
     def publish(self, pair: Pair) -> None:
-        response = pb.GetCoefficientsResponse(coefficients=coefficients_pb(pair))
-        self._entries[pair.id] = Entry(response.SerializeToString(), pair.estimator.served(), pair)
+        response = pb.GetCoefficientsResponse(
+            coefficients=coefficients_pb(pair)
+        ).SerializeToString()
+        self._entries[pair.id] = Entry(response, pair.estimator.served(), pair)
+        for listener in self.listeners:
+            listener(pair.id, response)
 
     def _remove(self, pair: Pair, why: str) -> None:
         self._entries.pop(pair.id, None)
+        for listener in self.listeners:
+            listener(pair.id, None)
+
+    def coefficients(self) -> dict[str, bytes]:
+        """Each pair's ``GetCoefficients`` bytes, as of now."""
+        return {pair_id: entry.coefficients for pair_id, entry in self._entries.items()}
 
     def get(self, pair_id: str) -> Entry | None:
         return self._entries.get(pair_id)
+
+
+@dataclass(frozen=True)
+class ReadMethod:
+    """How a read is answered from what a pair published."""
+
+    #: the request's message type
+    request: Any
+    #: under ``--pair-rate`` (a ``GetCoefficients`` is a lookup: it is not)
+    rated: bool
+    #: the response's bytes, from what the lookup found and the parsed request
+    answer: Callable[[Any, Any], bytes]
+
+
+#: ``GetCoefficients``: the bytes published, as they are.
+COEFFICIENTS = ReadMethod(pb.GetCoefficientsRequest, False, lambda found, r: found.coefficients)
+
+#: A refusal: its status, its message, the reason it is counted under.
+Refusal = tuple[grpc.StatusCode, str, str]
+
+
+class ReadAnswers:
+    """What the read port and the gRPC front (:mod:`avest.grpc.front`, which answers
+    ``GetCoefficients`` itself) decide for a read: the token, the request's form, the
+    client's call rate, the pair, the pair's call rate, then the answer. Thread-safe:
+    the buckets are taken under a lock."""
+
+    def __init__(
+        self,
+        methods: dict[str, ReadMethod],
+        lookup: Callable[[str], Any | None],
+        access: Access,
+        rpc_rate: float,
+        pair_rate: float,
+        logger: str,
+        where: str,
+    ) -> None:
+        self.methods = methods
+        self.lookup = lookup
+        self.access = access
+        self.rpc_rate = rpc_rate
+        self.client_rates = KeyedRates(rpc_rate)
+        self.pair_rates = KeyedRates(pair_rate)
+        self._rates_lock = threading.Lock()
+        self._logs = LogLimiter(logger)
+        self.where = where
+
+    def answer(self, method: str, request: bytes, metadata: Any, peer: str) -> bytes | Refusal:
+        """The response's bytes, or the refusal."""
+        authorization = next((v for k, v in metadata or () if k == "authorization"), None)
+        denied = self.access.check(grpc_role(f"/{SERVICE}/{method}"), authorization)
+        if denied is not None:
+            self._logs.warning("denied", "%s refused: %s", method, denied.message)
+            code = (
+                grpc.StatusCode.UNAUTHENTICATED
+                if denied.unauthenticated
+                else grpc.StatusCode.PERMISSION_DENIED
+            )
+            return code, denied.message, reason_of(code)
+        how = self.methods[method]
+        try:
+            parsed = how.request.FromString(request)
+        except (DecodeError, ValueError):
+            return (*malformed_reply(), "malformed")
+        if not self._take(self.client_rates, client_host(peer)):
+            self._logs.warning("rate", "%s: client %s over its call rate", method, peer)
+            code, message = over_client_rate_reply(self.rpc_rate)
+            return code, message, reason_of(code)
+        pair_id = parsed.pair_id
+        if not pair_id:
+            code = grpc.StatusCode.INVALID_ARGUMENT
+            return code, "pair_id: must not be empty", reason_of(code)
+        found = self.lookup(pair_id)
+        if found is None:
+            code = grpc.StatusCode.NOT_FOUND
+            return code, f"unknown pair_id {limits.echo(pair_id)}", reason_of(code)
+        try:
+            with refusals():
+                if how.rated and not self._take(self.pair_rates, pair_id):
+                    self._logs.warning("pair_rate", "pair %s over its call rate", pair_id)
+                    raise over_pair_rate(self.pair_rates.rate, pair_id)
+                return how.answer(found, parsed)
+        except Refused as r:
+            return r.code, r.message, r.reason
+        except Exception as exc:  # a bug: say so (rate-limited), answer INTERNAL, count it
+            self._logs.warning("internal", "%s failed on %s: %r", method, self.where, exc)
+            code = grpc.StatusCode.INTERNAL
+            return code, f"{method} failed on {self.where}; see the service's log", "internal"
+
+    def _take(self, rates: KeyedRates, key: str) -> bool:
+        with self._rates_lock:
+            return rates.take(key)
 
 
 class ReadServer:
@@ -118,15 +223,8 @@ class ReadServer:
         rpc_rate: float,
     ) -> None:
         self.published = published
-        self.access = access
         self.on_refused = on_refused
         self.on_answered = on_answered
-        self.limits = stream_limits
-        self.rpc_rate = rpc_rate
-        self.client_rates = KeyedRates(rpc_rate)
-        self.pair_rates = KeyedRates(stream_limits.pair_rate)
-        self._rates_lock = threading.Lock()  # the buckets are taken from THREADS threads
-        self._logs = LogLimiter("avest.grpc.reads")
         self._threads = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="avest-reads")
         self._server = grpc.server(
             self._threads,
@@ -134,15 +232,14 @@ class ReadServer:
             maximum_concurrent_rpcs=MAX_CALLS,
         )
         max_rows = stream_limits.max_rows
-        #: per method: its request type, whether it is rated, the answer from an entry
-        self._methods: dict[str, tuple[Any, bool, Callable[[Entry, Any], bytes]]] = {
-            "GetCoefficients": (pb.GetCoefficientsRequest, False, lambda e, r: e.coefficients),
-            "Score": (
+        self._methods = {
+            "GetCoefficients": COEFFICIENTS,
+            "Score": ReadMethod(
                 pb.ScoreRequest,
                 True,
                 lambda e, r: budgets.score(e.served, r, max_rows).SerializeToString(),
             ),
-            "Budget": (
+            "Budget": ReadMethod(
                 pb.BudgetRequest,
                 True,
                 lambda e, r: budgets.budget(
@@ -151,6 +248,10 @@ class ReadServer:
             ),
         }
         assert set(self._methods) == limits.READ_PORT_METHODS, "the contract's read methods"
+        self.answers = ReadAnswers(
+            self._methods, published.get, access, rpc_rate, stream_limits.pair_rate,
+            "avest.grpc.reads", "the read port",
+        )  # fmt: skip
         handlers = {
             name: grpc.unary_unary_rpc_method_handler(functools.partial(self._call, name))
             for name in self._methods
@@ -182,7 +283,7 @@ class ReadServer:
 
     def _call(self, method: str, request: bytes, context: grpc.ServicerContext) -> bytes:
         t0 = time.perf_counter()
-        answer = self._answer(method, request, context)
+        answer = self.answers.answer(method, request, context.invocation_metadata(), context.peer())
         if isinstance(answer, bytes):
             self.on_answered(method, "OK", time.perf_counter() - t0)
             return answer
@@ -191,54 +292,3 @@ class ReadServer:
         self.on_answered(method, code.name, time.perf_counter() - t0)
         context.abort(code, message)
         raise AssertionError("unreachable: abort raises")  # pragma: no cover
-
-    def _answer(
-        self, method: str, request: bytes, context: grpc.ServicerContext
-    ) -> bytes | tuple[grpc.StatusCode, str, str]:
-        """The response's bytes, or the status, message and counted reason that refuse
-        the call."""
-        authorization = next(
-            (v for k, v in context.invocation_metadata() if k == "authorization"), None
-        )
-        denied = self.access.check(grpc_role(f"/{SERVICE}/{method}"), authorization)
-        if denied is not None:
-            self._logs.warning("denied", "%s refused: %s", method, denied.message)
-            code = (
-                grpc.StatusCode.UNAUTHENTICATED
-                if denied.unauthenticated
-                else grpc.StatusCode.PERMISSION_DENIED
-            )
-            return code, denied.message, reason_of(code)
-        kind, rated, answer = self._methods[method]
-        try:
-            parsed = kind.FromString(request)
-        except (DecodeError, ValueError):
-            return (*malformed_reply(), "malformed")
-        if not self._take(self.client_rates, client_host(peer := context.peer())):
-            self._logs.warning("rate", "%s: client %s over its call rate", method, peer)
-            code, message = over_client_rate_reply(self.rpc_rate)
-            return code, message, reason_of(code)
-        pair_id = parsed.pair_id
-        if not pair_id:
-            code = grpc.StatusCode.INVALID_ARGUMENT
-            return code, "pair_id: must not be empty", reason_of(code)
-        entry = self.published.get(pair_id)
-        if entry is None:
-            code = grpc.StatusCode.NOT_FOUND
-            return code, f"unknown pair_id {limits.echo(pair_id)}", reason_of(code)
-        try:
-            with refusals():
-                if rated and not self._take(self.pair_rates, entry.pair.id):
-                    self._logs.warning("pair_rate", "pair %s over its call rate", pair_id)
-                    raise over_pair_rate(self.pair_rates.rate, pair_id)
-                return answer(entry, parsed)
-        except Refused as r:
-            return r.code, r.message, r.reason
-        except Exception as exc:  # a bug: say so (rate-limited), answer INTERNAL, count it
-            self._logs.warning("internal", "%s failed on the read port: %r", method, exc)
-            code = grpc.StatusCode.INTERNAL
-            return code, f"{method} failed on the read port; see the service's log", "internal"
-
-    def _take(self, rates: KeyedRates, key: str) -> bool:
-        with self._rates_lock:
-            return rates.take(key)

@@ -15,6 +15,15 @@ took), and the handler here makes responses only :data:`WRITE_AHEAD` ahead of wh
 front has written (``RESPONSE_ROOM``). A pair's queue that is full still stops reading
 its streams, and a slow reader still gets the latest value, not a backlog.
 
+One method the front answers itself: ``GetCoefficients``, from its copy of each pair's
+published response (``PUBLISH``, sent here as each pair changes, the read port's
+:class:`avest.grpc.reads.Published`), with the same token, rate and refusal checks as
+the read port (:class:`avest.grpc.reads.ReadAnswers`). A caller polling coefficients so
+never waits for this process's loop; each answer is reported back (``ANSWERED``) for
+the RPC metrics. Its copy is behind this process's by one frame: a change made through
+the front (a refit acknowledged on a stream, a ``RegisterPair``) reaches it before that
+call's answer does, one made through the admin API may not yet have.
+
 The frames (both ways): a header (payload length, kind, call id) and the payload.
 """
 
@@ -30,6 +39,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import grpc
@@ -44,12 +54,14 @@ HALF_CLOSE = 3  # no more requests
 CANCEL = 4  # the client went away (or its deadline passed)
 RESPONSE_ROOM = 5  # this many more responses written (one byte): make as many more
 LISTENING = 6  # (call 0) the pickled port bound, 0 when it could not bind
+ANSWERED = 7  # (call 0) pickled (method, status name, seconds, refusal reason or None)
 # service -> front
 RESPONSE = 11  # a response's bytes
 END = 12  # pickled (status code value, details, trailing metadata)
 REQUEST_ROOM = 13  # read as many more of the call's requests (one byte)
 START = 14  # (call 0) pickled: the front's settings and each method's kind
 STOP = 15  # (call 0) pickled grace seconds: stop the server and exit
+PUBLISH = 16  # (call 0) pickled (pair id, its GetCoefficients bytes or None: removed)
 
 #: Requests of one stream read ahead of its handler: enough to keep a stream's messages
 #: flowing while the last ones are handed over, few enough that a stream whose pair's
@@ -328,6 +340,8 @@ class RelayHost:
         self.calls: dict[int, RelayedCall] = {}
         self.protocol: FrameProtocol | None = None
         self.listening: asyncio.Future[tuple[int, str]] | None = None
+        #: Told of each call the front answered itself: method, status, seconds, reason.
+        self.answered: Callable[[str, str, float, str | None], None] | None = None
         #: The last response sent, serialized.
         self.last_response: Any = None
         self.last_bytes = b""
@@ -351,6 +365,10 @@ class RelayHost:
         if kind == LISTENING:
             if self.listening is not None and not self.listening.done():
                 self.listening.set_result(pickle.loads(payload))
+            return
+        if kind == ANSWERED:
+            if self.answered is not None:
+                self.answered(*pickle.loads(payload))
             return
         call = self.calls.get(call_id)
         if call is None:  # ended here already
@@ -385,6 +403,18 @@ def method_kinds(services: Sequence[Any]) -> dict[str, str]:
             )
             kinds[f"/{service.full_name}/{m.name}"] = "_".join(streams)
     return kinds
+
+
+@dataclass(frozen=True)
+class FrontReads:
+    """What the front needs to answer ``GetCoefficients`` itself."""
+
+    #: the worker's and the admin's token
+    tokens: tuple[str, str]
+    #: ``--rpc-rate``: the front keeps its own buckets, as the read port does
+    rpc_rate: float
+    #: each pair's ``GetCoefficients`` bytes as of now
+    published: Callable[[], dict[str, bytes]]
 
 
 class RelayServer(grpc.aio.Server):  # type: ignore[misc]
@@ -454,9 +484,15 @@ class RelayServer(grpc.aio.Server):  # type: ignore[misc]
             return False
         return True
 
-    async def listen(self, address: str, tls: tuple[bytes, bytes, bytes | None] | None) -> int:
+    async def listen(
+        self,
+        address: str,
+        tls: tuple[bytes, bytes, bytes | None] | None,
+        reads: FrontReads | None = None,
+    ) -> int:
         """Start the front process listening on ``address`` (TLS: key, certificate and
-        client CA): the port it bound, 0 when it could not."""
+        client CA): the port it bound, 0 when it could not. With ``reads``, the front
+        answers ``GetCoefficients`` itself; :meth:`publish` then keeps its copy."""
         loop = asyncio.get_running_loop()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         with theirs:
@@ -473,6 +509,8 @@ class RelayServer(grpc.aio.Server):  # type: ignore[misc]
             "maximum_concurrent_rpcs": self.maximum_concurrent_rpcs,
             "tls": tls,
             "kinds": self.kinds,
+            # what is published from here on is sent after this
+            "reads": None if reads is None else (reads.tokens, reads.rpc_rate, reads.published()),
         }
         self.host.send(START, 0, pickle.dumps(start))
         closed = self.host.protocol.closed
@@ -485,6 +523,10 @@ class RelayServer(grpc.aio.Server):  # type: ignore[misc]
         else:
             await self.stop(0)
         return port
+
+    def publish(self, pair_id: str, coefficients: bytes | None) -> None:
+        """A pair's new ``GetCoefficients`` bytes (None: removed), for the front's copy."""
+        self.host.send(PUBLISH, 0, pickle.dumps((pair_id, coefficients)))
 
     def _closed(self, _: Any) -> None:
         self.host.cancel_all()
