@@ -72,6 +72,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -84,6 +85,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 ROOT = Path(__file__).resolve().parent.parent
+from bench_replicas import postgres_cpu_s  # noqa: E402
 from grpc_floor import _cpu_s as cpu_s  # noqa: E402  (bench_ingest.cpu_s, without the service)
 from grpc_floor import _serve as floor_serve  # noqa: E402
 from serve_proc import Served, serve  # noqa: E402
@@ -93,6 +95,7 @@ from avest_wire import matrix as wire  # noqa: E402
 from avest_wire.messages import summary_to_pb  # noqa: E402
 from avest_wire.v1 import estimator_pb2 as pb  # noqa: E402
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc  # noqa: E402
+from tests.support.postgres import PostgresCluster, find_bindir  # noqa: E402
 
 OBSERVE = "/avest.v1.EstimatorService/Observe"
 FLOOR = "/floor.Floor/Stream"
@@ -136,6 +139,8 @@ class Config:
     flush_interval_ms: int | None = None
     #: More ``avest serve`` flags (the defaults are the point: for tests and probes).
     server_args: tuple[str, ...] = ()
+    #: ``avest serve`` processes on one PostgreSQL database (0: one on its SQLite file)
+    replicas: int = 0
 
 
 QUICK: dict[str, Any] = {
@@ -384,7 +389,10 @@ async def _stream(c: _Client, wid: str) -> None:
     st["sketched"], every, phase = 0, [max(1, spec.sketch_every)], random.randrange(1 << 20)
     st["phase"], st["reopened"], t_start = "opening", 0, time.perf_counter()
     c.streams.append(st)
-    channel = grpc.aio.insecure_channel(spec.address, options=CHANNEL)
+    # Replicas: each worker on one of them, by its id, as a fleet behind DNS spreads.
+    addresses = spec.address.split(",")
+    address = addresses[zlib.crc32(wid.encode()) % len(addresses)]
+    channel = grpc.aio.insecure_channel(address, options=CHANNEL)
     call: Any = None
     pending: deque[tuple[int, float]] = deque()
     caught_up = asyncio.Event()
@@ -712,17 +720,19 @@ def _pct(values: Sequence[float], q: float) -> float | None:
     return round(float(np.percentile(np.asarray(values) * 1e3, q)), 1) if len(values) else None
 
 
-def run_clients(spec: ClientSpec, procs: int, server_pid: int, wait_s: float) -> dict[str, Any]:
+def run_clients(
+    spec: ClientSpec, procs: int, server_cpu_s: Callable[[], float], wait_s: float
+) -> dict[str, Any]:
     """Open every stream, then send (a barrier between): until each worker's summaries
     are acknowledged. The server's CPU from the go to the last acknowledgement."""
     shared = Shared.make()
     clients = Clients(spec, procs, shared)
     try:
         clients.wait("ready", wait_s)
-        cpu0 = tree_cpu_s(server_pid)
+        cpu0 = server_cpu_s()
         shared.go.set()
         acked = clients.wait("acked", wait_s + 30)
-        server_cpu = tree_cpu_s(server_pid) - cpu0
+        server_cpu = server_cpu_s() - cpu0
         client_cpu_window = sum(v[1] for v in acked.values())
         shared.stop.set()
         shared.close.set()
@@ -763,6 +773,33 @@ def run_clients(spec: ClientSpec, procs: int, server_pid: int, wait_s: float) ->
 
 # -- the servers -----------------------------------------------------------------------------
 
+#: ``--replicas``: the PostgreSQL server of this run (the tests' harness), a new
+#: database for each avest server started.
+_postgres: list[tuple[PostgresCluster, Path]] = []
+
+
+def postgres() -> PostgresCluster:
+    """This run's PostgreSQL server, started the first time."""
+    if not _postgres:
+        bindir = find_bindir()
+        if bindir is None:
+            raise Failed("--replicas: PostgreSQL's initdb and pg_ctl are not installed")
+        root = Path(tempfile.mkdtemp(prefix="avest-fleet-pg-"))
+        os.chmod(root, 0o777)  # the cluster runs as nobody when this runs as root
+        cluster = PostgresCluster(bindir, root / "pg")
+        cluster.root.mkdir()
+        os.chmod(cluster.root, 0o777)
+        cluster.start()
+        _postgres.append((cluster, root))
+    return _postgres[0][0]
+
+
+def stop_postgres() -> None:
+    while _postgres:
+        cluster, root = _postgres.pop()
+        cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
 
 class Server:
     """``avest serve`` at its defaults (plus ``cfg.server_args``), from ``tree`` or this checkout."""
@@ -776,11 +813,24 @@ class Server:
             extra += ["--read-address", "127.0.0.1:0"]
         if cfg.flush_interval_ms is not None:
             extra += ["--flush-interval-ms", str(cfg.flush_interval_ms)]
+        #: every process serving (``--replicas``: each on the same database)
+        self.replicas: list[Served] = []
+        self.on_postgres = cfg.replicas > 0
         try:
-            self.served: Served = serve(self.dir / "data", extra, tokens=False, tree=tree)
+            if cfg.replicas:
+                url = postgres().create_database()
+                for i in range(cfg.replicas):
+                    flags = [*extra, "--store", url, "--replica-name", f"r{i}"]
+                    self.replicas.append(serve(self.dir / f"r{i}", flags, tokens=False, tree=tree))
+            else:
+                self.replicas.append(serve(self.dir / "data", extra, tokens=False, tree=tree))
         except RuntimeError as exc:
+            for started in self.replicas:
+                started.stop()
             shutil.rmtree(self.dir, ignore_errors=True)
             raise Failed(f"{name}'s server did not start: {exc}") from None
+        #: the one the probes, the light worker and registrations reach
+        self.served: Served = self.replicas[0]
         self.channel = grpc.insecure_channel(self.address)
         self.stub = pb_grpc.EstimatorServiceStub(self.channel)
 
@@ -789,17 +839,26 @@ class Server:
         return self.served.grpc_address
 
     @property
-    def pid(self) -> int:
-        return self.served.proc.pid
+    def addresses(self) -> str:
+        """Every replica's gRPC address, comma-separated: a stream takes one by its worker."""
+        return ",".join(r.grpc_address for r in self.replicas)
+
+    def cpu_s(self) -> float:
+        """CPU seconds of the serving processes (their fronts included) and, with
+        replicas, of PostgreSQL's."""
+        own = sum(tree_cpu_s(r.proc.pid) for r in self.replicas)
+        return own + (postgres_cpu_s() if self.on_postgres else 0.0)
 
     def check(self, where: str) -> None:
-        """Failed if the server exited."""
-        rc = self.served.proc.poll()
-        if rc is not None:
-            tail = self.served.output()[-3000:]
-            raise Failed(
-                f"{self.name}'s avest serve exited with {rc} during {where}; its log ends:\n{tail}"
-            )
+        """Failed if a server exited."""
+        for served in self.replicas:
+            rc = served.proc.poll()
+            if rc is not None:
+                tail = served.output()[-3000:]
+                raise Failed(
+                    f"{self.name}'s avest serve exited with {rc} during {where}; "
+                    f"its log ends:\n{tail}"
+                )
 
     def explain(self, exc: Failed, where: str) -> Failed:
         """``exc``, saying so when the server exited (the likely cause)."""
@@ -887,10 +946,11 @@ class Server:
         return out or None
 
     def stop(self) -> int:
+        """Stop every replica; the first non-zero exit status, else 0."""
         self.channel.close()
-        rc = self.served.stop()
+        codes = [served.stop() for served in self.replicas]
         shutil.rmtree(self.dir, ignore_errors=True)
-        return rc
+        return next((rc for rc in codes if rc), 0)
 
 
 def body_for(
@@ -936,10 +996,10 @@ def flat_out(server: Server, cfg: Config, kind: str, label: str) -> dict[str, An
     body, bare = body_for(reg, cfg.k, kind), body_for(reg, cfg.k, kind, sketch=False)
     before = server.coefficients(reg.pair_id)
     spec = ClientSpec(
-        server.address, "avest", reg.pair_id, worker_ids(cfg.workers, label), body, bare,
+        server.addresses, "avest", reg.pair_id, worker_ids(cfg.workers, label), body, bare,
         count=cfg.summaries, wait_s=cfg.wait_s, reopen=cfg.reopen,
     )  # fmt: skip
-    res = run_clients(spec, cfg.client_procs, server.pid, cfg.wait_s)
+    res = run_clients(spec, cfg.client_procs, server.cpu_s, cfg.wait_s)
     after = server.coefficients(reg.pair_id)
     server.check(label)
     res.update(
@@ -996,11 +1056,11 @@ def section_latency(server: Server, cfg: Config, capacity: float) -> dict[str, A
     reg = server.register(cfg.k, section="latency")
     body, bare = body_for(reg, cfg.k), body_for(reg, cfg.k, sketch=False)
     spec = ClientSpec(
-        server.address, "avest", reg.pair_id, worker_ids(cfg.workers, "lat"), body, bare,
+        server.addresses, "avest", reg.pair_id, worker_ids(cfg.workers, "lat"), body, bare,
         rate=rate / cfg.workers, seconds=cfg.latency_s, wait_s=cfg.wait_s, reopen=cfg.reopen,
     )  # fmt: skip
     load0 = os.getloadavg()[0]
-    res = run_clients(spec, cfg.client_procs, server.pid, cfg.wait_s)
+    res = run_clients(spec, cfg.client_procs, server.cpu_s, cfg.wait_s)
     server.check("latency")
     flush = cfg.flush_interval_ms or DEFAULT_FLUSH_MS
     res.update(
@@ -1190,7 +1250,7 @@ def overload_case(
         # light worker, not as long as a thousand streams take to open).
         shared = Shared.make(go=while_opening)
         spec = ClientSpec(
-            server.address, "avest", busy.pair_id, worker_ids(m, "busy"),
+            server.addresses, "avest", busy.pair_id, worker_ids(m, "busy"),
             body_for(busy, cfg.k, cfg.busy_kind), body_for(busy, cfg.k, cfg.busy_kind, sketch=False),
             rate=offered / m, wait_s=cfg.wait_s, reopen=cfg.reopen, window=cfg.busy_window,
         )  # fmt: skip
@@ -1210,7 +1270,7 @@ def overload_case(
         clients.check()
         server.check(f"overload ({case})")
         opened_at_start = shared.opened.value
-        acked0, cpu0, ccpu0 = shared.acked.value, tree_cpu_s(server.pid), clients.cpu()
+        acked0, cpu0, ccpu0 = shared.acked.value, server.cpu_s(), clients.cpu()
         lag0 = server.buckets(LOOP_LAG)
         write0 = server.buckets(STORE_WRITE)
         pcpu0, t0 = time.process_time(), time.perf_counter()
@@ -1220,7 +1280,7 @@ def overload_case(
             )
         )
         elapsed = time.perf_counter() - t0
-        acked1, cpu1, ccpu1 = shared.acked.value, tree_cpu_s(server.pid), clients.cpu()
+        acked1, cpu1, ccpu1 = shared.acked.value, server.cpu_s(), clients.cpu()
         pcpu1 = time.process_time()
         lag = _window_quantiles(lag0, server.buckets(LOOP_LAG), (0.5, 0.99))
         write = _window_quantiles(write0, server.buckets(STORE_WRITE), (0.5, 0.99))
@@ -1493,6 +1553,12 @@ def report(result: dict[str, Any]) -> str:
         "",
         "Server at its default settings"
         + (f" but {' '.join(flags)}" if flags else "")
+        + (
+            f", as {s['replicas']} replicas on one PostgreSQL database (each worker on one; "
+            "the probes and the light worker on the first; server CPU includes PostgreSQL's)"
+            if s.get("replicas")
+            else ""
+        )
         + "; ratios within this run. "
         + ", ".join(f"{n}: {v['tree']}" for n, v in servers.items()),
     ]
@@ -1592,6 +1658,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="open a stream again that ends before the server took it (gRPC cancels "
                     "a call not taken within 30 s), as the client library does, and count it; "
                     "without it such a stream fails the run")  # fmt: skip
+    ap.add_argument("--replicas", type=int,
+                    help="N avest serve processes on one PostgreSQL database (started here), "
+                    "each worker on one of them by its id; default 0: one process on SQLite")  # fmt: skip
     ap.add_argument("--server-arg", action="append", default=[], metavar="FLAG",
                     help="one more avest serve flag, as --server-arg=--flag=value (repeatable; "
                     "off the defaults, which are the point)")  # fmt: skip
@@ -1608,7 +1677,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "light_summaries": args.light_summaries, "client_procs": args.client_procs,
         "flush_interval_ms": args.flush_interval_ms,
         "server_args": tuple(args.server_arg) or None,
-        "reopen": args.reopen or None,
+        "reopen": args.reopen or None, "replicas": args.replicas,
     }  # fmt: skip
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     if args.baseline_server is not None and not (args.baseline_server / "service").is_dir():
@@ -1618,6 +1687,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Failed as exc:
         raise SystemExit(f"bench_fleet: FAILED: {exc}") from None
     finally:
+        stop_postgres()
         signal.signal(signal.SIGTERM, was)
     print(json.dumps(result, indent=2) if args.json else report(result))
     return 0
