@@ -41,7 +41,10 @@ Sections (all three unless some are named):
 
 ``--baseline-server TREE`` runs the selected sections on TREE's server (a source
 checkout, e.g. ``git archive ad9901b | tar -x -C /tmp/base``) and on this checkout's,
-in turn, and prints both and their ratio. ``--busy-loops N`` spins N processes
+in turn, and prints both and their ratio. ``--replicas N`` serves the fleet from N
+``avest serve`` processes on one PostgreSQL database of a server started here (each
+stream on one of them by its worker id; the probes, the light worker and the
+registrations on the first; the server CPU is theirs and PostgreSQL's). ``--busy-loops N`` spins N processes
 (``while True: pass``) for the whole run. ``--quick`` shrinks everything to a smoke
 run. ``--json`` prints the report as JSON (progress goes to stderr).
 
@@ -59,6 +62,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import multiprocessing as mp
@@ -982,7 +986,7 @@ def floor_run(
             f"127.0.0.1:{port}", "floor", pair_id, worker_ids(cfg.workers, "floor"), msg_body,
             bare=bare, sketch_every=sketch_every, count=cfg.summaries, wait_s=cfg.wait_s,
         )  # fmt: skip
-        res = run_clients(spec, cfg.client_procs, proc.pid, cfg.wait_s)
+        res = run_clients(spec, cfg.client_procs, functools.partial(cpu_s, proc.pid), cfg.wait_s)
         if proc.exitcode is not None:
             raise Failed(f"the bare gRPC server exited with {proc.exitcode}")
         return res
