@@ -89,7 +89,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 ROOT = Path(__file__).resolve().parent.parent
-from bench_replicas import postgres_cpu_s  # noqa: E402
+from bench_replicas import postgres_cpu_s, start_postgres  # noqa: E402
 from grpc_floor import _cpu_s as cpu_s  # noqa: E402  (bench_ingest.cpu_s, without the service)
 from grpc_floor import _serve as floor_serve  # noqa: E402
 from serve_proc import Served, serve  # noqa: E402
@@ -99,7 +99,7 @@ from avest_wire import matrix as wire  # noqa: E402
 from avest_wire.messages import summary_to_pb  # noqa: E402
 from avest_wire.v1 import estimator_pb2 as pb  # noqa: E402
 from avest_wire.v1 import estimator_pb2_grpc as pb_grpc  # noqa: E402
-from tests.support.postgres import PostgresCluster, find_bindir  # noqa: E402
+from tests.support.postgres import PostgresCluster  # noqa: E402
 
 OBSERVE = "/avest.v1.EstimatorService/Observe"
 FLOOR = "/floor.Floor/Stream"
@@ -785,16 +785,10 @@ _postgres: list[tuple[PostgresCluster, Path]] = []
 def postgres() -> PostgresCluster:
     """This run's PostgreSQL server, started the first time."""
     if not _postgres:
-        bindir = find_bindir()
-        if bindir is None:
+        started = start_postgres("avest-fleet-pg-")
+        if started is None:
             raise Failed("--replicas: PostgreSQL's initdb and pg_ctl are not installed")
-        root = Path(tempfile.mkdtemp(prefix="avest-fleet-pg-"))
-        os.chmod(root, 0o777)  # the cluster runs as nobody when this runs as root
-        cluster = PostgresCluster(bindir, root / "pg")
-        cluster.root.mkdir()
-        os.chmod(cluster.root, 0o777)
-        cluster.start()
-        _postgres.append((cluster, root))
+        _postgres.append(started)
     return _postgres[0][0]
 
 

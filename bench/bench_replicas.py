@@ -63,6 +63,21 @@ def postgres_cpu_s() -> float:
     return total
 
 
+def start_postgres(prefix: str) -> tuple[PostgresCluster, Path] | None:
+    """A PostgreSQL server of its own in a new temporary folder (the tests' harness),
+    started, and the folder; ``None`` where PostgreSQL is not installed."""
+    bindir = find_bindir()
+    if bindir is None:
+        return None
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    os.chmod(root, 0o777)  # the cluster runs as nobody when this runs as root
+    cluster = PostgresCluster(bindir, root / "pg")
+    cluster.root.mkdir()
+    os.chmod(cluster.root, 0o777)
+    cluster.start()
+    return cluster, root
+
+
 def _register(address: str, k: int, n: int) -> str:
     channel, stub = stub_for(address)
     try:
@@ -151,15 +166,10 @@ def main() -> None:
     )
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    bindir = find_bindir()
-    if bindir is None:
+    started = start_postgres("avest-bench-replicas-")
+    if started is None:
         sys.exit("PostgreSQL's initdb and pg_ctl are not installed (Debian: postgresql)")
-    root = Path(tempfile.mkdtemp(prefix="avest-bench-replicas-"))
-    os.chmod(root, 0o777)  # the cluster runs as nobody when this runs as root
-    cluster = PostgresCluster(bindir, root / "pg")
-    cluster.root.mkdir()
-    os.chmod(cluster.root, 0o777)
-    cluster.start()
+    cluster, root = started
     try:
         rows = [run(cluster, root, int(n), a) for n in a.replicas.split(",")]
     finally:
