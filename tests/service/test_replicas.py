@@ -18,6 +18,7 @@ import math
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
@@ -313,6 +314,13 @@ def test_admin_changes_on_any_replica_reach_every_replica(
         assert after[0].coefficients.version == before.coefficients.version
 
 
+def _queued(srv: Any) -> float:
+    """The rows an in-process server holds for the pending log (its queue depth)."""
+    text = httpx.get(f"{srv.http_url}/metrics", timeout=10).text
+    (line,) = [x for x in text.splitlines() if x.startswith(QUEUE_DEPTH + " ")]
+    return float(line.split()[-1])
+
+
 def test_what_a_replica_cannot_store_waits_on_the_workers_past_its_bound(
     tmp_path: Path, postgres_cluster: PostgresCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -333,16 +341,53 @@ def test_what_a_replica_cannot_store_waits_on_the_workers_past_its_bound(
         with HeldStream(srv.grpc_address, steps, STEPS) as held:
             with postgres_cluster.outage():
                 held.start()
-
-                def queued() -> float:
-                    text = httpx.get(f"{srv.http_url}/metrics", timeout=10).text
-                    (line,) = [x for x in text.splitlines() if x.startswith(QUEUE_DEPTH + " ")]
-                    return float(line.split()[-1])
-
-                assert wait_until(lambda: queued() >= 1, WAIT_S)
+                assert wait_until(lambda: _queued(srv) >= 1, WAIT_S)
                 time.sleep(2.0)  # the stream's other steps are not read meanwhile
-                assert queued() == 1 and held.acked() == []
+                assert _queued(srv) == 1 and held.acked() == []
             assert held.done.wait(WAIT_S), held.acks
+
+
+def test_a_pair_sending_little_goes_in_the_next_pending_write_not_behind_a_backlog(
+    tmp_path: Path, postgres_cluster: PostgresCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL down while one pair's worker queues a backlog and another pair's one
+    step: once back, the pending log is written two rows at a time (``APPEND_ROWS``
+    here), and the first write takes one row of each pair, each pair's rows in order."""
+    import avest.state.replicas as replicas_module
+    from avest.state.postgres import PostgresStore
+
+    written: list[list[tuple[str, str, int]]] = []
+    append = PostgresStore.append_pending
+
+    def recorded(self: PostgresStore, rows: list[Any], replica: str) -> None:
+        append(self, rows, replica)
+        written.append([(r[0], r[1], r[2]) for r in rows])
+
+    monkeypatch.setattr(PostgresStore, "append_pending", recorded)
+    monkeypatch.setattr(replicas_module, "APPEND_ROWS", 2)
+    busy_steps = 6
+    url = postgres_cluster.create_database()
+    with launch(tmp_path / "data", store=url) as srv:
+        channel, stub = stub_for(srv.grpc_address)
+        try:
+            busy, light = (register_k(stub, K, n).pair_id for n in (0, 1))
+        finally:
+            channel.close()
+        backlog = synthetic_steps(busy, "w-busy", K, busy_steps, seed=0)
+        one = synthetic_steps(light, "w-light", K, 1, seed=1)
+        with (
+            HeldStream(srv.grpc_address, backlog, busy_steps) as held,
+            HeldStream(srv.grpc_address, one, 1) as little,
+        ):
+            with postgres_cluster.outage():
+                held.start()
+                assert wait_until(lambda: _queued(srv) == busy_steps, WAIT_S)
+                little.start()
+                assert wait_until(lambda: _queued(srv) == busy_steps + 1, WAIT_S)
+            assert little.done.wait(WAIT_S) and held.done.wait(WAIT_S), (little.acks, held.acks)
+    assert written[0] == [(busy, "w-busy", 1), (light, "w-light", 1)]
+    stored = [row for rows in written for row in rows]
+    assert [seq for pid, _, seq in stored if pid == busy] == list(range(1, busy_steps + 1))
 
 
 def test_a_killed_replica_s_pairs_go_to_the_survivor_beyond_its_share(

@@ -43,6 +43,7 @@ import math
 import secrets
 import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
@@ -142,6 +143,28 @@ def decode_stratified(
         names = npz["strata"].tobytes().decode()
     rows = batch.features.shape[0]
     return batch, tuple(names.split("\n")) if rows else ()
+
+
+def fair_chunk(
+    queue: list[tuple[str, str, int, str, bytes]], limit: int
+) -> list[tuple[str, str, int, str, bytes]]:
+    """The next rows for the pending log, at most ``limit``: every row while they fit,
+    else each pair's oldest in turn. A pair sending a little so waits for one chunk,
+    not behind the backlog of a pair sending flat out; each pair's rows keep their
+    order (its commands among its steps)."""
+    if len(queue) <= limit:
+        return list(queue)
+    by_pair: dict[str, deque[tuple[str, str, int, str, bytes]]] = {}
+    for row in queue:
+        by_pair.setdefault(row[0], deque()).append(row)
+    lanes = deque(by_pair.values())
+    chunk: list[tuple[str, str, int, str, bytes]] = []
+    while len(chunk) < limit:
+        lane = lanes.popleft()
+        chunk.append(lane.popleft())
+        if lane:
+            lanes.append(lane)
+    return chunk
 
 
 class Host(Protocol):
@@ -359,10 +382,13 @@ class Replication:
             self._lease_due = 0.0
             self._wake.set()
         while self.queue:
-            rows = self.queue[:APPEND_ROWS]
+            rows = fair_chunk(self.queue, APPEND_ROWS)
             await self.app.in_store(self.store.append_pending, rows, self.name)
-            del self.queue[: len(rows)]
-            self.queued_bytes -= sum(len(row[4]) for row in rows)
+            # Rows came in meanwhile, and a pair deleted meanwhile took its own out.
+            stored = {id(row) for row in rows}
+            kept = [row for row in self.queue if id(row) not in stored]
+            self.queued_bytes -= sum(len(row[4]) for row in self.queue if id(row) in stored)
+            self.queue = kept
             if self.queued_bytes <= MAX_QUEUED_BYTES:
                 self._room.set()
             self.app.mark_durable(self._stored(rows))
