@@ -88,9 +88,13 @@ LIVE_S = 5.0
 #: Pending rows folded per transaction: a refit transaction stays short (the
 #: snapshot is written once per this many rows), and a backlog is folded in turns.
 FOLD_ROWS = 512
-#: Rows appended to the pending log per transaction: after an outage the backlog
-#: goes in chunks, each acknowledged as it commits.
-APPEND_ROWS = 1000
+#: Rows appended to the pending log per transaction: a backlog (an outage's, or a fleet
+#: sending more than the replica stores) goes in chunks, each acknowledged as it
+#: commits. A pair sending little waits for the chunk being written and its own
+#: (:func:`fair_chunk`): a few hundred rows keep that within a fraction of a second
+#: under load, and a transaction still carries enough rows for its commit to matter
+#: little.
+APPEND_ROWS = 256
 #: Bytes received and not yet in the pending log, past which streams wait (no step
 #: read from them) until a write makes room: PostgreSQL unreachable holds the
 #: steps on the workers, not in this process's memory.
