@@ -91,7 +91,7 @@ FOLD_ROWS = 512
 #: Rows appended to the pending log per transaction: a backlog (an outage's, or a fleet
 #: sending more than the replica stores) goes in chunks, each acknowledged as it
 #: commits. A pair sending little waits for the chunk being written and its own
-#: (:func:`fair_chunk`): a few hundred rows keep that within a fraction of a second
+#: (:class:`PendingRows`): a few hundred rows keep that within a fraction of a second
 #: under load, and a transaction still carries enough rows for its commit to matter
 #: little.
 APPEND_ROWS = 256
@@ -149,26 +149,62 @@ def decode_stratified(
     return batch, tuple(names.split("\n")) if rows else ()
 
 
-def fair_chunk(
-    queue: list[tuple[str, str, int, str, bytes]], limit: int
-) -> list[tuple[str, str, int, str, bytes]]:
-    """The next rows for the pending log, at most ``limit``: every row while they fit,
-    else each pair's oldest in turn. A pair sending a little so waits for one chunk,
-    not behind the backlog of a pair sending flat out; each pair's rows keep their
-    order (its commands among its steps)."""
-    if len(queue) <= limit:
-        return list(queue)
-    by_pair: dict[str, deque[tuple[str, str, int, str, bytes]]] = {}
-    for row in queue:
-        by_pair.setdefault(row[0], deque()).append(row)
-    lanes = deque(by_pair.values())
-    chunk: list[tuple[str, str, int, str, bytes]] = []
-    while len(chunk) < limit:
-        lane = lanes.popleft()
-        chunk.append(lane.popleft())
-        if lane:
-            lanes.append(lane)
-    return chunk
+Row = tuple[str, str, int, str, bytes]
+
+
+class PendingRows:
+    """Rows received and not yet in the pending log, ``(pair, worker, sequence, kind,
+    payload)``: a first-in-first-out lane per pair, written each pair's oldest in turn
+    (:meth:`take`). A pair sending little so waits for one write, not behind the
+    backlog of a pair sending flat out; each pair's rows keep their order (its commands
+    among its steps). Rows taken stay counted until :meth:`stored` (or :meth:`put_back`
+    when their write failed)."""
+
+    def __init__(self) -> None:
+        self.lanes: dict[str, deque[Row]] = {}
+        #: Rows, steps and summaries among them (not commands), and payload bytes held.
+        self.rows = 0
+        self.steps = 0
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def append(self, row: Row) -> None:
+        self.lanes.setdefault(row[0], deque()).append(row)
+        self._count(row, 1)
+
+    def take(self, limit: int) -> list[Row]:
+        """Up to ``limit`` rows, one of each pair's in turn, out of their lanes."""
+        chunk: list[Row] = []
+        while len(chunk) < limit and self.lanes:
+            for pair_id in list(self.lanes):
+                lane = self.lanes[pair_id]
+                chunk.append(lane.popleft())
+                if not lane:
+                    del self.lanes[pair_id]
+                if len(chunk) == limit:
+                    break
+        return chunk
+
+    def put_back(self, chunk: list[Row]) -> None:
+        """Rows :meth:`take` gave whose write failed: first again in their lanes."""
+        for row in reversed(chunk):
+            self.lanes.setdefault(row[0], deque()).appendleft(row)
+
+    def stored(self, chunk: list[Row]) -> None:
+        for row in chunk:
+            self._count(row, -1)
+
+    def drop(self, pair_id: str) -> None:
+        """The pair is gone: its rows not yet taken are not written."""
+        for row in self.lanes.pop(pair_id, ()):
+            self._count(row, -1)
+
+    def _count(self, row: Row, sign: int) -> None:
+        self.rows += sign
+        self.steps += sign * (row[1] != COMMANDS)
+        self.bytes += sign * len(row[4])
 
 
 class Host(Protocol):
@@ -219,8 +255,8 @@ class Replication:
         #: pairs it wrote with only their counters moved (read at the next sweep).
         self.outdated: set[str] = set()
         self.lagging: set[str] = set()
-        #: Rows received and not yet stored: ``(pair, worker, sequence, kind, payload)``.
-        self.queue: list[tuple[str, str, int, str, bytes]] = []
+        #: Rows received and not yet stored.
+        self.queue = PendingRows()
         #: ``(pair, worker) -> `` the highest sequence received here.
         self.received: dict[tuple[str, str], int] = {}
         #: Pairs registered here and not yet stored.
@@ -235,8 +271,7 @@ class Replication:
         self.folded_rows = 0
         self.undecodable_rows = 0
         self.pair_errors = 0
-        #: Bytes of :attr:`queue`, and set while they are under the bound.
-        self.queued_bytes = 0
+        #: Set while the bytes of :attr:`queue` are under the bound.
         self._room = asyncio.Event()
         self._room.set()
 
@@ -297,7 +332,7 @@ class Replication:
     def backlog(self) -> int:
         """Steps and round summaries received here and not yet handed to the
         pending log's write (so not yet acknowledged); admin changes left out."""
-        return sum(1 for _, worker, _, _, _ in self.queue if worker != COMMANDS)
+        return self.queue.steps
 
     # -- what the service receives ---------------------------------------------
 
@@ -323,10 +358,9 @@ class Replication:
         self._queue((pair.id, worker, seq, *encode(batch, message, strata)))
         return True
 
-    def _queue(self, row: tuple[str, str, int, str, bytes]) -> None:
+    def _queue(self, row: Row) -> None:
         self.queue.append(row)
-        self.queued_bytes += len(row[4])
-        if self.queued_bytes > MAX_QUEUED_BYTES:
+        if self.queue.bytes > MAX_QUEUED_BYTES:
             self._room.clear()
 
     async def room(self) -> None:
@@ -335,9 +369,8 @@ class Replication:
 
     def forget(self, pair_id: str) -> None:
         """The pair is gone (deleted): drop what this replica holds of it."""
-        self.queue = [row for row in self.queue if row[0] != pair_id]
-        self.queued_bytes = sum(len(row[4]) for row in self.queue)
-        if self.queued_bytes <= MAX_QUEUED_BYTES:
+        self.queue.drop(pair_id)
+        if self.queue.bytes <= MAX_QUEUED_BYTES:
             self._room.set()
         for key in [k for k in self.received if k[0] == pair_id]:
             del self.received[key]
@@ -385,19 +418,19 @@ class Replication:
                     self.outdated.add(pair.id)
             self._lease_due = 0.0
             self._wake.set()
-        while self.queue:
-            rows = fair_chunk(self.queue, APPEND_ROWS)
-            await self.app.in_store(self.store.append_pending, rows, self.name)
-            # Rows came in meanwhile, and a pair deleted meanwhile took its own out.
-            stored = {id(row) for row in rows}
-            kept = [row for row in self.queue if id(row) not in stored]
-            self.queued_bytes -= sum(len(row[4]) for row in self.queue if id(row) in stored)
-            self.queue = kept
-            if self.queued_bytes <= MAX_QUEUED_BYTES:
+        while self.queue.lanes:
+            rows = self.queue.take(APPEND_ROWS)
+            try:
+                await self.app.in_store(self.store.append_pending, rows, self.name)
+            except BaseException:
+                self.queue.put_back(rows)
+                raise
+            self.queue.stored(rows)
+            if self.queue.bytes <= MAX_QUEUED_BYTES:
                 self._room.set()
             self.app.mark_durable(self._stored(rows))
 
-    def _stored(self, rows: list[tuple[str, str, int, str, bytes]]) -> list[tuple[str, str, int]]:
+    def _stored(self, rows: list[Row]) -> list[tuple[str, str, int]]:
         """The rows are in the pending log: the watermarks they raise (acknowledged)."""
         raised: dict[tuple[str, str], int] = {}
         for pid, worker, seq, _, _ in rows:
